@@ -1,0 +1,36 @@
+# The two ways to start: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch 2.13.0 (on disk on our machines). With a GPU, install a CUDA build into
+# .venv first (see README); the project's own range then accepts it and nothing is replaced.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test lint format bench-dht clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/peer demo
+
+test: $(BIN)/.installed lint
+	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(BIN)/.installed
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench-dht: $(BIN)/.installed
+	$(BIN)/peer bench dht --nodes 64 --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

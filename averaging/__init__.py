@@ -1,0 +1,1 @@
+"""averaging package."""

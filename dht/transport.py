@@ -1,0 +1,123 @@
+"""The transport interface every layer above ``dht`` talks to.
+
+Two primitives, addressed by a node URL (``http://host:port``) and a handler name:
+
+* ``call``: one msgpack request, one msgpack response (DHT RPCs, matchmaking).
+* ``open_stream``: a msgpack header, then binary chunks both ways, full duplex (tensor parts).
+
+:class:`dht.http.HttpTransport` implements it over aiohttp; :class:`dht.memory.MemoryTransport`
+implements it in memory for simulations of thousands of nodes. Fault injection wraps a transport.
+Handlers raise :class:`dht.errors.BadMessageError` (answered 400), :class:`dht.errors.AuthError`
+(401), :class:`dht.errors.ValidationError` (422) or :class:`dht.errors.BusyError` (429) to refuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who sent a request. ``sender`` is authenticated only when the swarm has a key."""
+
+    sender: str
+
+
+@dataclass
+class PeerBytes:
+    """Bytes exchanged with one remote peer (payload bytes of bodies and frames)."""
+
+    sent: int = 0
+    recv: int = 0
+
+
+@dataclass
+class ByteCounters:
+    """Totals and per-peer byte counts; the profiler reads these."""
+
+    sent: int = 0
+    recv: int = 0
+    per_peer: dict[str, PeerBytes] = field(default_factory=dict)
+
+    def add_sent(self, peer: str, num_bytes: int) -> None:
+        self.sent += num_bytes
+        self.per_peer.setdefault(peer, PeerBytes()).sent += num_bytes
+
+    def add_recv(self, peer: str, num_bytes: int) -> None:
+        self.recv += num_bytes
+        self.per_peer.setdefault(peer, PeerBytes()).recv += num_bytes
+
+
+class IncomingStream(Protocol):
+    """The server side of a stream, handed to a stream handler."""
+
+    sender: str
+    header: Any
+
+    async def recv(self) -> bytes | None:
+        """The next chunk from the sender, or None once it finished sending."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def reply(self, header: Any) -> None:
+        """Start the reply with a msgpack header; call once, before :meth:`send`."""
+
+    async def send(self, chunk: bytes | memoryview) -> None:
+        """Send one binary chunk of the reply (waits while the receiver is behind)."""
+
+
+class OutgoingStream(Protocol):
+    """The client side of a stream."""
+
+    async def send(self, chunk: bytes | memoryview) -> None:
+        """Send one binary chunk (waits while the receiver is behind)."""
+
+    async def finish_sending(self) -> None:
+        """Signal that no more chunks follow."""
+
+    async def reply_header(self) -> Any:
+        """The remote's reply header; raises RemoteError if it refused the stream."""
+
+    async def recv(self) -> bytes | None:
+        """The next reply chunk, or None at the end of the reply."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+
+RpcHandler = Callable[[RequestContext, Any], Awaitable[Any]]
+StreamHandler = Callable[[IncomingStream], Awaitable[None]]
+
+
+class Transport(Protocol):
+    """What ``dht`` and ``averaging`` need from the network."""
+
+    peer_id: str
+    counters: ByteCounters
+
+    @property
+    def address(self) -> str | None:
+        """This node's URL, or None in client mode (no server)."""
+
+    def add_rpc_handler(self, name: str, handler: RpcHandler) -> None: ...
+
+    def add_stream_handler(self, name: str, handler: StreamHandler) -> None: ...
+
+    async def call(
+        self, address: str, name: str, payload: Any, *, timeout_s: float | None = None
+    ) -> Any:
+        """Send ``payload`` to handler ``name`` at ``address`` and return its answer.
+
+        Raises:
+            RequestTimeoutError: no answer within ``timeout_s`` (default: the configured
+                ``request_timeout_s``).
+            RemoteError: the remote refused (4xx) or failed (5xx).
+            TransportError: the connection failed.
+        """
+
+    def open_stream(
+        self, address: str, name: str, header: Any, *, timeout_s: float | None = None
+    ) -> AbstractAsyncContextManager[OutgoingStream]:
+        """Open a full-duplex stream; ``timeout_s`` bounds each wait for the remote."""
