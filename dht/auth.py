@@ -54,18 +54,21 @@ class SwarmAuth:
         """Headers that authenticate one request whose body has sha256 ``digest``."""
         ts = f"{time.time():.3f}"
         nonce = os.urandom(16).hex()
-        mac = self._mac(method.encode(), path.encode(), digest, sender.encode(), ts.encode(),
-                        nonce.encode())
+        mac = self._mac(
+            method.encode(), path.encode(), digest, sender.encode(), ts.encode(), nonce.encode()
+        )
         return {"x-vp-ts": ts, "x-vp-nonce": nonce, "x-vp-mac": mac.hex()}
 
     def check_request(self, method: str, path: str, digest: bytes, headers) -> None:
         """Raise :class:`AuthError` unless the request's MAC, timestamp and nonce are good."""
-        sender, ts, nonce, mac_hex = (headers.get(h, "") for h in
-                                      ("x-vp-peer", "x-vp-ts", "x-vp-nonce", "x-vp-mac"))
+        sender, ts, nonce, mac_hex = (
+            headers.get(h, "") for h in ("x-vp-peer", "x-vp-ts", "x-vp-nonce", "x-vp-mac")
+        )
         if not mac_hex:
             raise AuthError("missing swarm MAC")
-        expected = self._mac(method.encode(), path.encode(), digest, sender.encode(),
-                             ts.encode(), nonce.encode())
+        expected = self._mac(
+            method.encode(), path.encode(), digest, sender.encode(), ts.encode(), nonce.encode()
+        )
         try:
             given = bytes.fromhex(mac_hex)
         except ValueError:

@@ -1,0 +1,1 @@
+"""dht package."""

@@ -1,0 +1,1 @@
+"""The training peer and the `peer` command line."""
