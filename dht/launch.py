@@ -1,0 +1,22 @@
+"""Start a DHT node on its own HTTP transport: the one way every command and test does it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from dht.http import HttpTransport
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
+from dht.node import DHTConfig, DHTNode
+
+
+@asynccontextmanager
+async def open_node(
+    identity: PeerIdentity, transport_config: TransportConfig, dht_config: DHTConfig
+) -> AsyncIterator[DHTNode]:
+    """A started, bootstrapped node; closed (node, then transport) on exit."""
+    transport = HttpTransport(identity, transport_config)
+    node = DHTNode(transport=transport, identity=identity, config=dht_config)
+    async with transport, node:
+        yield node
