@@ -9,10 +9,10 @@ from contextlib import AsyncExitStack
 
 import psutil
 
+from dht.config import DHTConfig, get_dht_time
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
-from dht.node import DHTConfig, get_dht_time
 
 EXPIRATION_S = 600.0
 
@@ -38,8 +38,9 @@ async def run_dht_bench(*, num_nodes: int, num_keys: int, seed: int = 0) -> dict
             initial = [rng.choice(nodes).address] if nodes else []
             start = time.perf_counter()
             node = await stack.enter_async_context(
-                open_node(PeerIdentity.generate(), TransportConfig(),
-                          DHTConfig(initial_peers=initial))
+                open_node(
+                    PeerIdentity.generate(), TransportConfig(), DHTConfig(initial_peers=initial)
+                )
             )
             if nodes:
                 bootstrap_s.append(time.perf_counter() - start)
@@ -50,8 +51,9 @@ async def run_dht_bench(*, num_nodes: int, num_keys: int, seed: int = 0) -> dict
             writer = rng.choice(nodes)
             writers.append(writer)
             start = time.perf_counter()
-            ok = await writer.store(f"bench/{seed}/{index}", {"index": index},
-                                    get_dht_time() + EXPIRATION_S)
+            ok = await writer.store(
+                f"bench/{seed}/{index}", {"index": index}, get_dht_time() + EXPIRATION_S
+            )
             store_s.append(time.perf_counter() - start)
             num_stored += bool(ok)
 

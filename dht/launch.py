@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from dht.config import DHTConfig
 from dht.http import HttpTransport
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTConfig, DHTNode
+from dht.node import DHTNode
 
 
 @asynccontextmanager

@@ -29,16 +29,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Volunteer Peer: train neural networks together over the internet.",
     )
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging verbosity (default: INFO)",
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
-                                metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, metavar="COMMAND"
+    )
     commands_dht.add_dht_command(sub)
     commands_dht.add_demo_command(sub)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
-    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser,
-                                     metavar="BENCH")
+    bench_sub = bench.add_subparsers(
+        dest="bench", required=True, parser_class=_Parser, metavar="BENCH"
+    )
     commands_dht.add_bench_dht_command(bench_sub)
     return parser
 
@@ -47,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``peer`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level, stream=sys.stderr,
+        level=args.log_level,
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

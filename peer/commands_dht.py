@@ -18,22 +18,48 @@ from dht.identity import PeerIdentity, short_id
 def add_network_args(parser: argparse.ArgumentParser) -> None:
     """Options every networked command shares (listening, identity, swarm access, TLS)."""
     net = parser.add_argument_group("network")
-    net.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
-    net.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default: 0)")
-    net.add_argument("--announce-host", default=None,
-                     help="host that others use to reach this node (default: --host)")
-    net.add_argument("--initial-peers", nargs="*", default=[], metavar="URL",
-                     help="URLs of nodes already in the swarm (http://host:port)")
-    net.add_argument("--identity", default=None, metavar="FILE",
-                     help="Ed25519 key file, created (mode 0600) on first run; "
-                          "default: a fresh identity for this run")
-    net.add_argument("--swarm-key-file", default=None, metavar="FILE",
-                     help="shared secret of a private swarm (or env VP_SWARM_KEY); "
-                          "requests without its HMAC are refused")
-    net.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this PEM cert")
+    net.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)"
+    )
+    net.add_argument(
+        "--port", type=int, default=0, help="TCP port; 0 picks a free one (default: 0)"
+    )
+    net.add_argument(
+        "--announce-host",
+        default=None,
+        help="host that others use to reach this node (default: --host)",
+    )
+    net.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="URL",
+        help="URLs of nodes already in the swarm (http://host:port)",
+    )
+    net.add_argument(
+        "--identity",
+        default=None,
+        metavar="FILE",
+        help="Ed25519 key file, created (mode 0600) on first run; "
+        "default: a fresh identity for this run",
+    )
+    net.add_argument(
+        "--swarm-key-file",
+        default=None,
+        metavar="FILE",
+        help="shared secret of a private swarm (or env VP_SWARM_KEY); "
+        "requests without its HMAC are refused",
+    )
+    net.add_argument(
+        "--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this PEM cert"
+    )
     net.add_argument("--tls-key", default=None, metavar="FILE", help="private key of --tls-cert")
-    net.add_argument("--tls-ca", default=None, metavar="FILE",
-                     help="CA bundle to verify other nodes' HTTPS certificates")
+    net.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="CA bundle to verify other nodes' HTTPS certificates",
+    )
 
 
 def _swarm_key(args: argparse.Namespace) -> bytes | None:
@@ -48,8 +74,13 @@ def _swarm_key(args: argparse.Namespace) -> bytes | None:
 
 def transport_config(args: argparse.Namespace, *, client_mode: bool = False) -> TransportConfig:
     return TransportConfig(
-        host=args.host, port=args.port, announce_host=args.announce_host, client_mode=client_mode,
-        swarm_key=_swarm_key(args), tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+        host=args.host,
+        port=args.port,
+        announce_host=args.announce_host,
+        client_mode=client_mode,
+        swarm_key=_swarm_key(args),
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
         tls_ca_file=args.tls_ca,
     )
 
@@ -69,16 +100,19 @@ def _check_urls(urls: list[str]) -> list[str]:
 
 
 def add_dht_command(sub) -> None:
-    parser = sub.add_parser("dht", help="run a DHT / bootstrap node (prints its URL first)",
-                            description="Run a standalone DHT node that others bootstrap from. "
-                                        "The first line of output is its URL.")
+    parser = sub.add_parser(
+        "dht",
+        help="run a DHT / bootstrap node (prints its URL first)",
+        description="Run a standalone DHT node that others bootstrap from. "
+        "The first line of output is its URL.",
+    )
     add_network_args(parser)
     parser.set_defaults(run=run_dht)
 
 
 def run_dht(args: argparse.Namespace) -> int:
+    from dht.config import DHTConfig
     from dht.launch import open_node
-    from dht.node import DHTConfig
 
     dht_config = DHTConfig(initial_peers=_check_urls(args.initial_peers))
     config, me = transport_config(args), identity(args)
@@ -90,8 +124,9 @@ def run_dht(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         async with open_node(me, config, dht_config) as node:
             print(node.address, flush=True)
-            sys.stderr.write(f"DHT node {short_id(me.peer_id)} serving on {node.address}; "
-                             "Ctrl-C stops it\n")
+            sys.stderr.write(
+                f"DHT node {short_id(me.peer_id)} serving on {node.address}; Ctrl-C stops it\n"
+            )
             await stop.wait()
         sys.stderr.write("DHT node stopped\n")
 
@@ -104,13 +139,21 @@ def run_dht(args: argparse.Namespace) -> int:
 
 def add_bench_dht_command(bench_sub) -> None:
     parser = bench_sub.add_parser(
-        "dht", help="N real DHT nodes on loopback: store/get latency, bootstrap time, memory",
+        "dht",
+        help="N real DHT nodes on loopback: store/get latency, bootstrap time, memory",
         description="Start N DHT nodes (each its own server) on 127.0.0.1 in this process, store "
-                    "from random nodes, get from other random nodes; the last line of stdout is "
-                    "one JSON object.")
-    parser.add_argument("--nodes", type=_positive_int, default=32, help="number of nodes (default: 32)")
-    parser.add_argument("--keys", type=_positive_int, default=200,
-                        help="values stored, each read back once (default: 200)")
+        "from random nodes, get from other random nodes; the last line of stdout is "
+        "one JSON object.",
+    )
+    parser.add_argument(
+        "--nodes", type=_positive_int, default=32, help="number of nodes (default: 32)"
+    )
+    parser.add_argument(
+        "--keys",
+        type=_positive_int,
+        default=200,
+        help="values stored, each read back once (default: 200)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(run=run_bench_dht)
@@ -142,12 +185,16 @@ def run_bench_dht(args: argparse.Namespace) -> int:
 
 def add_demo_command(sub) -> None:
     parser = sub.add_parser("demo", help="a local swarm on loopback with a live view")
-    parser.add_argument("--peers", type=_positive_int, default=5, help="nodes to start (default: 5)")
-    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    parser.add_argument(
+        "--peers", type=_positive_int, default=5, help="nodes to start (default: 5)"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=8.0, help="how long the demo runs (default: 8)"
+    )
     parser.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from peer.demo_dht import run_dht_demo
 
-    return asyncio.run(run_dht_demo(num_peers=args.peers, as_json=args.json))
+    return asyncio.run(run_dht_demo(num_peers=args.peers, duration_s=args.seconds))

@@ -1,0 +1,92 @@
+"""The ``peer`` command as a user runs it: real processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+PEER = [sys.executable, "-m", "peer"]
+BENCH_DHT_FIELDS = {
+    "nodes",
+    "store_ok",
+    "get_ok",
+    "get_p50_ms",
+    "get_p99_ms",
+    "store_p50_ms",
+    "bootstrap_s",
+    "rss_mb",
+}
+
+
+def run(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*PEER, *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.parametrize("args", [[], ["dht"], ["bench"], ["bench", "dht"], ["demo"]])
+def test_help_works(args):
+    result = run(*args, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: peer" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--no-such-flag"],
+        ["dht", "--port", "notaport"],
+        ["bench", "dht", "--nodes", "0"],
+        ["frobnicate"],
+        ["dht", "--initial-peers", "localhost"],
+        ["dht", "--port", "70000"],
+    ],
+)
+def test_bad_arguments_give_one_line_and_exit_2(args):
+    result = run(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("peer") and "error" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def start_dht(*args: str) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [*PEER, "dht", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    url = process.stdout.readline().strip()
+    assert url.startswith("http://127.0.0.1:"), process.stderr.read() if not url else url
+    return process, url
+
+
+def test_dht_nodes_join_and_stop_cleanly_on_ctrl_c(tmp_path):
+    bootstrap, url = start_dht("--identity", str(tmp_path / "boot.key"))
+    second, second_url = start_dht("--initial-peers", url)
+    try:
+        assert second_url != url
+        assert (tmp_path / "boot.key").stat().st_mode & 0o777 == 0o600
+    finally:
+        for process in (second, bootstrap):
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=20) == 0
+            assert "Traceback" not in process.stderr.read()
+
+
+def test_bench_dht_prints_the_contract_json():
+    result = run("bench", "dht", "--nodes", "8", "--keys", "20", "--json", timeout_s=100)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert BENCH_DHT_FIELDS <= set(report)
+    assert report["nodes"] == 8
+    assert report["store_ok"] == report["get_ok"] == 1.0
+    assert 0 < report["get_p50_ms"] <= report["get_p99_ms"]
+
+
+def test_demo_shows_every_peer_and_exits_0():
+    result = run("demo", "--peers", "3", "--seconds", "2")
+    assert result.returncode == 0, result.stderr
+    assert "3 of 3 peers seen" in result.stdout
