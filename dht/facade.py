@@ -1,0 +1,88 @@
+"""A blocking DHT for code outside the event loop (the training loop in the main thread)."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from typing import Any
+
+from dht.config import DHTConfig
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
+from dht.launch import open_node
+from dht.node import DHTNode
+from dht.runtime import EventLoopThread
+from dht.storage import ValueWithExpiration
+
+
+class DHT:
+    """A DHT node on an event-loop thread, reached through blocking calls.
+
+    Like ``hivemind.DHT``: ``dht = DHT(...); dht.store(...); dht.get(...); dht.close()``. Several
+    components of one process share the loop thread: pass the peer's ``loop_thread``.
+
+    Args:
+        identity: this node's key pair.
+        transport_config: where to listen and how to reach others.
+        dht_config: bootstrap peers and DHT parameters.
+        loop_thread: the process's event-loop thread; one is created (and owned) when None.
+        call_timeout_s: bound on each blocking call (start, store, get, close), in seconds.
+    """
+
+    def __init__(
+        self,
+        *,
+        identity: PeerIdentity,
+        transport_config: TransportConfig,
+        dht_config: DHTConfig,
+        loop_thread: EventLoopThread | None = None,
+        call_timeout_s: float = 60.0,
+    ):
+        self._owns_loop = loop_thread is None
+        self.loop_thread = loop_thread or EventLoopThread(name="vp-dht")
+        self.call_timeout_s = call_timeout_s
+        self._stack = AsyncExitStack()
+        self._closed = False
+        try:
+            self.node: DHTNode = self._run(
+                self._stack.enter_async_context(open_node(identity, transport_config, dht_config))
+            )
+        except BaseException:
+            if self._owns_loop:
+                self.loop_thread.close()
+            raise
+
+    def _run(self, coro) -> Any:
+        return self.loop_thread.run(coro, timeout_s=self.call_timeout_s)
+
+    @property
+    def peer_id(self) -> str:
+        return self.node.peer_id
+
+    @property
+    def address(self) -> str | None:
+        return self.node.address
+
+    def store(self, key, value: Any, expiration_time: float, subkey=None) -> bool:
+        """Store ``value`` until ``expiration_time`` (unix seconds); True if a replica took it."""
+        return self._run(self.node.store(key, value, expiration_time, subkey=subkey))
+
+    def get(self, key, latest: bool = False) -> ValueWithExpiration | None:
+        """The value under ``key`` (a dict of subkeys for dictionary values), or None."""
+        return self._run(self.node.get(key, latest=latest))
+
+    def close(self) -> None:
+        """Leave the swarm and stop the loop thread if this DHT owns it; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._stack.aclose())
+        finally:
+            if self._owns_loop:
+                self.loop_thread.close()
+
+    def __enter__(self) -> DHT:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
