@@ -1,0 +1,244 @@
+"""Progress over the DHT: peers publish their epoch and samples; each estimates the swarm's.
+
+Every ``publish_interval_s`` a peer stores a signed, expiring record under its own subkey of
+``{prefix}/progress`` and reads everyone's back. From those it estimates the swarm's epoch, how
+many samples the swarm has accumulated toward ``target_batch_size`` in that epoch, and the ETA to
+it, so that matchmaking can start just in time.
+
+Defences against a bad or malicious record: rates are clamped to ``max_samples_per_s`` and samples
+to the target; a record that claims an epoch ahead of ours moves the swarm epoch only when more
+than one peer backs it (or every other peer does, in a swarm of two); malformed records are
+ignored. Clock skew is tolerated: records are extrapolated by at most ``max_extrapolation_s``, and
+a negative age (a peer whose clock runs ahead) counts as zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from dht.config import get_dht_time
+from dht.errors import ConfigError
+from dht.node import DHTNode
+from dht.validation import owner_subkey, subkey_owner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressConfig:
+    """How progress is published and read.
+
+    Attributes:
+        target_batch_size: samples the swarm accumulates per epoch (one optimizer step).
+        publish_interval_s: how often a peer publishes its record and reads the others', in s.
+        record_ttl_s: a record expires this long after it is published, in seconds (a peer
+            that vanished drops out of the estimates after at most this long).
+        max_samples_per_s: the largest believable rate of one peer; larger claims are clamped.
+        max_extrapolation_s: how far past its timestamp a record is extrapolated, in seconds.
+    """
+
+    target_batch_size: int
+    publish_interval_s: float = 2.0
+    record_ttl_s: float = 20.0
+    max_samples_per_s: float = 1e6
+    max_extrapolation_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.target_batch_size < 1:
+            raise ConfigError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
+        for name in (
+            "publish_interval_s",
+            "record_ttl_s",
+            "max_samples_per_s",
+            "max_extrapolation_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.record_ttl_s <= self.publish_interval_s:
+            raise ConfigError("record_ttl_s must exceed publish_interval_s")
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """One peer's published progress (times are the publisher's DHT time)."""
+
+    peer_id: str
+    epoch: int
+    samples: int
+    samples_per_s: float
+    time: float
+    address: str | None
+    client_mode: bool
+
+
+@dataclass(frozen=True)
+class GlobalProgress:
+    """The swarm as one peer estimates it."""
+
+    epoch: int
+    samples_accumulated: int
+    target_batch_size: int
+    samples_per_s: float
+    eta_next_epoch_s: float
+    num_peers: int
+    num_clients: int
+    peers: tuple[PeerProgress, ...]
+
+    @property
+    def ready(self) -> bool:
+        """Whether the swarm has (by this estimate) reached the target of its epoch."""
+        return self.samples_accumulated >= self.target_batch_size
+
+
+def parse_record(subkey: object, value: object, max_samples_per_s: float) -> PeerProgress | None:
+    """A peer's record from the DHT, or None if it is malformed."""
+    peer_id = subkey_owner(subkey) if isinstance(subkey, str) else None
+    if peer_id is None or not isinstance(value, dict):
+        return None
+    try:
+        epoch, samples = int(value["epoch"]), int(value["samples"])
+        rate, stamp = float(value["samples_per_s"]), float(value["time"])
+        address, client_mode = value.get("address"), bool(value.get("client_mode", False))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+    if epoch < 0 or samples < 0 or not math.isfinite(rate) or not math.isfinite(stamp):
+        return None
+    if address is not None and not isinstance(address, str):
+        return None
+    rate = min(max(rate, 0.0), max_samples_per_s)
+    return PeerProgress(peer_id, epoch, samples, rate, stamp, address, client_mode)
+
+
+def estimate(
+    records: list[PeerProgress], *, own: PeerProgress, config: ProgressConfig, now: float
+) -> GlobalProgress:
+    """The swarm's epoch, samples toward the target, rate and ETA, from ``records`` and ``own``."""
+    others = [r for r in records if r.peer_id != own.peer_id]
+    peers = [own, *others]
+    quorum = min(2, len(others))
+    epoch = own.epoch
+    for candidate in sorted({r.epoch for r in others if r.epoch > own.epoch}, reverse=True):
+        if sum(r.epoch >= candidate for r in others) >= max(quorum, 1):
+            epoch = candidate
+            break
+    accumulated = 0.0
+    for record in peers:
+        if record.epoch == epoch:
+            age_s = (
+                0.0
+                if record is own
+                else min(max(now - record.time, 0.0), config.max_extrapolation_s)
+            )
+            accumulated += record.samples + record.samples_per_s * age_s
+    target = config.target_batch_size
+    accumulated = min(accumulated, float(target * max(1, len(peers))))
+    rate = sum(record.samples_per_s for record in peers)
+    missing = max(0.0, target - accumulated)
+    eta_s = 0.0 if not missing else (missing / rate if rate > 0 else math.inf)
+    return GlobalProgress(
+        epoch=epoch,
+        samples_accumulated=int(accumulated),
+        target_batch_size=target,
+        samples_per_s=rate,
+        eta_next_epoch_s=eta_s,
+        num_peers=len(peers),
+        num_clients=sum(r.client_mode for r in peers),
+        peers=tuple(peers),
+    )
+
+
+class ProgressTracker:
+    """Publishes this peer's progress and keeps an estimate of the swarm's.
+
+    The training loop calls :meth:`report_local_progress` from its own thread (plain attribute
+    writes); the tracker's task on the event loop publishes and reads every
+    ``publish_interval_s`` and whenever :meth:`refresh` is awaited.
+    """
+
+    def __init__(self, *, dht: DHTNode, prefix: str, config: ProgressConfig):
+        self.dht = dht
+        self.key = f"{prefix}/progress"
+        self.config = config
+        self._epoch, self._samples = 0, 0
+        self._samples_per_s = 0.0
+        self._last_report: tuple[float, int, int] | None = None  # (monotonic s, epoch, samples)
+        self.global_progress = estimate(
+            [], own=self._own_record(), config=config, now=get_dht_time()
+        )
+        self._task: asyncio.Task | None = None
+
+    def report_local_progress(self, epoch: int, samples: int) -> None:
+        """This peer is at ``epoch`` with ``samples`` accumulated toward its target."""
+        now = time.monotonic()
+        if self._last_report is not None:
+            last_time, last_epoch, last_samples = self._last_report
+            new_samples = samples if epoch != last_epoch else samples - last_samples
+            elapsed_s = now - last_time
+            if elapsed_s > 0 and new_samples >= 0:
+                instant = new_samples / elapsed_s
+                weight = min(1.0, elapsed_s / self.config.publish_interval_s)
+                self._samples_per_s += weight * (instant - self._samples_per_s)
+        self._last_report = (now, epoch, samples)
+        self._epoch, self._samples = epoch, samples
+
+    def _own_record(self) -> PeerProgress:
+        return PeerProgress(
+            self.dht.peer_id,
+            self._epoch,
+            self._samples,
+            min(self._samples_per_s, self.config.max_samples_per_s),
+            get_dht_time(),
+            self.dht.address,
+            self.dht.address is None,
+        )
+
+    async def refresh(self) -> GlobalProgress:
+        """Publish the own record, read everyone's and update :attr:`global_progress`."""
+        own = self._own_record()
+        value = {
+            "epoch": own.epoch,
+            "samples": own.samples,
+            "samples_per_s": own.samples_per_s,
+            "time": own.time,
+            "address": own.address,
+            "client_mode": own.client_mode,
+        }
+        stored = await self.dht.store(
+            self.key, value, own.time + self.config.record_ttl_s, subkey=owner_subkey(own.peer_id)
+        )
+        if not stored:
+            logger.warning("progress record of epoch %d was not stored", own.epoch)
+        found = await self.dht.get(self.key, latest=True)
+        records = []
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                record = parse_record(subkey, item.value, self.config.max_samples_per_s)
+                if record is not None:
+                    records.append(record)
+        self.global_progress = estimate(records, own=own, config=self.config, now=get_dht_time())
+        return self.global_progress
+
+    async def _run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.config.publish_interval_s)
+
+    async def __aenter__(self) -> ProgressTracker:
+        self._task = asyncio.create_task(self._run(), name="progress-tracker")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop publishing; safe to call twice."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()

@@ -1,0 +1,130 @@
+"""Progress records over a real DHT on loopback, and the swarm estimate from them."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from contextlib import AsyncExitStack
+
+import pytest
+
+from dht.config import DHTConfig, get_dht_time
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
+from dht.launch import open_node
+from dht.validation import owner_subkey
+from peer.progress import PeerProgress, ProgressConfig, ProgressTracker, estimate, parse_record
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def start_nodes(stack: AsyncExitStack, num_nodes: int) -> list:
+    nodes = []
+    for _ in range(num_nodes):
+        initial = [nodes[0].address] if nodes else []
+        nodes.append(
+            await stack.enter_async_context(
+                open_node(
+                    PeerIdentity.generate(), TransportConfig(), DHTConfig(initial_peers=initial)
+                )
+            )
+        )
+    return nodes
+
+
+def record(
+    peer: int, epoch: int, samples: int, rate: float = 0.0, age_s: float = 0.0, now: float = 1000.0
+) -> PeerProgress:
+    return PeerProgress(f"{peer:064x}", epoch, samples, rate, now - age_s, None, False)
+
+
+async def test_three_peers_see_the_sum_of_their_samples():
+    config = ProgressConfig(target_batch_size=1000, publish_interval_s=0.2, record_ttl_s=5)
+    async with AsyncExitStack() as stack:
+        nodes = await start_nodes(stack, 3)
+        trackers = [ProgressTracker(dht=node, prefix="run", config=config) for node in nodes]
+        for tracker, samples in zip(trackers, (100, 200, 300), strict=True):
+            tracker.report_local_progress(epoch=2, samples=samples)
+            await tracker.refresh()
+        views = [await tracker.refresh() for tracker in trackers]
+    for view in views:
+        assert view.epoch == 2 and view.num_peers == 3
+        # rates are 0 (one report each), so the estimate is exactly the sum
+        assert view.samples_accumulated == 600
+        assert not view.ready and math.isinf(view.eta_next_epoch_s)
+
+
+def test_extrapolation_eta_and_clock_skew():
+    config = ProgressConfig(target_batch_size=1000, max_extrapolation_s=10)
+    own = record(0, epoch=1, samples=100, rate=50, now=1000)
+    others = [
+        record(1, 1, 100, rate=50, age_s=2),  # 100 + 50 * 2
+        record(2, 1, 100, rate=50, age_s=-30),  # a clock 30 s ahead: counted as age 0
+        record(3, 1, 100, rate=50, age_s=3600),  # stale beyond the bound: 10 s at most
+    ]
+    view = estimate(others, own=own, config=config, now=1000.0)
+    assert view.samples_accumulated == 100 + 200 + 100 + 600
+    assert view.samples_per_s == 200
+    assert view.eta_next_epoch_s == pytest.approx(0.0)
+    assert view.ready
+
+
+def test_one_peer_cannot_drag_the_swarm_ahead_but_two_can():
+    config = ProgressConfig(target_batch_size=100)
+    own = record(0, 3, 10)
+    honest = [record(1, 3, 10), record(2, 3, 10)]
+    liar = record(9, 1_000_000, 99)
+    assert estimate([*honest, liar], own=own, config=config, now=1000).epoch == 3
+    backed = [record(1, 5, 10), record(2, 5, 10), liar]
+    assert estimate(backed, own=own, config=config, now=1000).epoch == 5
+    # in a swarm of two, the only other peer's word is all there is
+    assert estimate([record(1, 4, 10)], own=own, config=config, now=1000).epoch == 4
+
+
+def test_malformed_and_implausible_records():
+    key = owner_subkey("ab" * 32)
+    good = {"epoch": 1, "samples": 5, "samples_per_s": 1e12, "time": 1.0}
+    assert parse_record(key, good, 1000.0).samples_per_s == 1000.0
+    for bad in (
+        {"epoch": "x"},
+        {**good, "samples": -1},
+        {**good, "samples_per_s": math.nan},
+        {**good, "address": 5},
+        "not a dict",
+    ):
+        assert parse_record(key, bad, 1000.0) is None
+    assert parse_record("not-an-owner-subkey", good, 1000.0) is None
+
+
+async def test_a_vanished_peer_drops_out_after_its_record_expires():
+    config = ProgressConfig(target_batch_size=1000, publish_interval_s=0.1, record_ttl_s=0.5)
+    async with AsyncExitStack() as stack:
+        nodes = await start_nodes(stack, 2)
+        staying = ProgressTracker(dht=nodes[0], prefix="run", config=config)
+        leaving = ProgressTracker(dht=nodes[1], prefix="run", config=config)
+        leaving.report_local_progress(0, 40)
+        await leaving.refresh()
+        assert (await staying.refresh()).num_peers == 2
+        deadline = get_dht_time() + 5
+        while (await staying.refresh()).num_peers == 2:
+            assert get_dht_time() < deadline
+        assert staying.global_progress.samples_accumulated == 0
+
+
+async def test_background_publishing_and_rate_estimate():
+    config = ProgressConfig(target_batch_size=10_000, publish_interval_s=0.1, record_ttl_s=5)
+    async with AsyncExitStack() as stack:
+        nodes = await start_nodes(stack, 2)
+        async with ProgressTracker(dht=nodes[0], prefix="run", config=config) as worker:
+            reader = ProgressTracker(dht=nodes[1], prefix="run", config=config)
+            worker.report_local_progress(0, 0)
+
+            for step in range(1, 6):
+                await asyncio.sleep(0.1)
+                worker.report_local_progress(0, step * 100)
+            await asyncio.sleep(0.3)
+            view = await reader.refresh()
+        assert view.num_peers == 2
+        worker_view = next(p for p in view.peers if p.peer_id == nodes[0].peer_id)
+        assert worker_view.samples == 500
+        assert 0 < worker_view.samples_per_s <= 2000  # about 1000/s, smoothed
