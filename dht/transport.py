@@ -60,6 +60,9 @@ class IncomingStream(Protocol):
     async def recv(self) -> bytes | None:
         """The next chunk from the sender, or None once it finished sending."""
 
+    async def recv_into(self, buffer: memoryview) -> int | None:
+        """Read the next chunk into ``buffer``; its length, or None once the sender finished."""
+
     def __aiter__(self) -> AsyncIterator[bytes]: ...
 
     async def reply(self, header: Any) -> None:
@@ -83,6 +86,9 @@ class OutgoingStream(Protocol):
 
     async def recv(self) -> bytes | None:
         """The next reply chunk, or None at the end of the reply."""
+
+    async def recv_into(self, buffer: memoryview) -> int | None:
+        """Read the next reply chunk into ``buffer``; its length, or None at the end."""
 
     def __aiter__(self) -> AsyncIterator[bytes]: ...
 

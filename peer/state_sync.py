@@ -1,0 +1,289 @@
+"""State sync: peers serve their latest state; a newcomer or a laggard downloads it from them.
+
+The state is the model's parameters and buffers, the optimizer's tensors and msgpack metadata
+(epoch, optimizer and scheduler scalars), sent as raw little-endian tensor bytes behind a msgpack
+header over one transport stream: nothing is unpickled. Donors announce themselves under their own
+(signed) subkey of ``{prefix}/state``. A downloader picks donors at random among the most recent
+(so that newcomers spread over donors), reads every tensor into fresh buffers, checks sizes, and
+only returns a complete state: a cut or refused download is retried with the next donor after a
+backoff, and the caller's model is never half-loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dht.config import get_dht_time
+from dht.errors import ConfigError, DHTError
+from dht.node import DHTNode
+from dht.transport import IncomingStream, Transport
+from dht.validation import owner_subkey, subkey_owner
+
+logger = logging.getLogger(__name__)
+STREAM_NAME = "state.get"
+DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
+
+class StateSyncError(Exception):
+    """No donor could provide a complete state."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateSyncConfig:
+    """How state is served and fetched.
+
+    Attributes:
+        announce_interval_s: how often a donor re-announces itself, in seconds.
+        record_ttl_s: how long a donor's announcement lives, in seconds.
+        chunk_bytes: bytes per stream chunk.
+        download_timeout_s: bound on one whole download from one donor, in seconds.
+        max_attempts: donors tried before giving up.
+        backoff_s: wait before the second attempt; doubles for each further one, in seconds.
+    """
+
+    announce_interval_s: float = 5.0
+    record_ttl_s: float = 30.0
+    chunk_bytes: int = 4 * 1024 * 1024
+    download_timeout_s: float = 120.0
+    max_attempts: int = 4
+    backoff_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("announce_interval_s", "record_ttl_s", "download_timeout_s", "backoff_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.chunk_bytes < 1024:
+            raise ConfigError(f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """An immutable copy of a peer's state at one epoch (tensors contiguous, on the CPU)."""
+
+    epoch: int
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def capture(cls, epoch: int, tensors: dict[str, torch.Tensor], metadata=None):
+        """Copy ``tensors`` (call from the thread that owns them, between steps)."""
+        copies = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+        return cls(epoch, copies, dict(metadata or {}))
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+class StateServer:
+    """Serves the latest snapshot on the transport and announces it on the DHT.
+
+    Args:
+        transport: not yet started (the stream handler is added here).
+        dht: the node to announce on (its transport is ``transport``).
+        prefix: the run's key prefix.
+        config: intervals and sizes.
+    """
+
+    def __init__(self, *, transport: Transport, dht: DHTNode, prefix: str, config: StateSyncConfig):
+        self.dht = dht
+        self.key = f"{prefix}/state"
+        self.config = config
+        self.snapshot: StateSnapshot | None = None
+        self._task: asyncio.Task | None = None
+        transport.add_stream_handler(STREAM_NAME, self._serve)
+
+    def update(self, snapshot: StateSnapshot) -> None:
+        """Serve ``snapshot`` from now on (a reference swap: safe from the training thread)."""
+        self.snapshot = snapshot
+
+    async def _serve(self, stream: IncomingStream) -> None:
+        snapshot = self.snapshot
+        request = stream.header if isinstance(stream.header, dict) else {}
+        wanted, names = request.get("min_epoch", 0), request.get("names")
+        if snapshot is None or not isinstance(wanted, int) or snapshot.epoch < wanted:
+            await stream.reply({"epoch": None})
+            return
+        chosen = {
+            name: tensor
+            for name, tensor in snapshot.tensors.items()
+            if not isinstance(names, list) or name in names
+        }
+        layout = [
+            [name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in chosen.items()
+        ]
+        await stream.reply(
+            {"epoch": snapshot.epoch, "tensors": layout, "metadata": snapshot.metadata}
+        )
+        step = self.config.chunk_bytes
+        for tensor in chosen.values():
+            view = _byte_view(tensor)
+            for start in range(0, len(view), step):
+                await stream.send(view[start : start + step])
+
+    async def announce(self) -> None:
+        """Publish this donor's epoch and address once (nothing to do in client mode)."""
+        snapshot = self.snapshot
+        if snapshot is None or self.dht.address is None:
+            return
+        now = get_dht_time()
+        await self.dht.store(
+            self.key,
+            {"epoch": snapshot.epoch, "address": self.dht.address},
+            now + self.config.record_ttl_s,
+            subkey=owner_subkey(self.dht.peer_id),
+        )
+
+    async def _run(self) -> None:
+        while True:
+            await self.announce()
+            await asyncio.sleep(self.config.announce_interval_s)
+
+    async def __aenter__(self) -> StateServer:
+        self._task = asyncio.create_task(self._run(), name="state-announce")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop announcing; safe to call twice."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+
+
+async def find_donors(
+    dht: DHTNode, prefix: str, *, min_epoch: int, rng: random.Random
+) -> list[tuple[int, str]]:
+    """(epoch, address) of donors at ``min_epoch`` or later: newest first, shuffled within."""
+    found = await dht.get(f"{prefix}/state", latest=True)
+    donors = []
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            value = item.value
+            if (
+                subkey_owner(subkey) not in (None, dht.peer_id)
+                and isinstance(value, dict)
+                and isinstance(value.get("epoch"), int)
+                and value["epoch"] >= min_epoch
+                and isinstance(value.get("address"), str)
+            ):
+                donors.append((value["epoch"], value["address"]))
+    rng.shuffle(donors)
+    donors.sort(key=lambda donor: -donor[0])
+    return donors
+
+
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def layout_of(tensors: dict[str, torch.Tensor]) -> Layout:
+    """What a downloader expects: each tensor's dtype and shape, by name."""
+    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+
+
+async def download_state(
+    transport: Transport,
+    dht: DHTNode,
+    prefix: str,
+    *,
+    min_epoch: int,
+    expected: Layout,
+    config: StateSyncConfig,
+    rng: random.Random | None = None,
+) -> StateSnapshot:
+    """Download a complete state of ``min_epoch`` or later, trying donors in turn.
+
+    Only the tensors named in ``expected`` are asked for, and each must arrive with exactly the
+    expected dtype and shape, so a donor cannot make this peer allocate what it will not use.
+
+    Raises:
+        StateSyncError: no donor, or ``max_attempts`` donors failed.
+    """
+    rng = rng or random.Random()
+    donors = await find_donors(dht, prefix, min_epoch=min_epoch, rng=rng)
+    if not donors:
+        raise StateSyncError(f"no peer serves state of epoch >= {min_epoch}")
+    reasons = []
+    for attempt, (_, address) in enumerate(donors[: config.max_attempts]):
+        if attempt:
+            await asyncio.sleep(config.backoff_s * 2 ** (attempt - 1))
+        try:
+            async with asyncio.timeout(config.download_timeout_s):
+                snapshot = await _download_from(transport, address, min_epoch, expected, config)
+            logger.info("downloaded state of epoch %d from %s", snapshot.epoch, address)
+            return snapshot
+        except (DHTError, StateSyncError, TimeoutError) as e:
+            reason = str(e) or type(e).__name__
+            reasons.append(f"{address}: {reason}")
+            logger.warning("state download from %s failed: %s", address, reason)
+    raise StateSyncError("every donor failed: " + "; ".join(reasons))
+
+
+async def _download_from(
+    transport: Transport, address: str, min_epoch: int, expected: Layout, config: StateSyncConfig
+) -> StateSnapshot:
+    request = {"min_epoch": min_epoch, "names": list(expected)}
+    async with transport.open_stream(address, STREAM_NAME, request) as stream:
+        await stream.finish_sending()
+        header = await stream.reply_header()
+        if not isinstance(header, dict) or header.get("epoch") is None:
+            raise StateSyncError("the donor has no state that recent")
+        epoch, layout = header["epoch"], header.get("tensors")
+        if not isinstance(epoch, int) or epoch < min_epoch or not isinstance(layout, list):
+            raise StateSyncError("malformed state header")
+        tensors = {}
+        for item in layout:
+            name, tensor = _allocate(item, expected)
+            if name in tensors:
+                raise StateSyncError(f"tensor {name!r} sent twice")
+            view, filled = _byte_view(tensor), 0
+            while filled < len(view):
+                num_bytes = await stream.recv_into(view[filled:])
+                if num_bytes is None:
+                    raise StateSyncError(f"state cut short inside tensor {name!r}")
+                filled += num_bytes
+            tensors[name] = tensor
+        if await stream.recv() is not None:
+            raise StateSyncError("more state bytes than the header announced")
+        if missing := set(expected) - set(tensors):
+            raise StateSyncError(f"the donor lacks {len(missing)} tensors, e.g. {min(missing)!r}")
+    metadata = header.get("metadata")
+    return StateSnapshot(epoch, tensors, metadata if isinstance(metadata, dict) else {})
+
+
+def _allocate(item: Any, expected: Layout) -> tuple[str, torch.Tensor]:
+    try:
+        name, dtype_name, shape = item
+        dtype, shape = DTYPES[dtype_name], tuple(int(size) for size in shape)
+    except (TypeError, ValueError, KeyError):
+        raise StateSyncError(f"malformed tensor entry {str(item)[:80]}") from None
+    if not isinstance(name, str) or expected.get(name) != (dtype, shape):
+        raise StateSyncError(f"unexpected tensor {str(name)[:80]} {dtype_name} {list(shape)}")
+    return name, torch.empty(shape, dtype=dtype)

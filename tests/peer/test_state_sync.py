@@ -1,0 +1,114 @@
+"""State sync between real peers on loopback: exact copies, cut downloads retried elsewhere."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import torch
+
+from dht.config import DHTConfig
+from dht.faults import Faults, FaultyTransport
+from dht.http import HttpTransport
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
+from dht.node import DHTNode
+from peer.state_sync import (
+    StateServer,
+    StateSnapshot,
+    StateSyncConfig,
+    StateSyncError,
+    download_state,
+    layout_of,
+)
+
+pytestmark = pytest.mark.timeout(60)
+CONFIG = StateSyncConfig(chunk_bytes=64 * 1024, backoff_s=0.05, announce_interval_s=0.2)
+
+
+def trained_state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 7))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64)).square().mean().backward()
+    optimizer.step()
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for index, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            tensors[f"opt.{index}.{name}"] = value
+    tensors["half"] = torch.randn(33, dtype=torch.bfloat16)
+    return tensors
+
+
+@asynccontextmanager
+async def peer(initial: list[str], faults: Faults | None = None):
+    identity = PeerIdentity.generate()
+    http = HttpTransport(identity, TransportConfig())
+    transport = FaultyTransport(http, faults) if faults else http
+    node = DHTNode(transport=transport, identity=identity, config=DHTConfig(initial_peers=initial))
+    server = StateServer(transport=transport, dht=node, prefix="run", config=CONFIG)
+    async with http, node, server:
+        yield transport, node, server
+
+
+async def test_newcomer_gets_an_exact_copy():
+    state = trained_state(0)
+    async with AsyncExitStack() as stack:
+        _, donor_node, donor = await stack.enter_async_context(peer([]))
+        donor.update(StateSnapshot.capture(3, state, {"epoch": 3, "lr": 0.1}))
+        await donor.announce()
+        transport, node, _ = await stack.enter_async_context(peer([donor_node.address]))
+        got = await download_state(
+            transport, node, "run", min_epoch=2, expected=layout_of(state), config=CONFIG
+        )
+    assert got.epoch == 3 and got.metadata == {"epoch": 3, "lr": 0.1}
+    assert got.tensors.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(got.tensors[name], tensor), name
+
+
+async def test_a_cut_download_is_retried_with_another_donor():
+    newest, older = trained_state(1), trained_state(2)
+    faults = Faults(cut_streams_after_bytes=100_000)
+    async with AsyncExitStack() as stack:
+        _, first_node, first = await stack.enter_async_context(peer([]))
+        _, _, second = await stack.enter_async_context(peer([first_node.address]))
+        first.update(StateSnapshot.capture(5, newest))  # the newest: tried first, and cut
+        second.update(StateSnapshot.capture(4, older))
+        await first.announce()
+        await second.announce()
+        faults.cut_streams_to = {first_node.address}
+        transport, node, _ = await stack.enter_async_context(peer([first_node.address], faults))
+        got = await download_state(
+            transport, node, "run", min_epoch=4, expected=layout_of(older), config=CONFIG
+        )
+        assert got.epoch == 4
+        assert all(torch.equal(got.tensors[k], v) for k, v in older.items())
+        faults.cut_streams_to = None  # every donor cut: a clear failure, nothing half-loaded
+        with pytest.raises(StateSyncError, match="every donor failed"):
+            await download_state(
+                transport, node, "run", min_epoch=4, expected=layout_of(older), config=CONFIG
+            )
+
+
+async def test_refuses_a_state_of_another_shape_and_reports_no_donor():
+    async with AsyncExitStack() as stack:
+        _, donor_node, donor = await stack.enter_async_context(peer([]))
+        transport, node, _ = await stack.enter_async_context(peer([donor_node.address]))
+        expected = layout_of(trained_state(0))
+        with pytest.raises(StateSyncError, match="no peer serves"):
+            await download_state(
+                transport, node, "run", min_epoch=0, expected=expected, config=CONFIG
+            )
+        other = trained_state(0)
+        other["model.0.weight"] = torch.zeros(10, 10)
+        donor.update(StateSnapshot.capture(1, other))
+        await donor.announce()
+        with pytest.raises(StateSyncError, match="unexpected tensor"):
+            await download_state(
+                transport, node, "run", min_epoch=0, expected=expected, config=CONFIG
+            )
+        with pytest.raises(StateSyncError, match="no peer serves"):
+            await download_state(
+                transport, node, "run", min_epoch=2, expected=expected, config=CONFIG
+            )
