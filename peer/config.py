@@ -1,0 +1,204 @@
+"""The settings of ``peer join``: one pydantic model, from flags, a TOML file and the environment.
+
+Precedence: command-line flags > ``--config FILE`` (TOML) > environment (``VP_<FIELD>``) >
+defaults. Every field is also a flag (``--field-name``), and its description and default are
+what ``peer join --help`` prints, so this model is the one place options are documented.
+:class:`PeerConfig` composes the components' own configs (transport, DHT, progress, state sync,
+trainer) from its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dht.config import DHTConfig
+from dht.errors import ConfigError
+from dht.http_config import TransportConfig
+from peer.progress import ProgressConfig
+from peer.state_sync import StateSyncConfig
+from peer.trainer import TrainerConfig
+
+ENV_PREFIX = "VP_"
+
+
+class PeerConfig(BaseModel):
+    """Everything a volunteer can set for ``peer join``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # the run
+    run_id: str = Field("vp-run", description="name of the training run; the DHT key prefix")
+    task: str = Field("synthetic", description="synthetic, charlm, or package.module:function")
+    task_option: list[str] = Field(
+        default_factory=list, description="task option KEY=VALUE (repeatable)"
+    )
+    backend: Literal["native", "hivemind"] = Field("native", description="networking backend")
+    # the network
+    host: str = Field("127.0.0.1", description="interface to listen on")
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    announce_host: str | None = Field(None, description="host others use to reach this peer")
+    initial_peers: list[str] = Field(
+        default_factory=list, description="URLs of peers already in the swarm (http://host:port)"
+    )
+    client_mode: bool = Field(False, description="run no server (behind NAT); still contributes")
+    identity: Path | None = Field(None, description="Ed25519 key file (created on first run)")
+    swarm_key_file: Path | None = Field(None, description="shared secret of a private swarm")
+    # training
+    target_batch_size: int = Field(2048, gt=0, description="samples the swarm gathers per epoch")
+    lr: float = Field(1e-3, gt=0, description="learning rate of the optimizer")
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="local optimizer")
+    mode: Literal["grad", "params", "diloco"] = Field("grad", description="what is averaged")
+    max_epochs: int | None = Field(None, gt=0, description="stop after this many epochs")
+    max_steps: int | None = Field(None, gt=0, description="stop after this many local steps")
+    max_time: float | None = Field(None, gt=0, description="stop after this many seconds")
+    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
+    amp: Literal["auto", "bf16", "fp16", "off"] = Field("auto", description="mixed precision")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this L2 norm")
+    seed: int = Field(0, description="seed of this peer's data shard")
+    # outputs
+    checkpoint_dir: Path | None = Field(None, description="periodic atomic checkpoints; resume")
+    metrics_file: Path | None = Field(None, description="JSON Lines metrics stream")
+    publish_interval: float = Field(2.0, gt=0, description="seconds between progress records")
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")) or url.count(":") < 2:
+                raise ValueError(f"{url!r} is not a URL like http://host:port")
+        return [url.rstrip("/") for url in urls]
+
+    @field_validator("task_option")
+    @classmethod
+    def _options(cls, options: list[str]) -> list[str]:
+        for option in options:
+            if "=" not in option:
+                raise ValueError(f"{option!r} is not KEY=VALUE")
+        return options
+
+    def task_options(self) -> dict[str, str]:
+        return dict(option.split("=", 1) for option in self.task_option)
+
+    # ---- composition -------------------------------------------------------------------------
+
+    def swarm_key(self) -> bytes | None:
+        if self.swarm_key_file is not None:
+            try:
+                return self.swarm_key_file.read_bytes().strip()
+            except OSError as e:
+                raise ConfigError(f"swarm_key_file: cannot read {self.swarm_key_file}: {e}") from e
+        key = os.environ.get(f"{ENV_PREFIX}SWARM_KEY")
+        return key.encode() if key else None
+
+    def transport_config(self) -> TransportConfig:
+        return TransportConfig(
+            host=self.host,
+            port=self.port,
+            announce_host=self.announce_host,
+            client_mode=self.client_mode,
+            swarm_key=self.swarm_key(),
+        )
+
+    def dht_config(self) -> DHTConfig:
+        return DHTConfig(initial_peers=tuple(self.initial_peers))
+
+    def progress_config(self) -> ProgressConfig:
+        return ProgressConfig(
+            target_batch_size=self.target_batch_size,
+            publish_interval_s=self.publish_interval,
+            record_ttl_s=max(10 * self.publish_interval, 20.0),
+        )
+
+    def state_sync_config(self) -> StateSyncConfig:
+        return StateSyncConfig()
+
+    def trainer_config(self) -> TrainerConfig:
+        return TrainerConfig(
+            device=self.device,
+            amp=self.amp,
+            num_workers=self.num_workers,
+            max_grad_norm=self.max_grad_norm,
+        )
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, with its description and default as help; defaults stay unset."""
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML file of these options (flags override it)",
+    )
+    for name, field in PeerConfig.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = "none" if default is None or default == [] else default
+        kwargs: dict[str, Any] = {
+            "dest": name,
+            "default": argparse.SUPPRESS,
+            "help": f"{field.description} (default: {shown})",
+        }
+        annotation = field.annotation
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(annotation) is list:
+            kwargs["nargs"] = "*" if name == "initial_peers" else None
+            if name != "initial_peers":
+                kwargs["action"] = "append"
+        elif get_origin(annotation) is Literal:
+            kwargs["choices"] = get_args(annotation)
+        parser.add_argument(_flag(name), **kwargs)
+
+
+def _from_env() -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, field in PeerConfig.model_fields.items():
+        raw = os.environ.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = raw.split() if get_origin(field.annotation) is list else raw
+    return values
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as file:
+            data = tomllib.load(file)
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {path}: {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config: {path} is not valid TOML: {e}") from e
+    return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def load_config(args: argparse.Namespace) -> PeerConfig:
+    """Merge defaults < environment < TOML < flags and validate.
+
+    Raises:
+        ConfigError: one line naming the first invalid field.
+    """
+    values = _from_env()
+    if getattr(args, "config", None) is not None:
+        values.update(_from_toml(args.config))
+    values.update({k: v for k, v in vars(args).items() if k in PeerConfig.model_fields})
+    try:
+        return PeerConfig(**values)
+    except ValidationError as e:
+        error = e.errors()[0]
+        if error["type"] == "extra_forbidden":
+            raise ConfigError(f"unknown option {error['loc'][0]!r}") from None
+        where = _flag(str(error["loc"][0])) if error["loc"] else "config"
+        raise ConfigError(f"{where}: {error['msg']}") from None

@@ -1,0 +1,80 @@
+"""``peer join`` settings: precedence of flags, TOML, environment and defaults; clear errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dht.errors import ConfigError
+from peer.config import PeerConfig, add_config_arguments, load_config
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def parse(*argv: str) -> PeerConfig:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    return load_config(parser.parse_args(argv))
+
+
+def test_defaults_and_help_document_every_field():
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    text = parser.format_help()
+    for name in PeerConfig.model_fields:
+        assert "--" + name.replace("_", "-") in text
+    assert "(default: 2048)" in text
+    assert parse() == PeerConfig()
+
+
+def test_precedence_flags_over_toml_over_env(tmp_path, monkeypatch):
+    toml = tmp_path / "peer.toml"
+    toml.write_text('target_batch_size = 512\nlr = 0.5\ninitial-peers = ["http://1.2.3.4:5"]\n')
+    monkeypatch.setenv("VP_TARGET_BATCH_SIZE", "64")
+    monkeypatch.setenv("VP_LR", "0.25")
+    monkeypatch.setenv("VP_SEED", "7")
+    config = parse(
+        "--config",
+        str(toml),
+        "--lr",
+        "0.125",
+        "--task-option",
+        "hidden=8",
+        "--task-option",
+        "depth=2",
+        "--client-mode",
+    )
+    assert config.lr == 0.125  # flag
+    assert config.target_batch_size == 512  # TOML over environment
+    assert config.seed == 7  # environment over default
+    assert config.initial_peers == ["http://1.2.3.4:5"]
+    assert config.task_options() == {"hidden": "8", "depth": "2"}
+    assert config.client_mode and config.transport_config().client_mode
+    assert config.progress_config().target_batch_size == 512
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--target-batch-size", "0"], "--target-batch-size"),
+        (["--lr", "-1"], "--lr"),
+        (["--initial-peers", "nohost"], "--initial-peers"),
+        (["--task-option", "novalue"], "--task-option"),
+        (["--port", "99999"], "--port"),
+    ],
+)
+def test_invalid_values_name_the_field(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv)
+
+
+def test_bad_toml_and_unknown_keys(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("lr = ")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse("--config", str(bad))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("learning_rate = 1\n")
+    with pytest.raises(ConfigError, match="learning_rate"):
+        parse("--config", str(unknown))
