@@ -169,6 +169,7 @@ class ProgressTracker:
         self.global_progress = estimate(
             [], own=self._own_record(), config=config, now=get_dht_time()
         )
+        self._records: list[PeerProgress] = []
         self._task: asyncio.Task | None = None
 
     def report_local_progress(self, epoch: int, samples: int) -> None:
@@ -219,8 +220,16 @@ class ProgressTracker:
                 record = parse_record(subkey, item.value, self.config.max_samples_per_s)
                 if record is not None:
                     records.append(record)
+        self._records = records
         self.global_progress = estimate(records, own=own, config=self.config, now=get_dht_time())
         return self.global_progress
+
+    def current(self) -> GlobalProgress:
+        """The swarm estimate now: the others' last records extrapolated, this peer's live
+        numbers (no network; cheap enough to call after every local step)."""
+        return estimate(
+            self._records, own=self._own_record(), config=self.config, now=get_dht_time()
+        )
 
     async def _run(self) -> None:
         while True:

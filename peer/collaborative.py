@@ -1,0 +1,268 @@
+"""The collaborative optimizer: a :class:`peer.trainer.StepHook` that turns local steps into
+swarm epochs.
+
+Modes (``CollaborativeConfig.mode``):
+
+* ``grad``: gradients accumulate locally, weighted by batch size; when the swarm has gathered
+  ``target_batch_size`` samples, the peers average their mean gradients weighted by the samples
+  each contributed (so the result is the gradient of the union of everyone's batches), the local
+  optimizer steps once, and the epoch advances.
+* ``params``: the optimizer steps on every local batch; at each epoch boundary the parameters
+  are averaged (weighted by samples).
+* ``diloco``: the inner optimizer steps locally; at each epoch boundary the peers average the
+  pseudo-gradient (parameters at the start of the epoch minus now), parameters go back to the
+  start of the epoch, and an outer optimizer (SGD with Nesterov momentum) applies the average.
+
+A round that fails (no group, a timeout) is an expected outcome: the peer steps on its own
+contribution, counts it and logs one WARNING line; the next parameter sync brings it back in
+line. The learning-rate scheduler, if any, advances once per epoch (global), not per local step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+from torch import nn
+
+from dht.errors import ConfigError
+from peer.progress import GlobalProgress
+from peer.trainer import StepContext
+
+logger = logging.getLogger(__name__)
+Mode = Literal["grad", "params", "diloco"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollaborativeConfig:
+    """How local steps become swarm epochs.
+
+    Attributes:
+        mode: ``grad``, ``params`` or ``diloco`` (see the module docstring).
+        target_batch_size: samples the swarm gathers per epoch.
+        matchmaking_lead_s: start a round when the swarm's ETA to the target is this close, in
+            seconds, so that matchmaking overlaps the last local steps.
+        averaging_timeout_s: bound on one round (matchmaking and all-reduce), in seconds.
+        outer_lr: learning rate of the outer optimizer (``diloco``).
+        outer_momentum: Nesterov momentum of the outer optimizer (``diloco``).
+    """
+
+    mode: Mode = "grad"
+    target_batch_size: int
+    matchmaking_lead_s: float = 0.05
+    averaging_timeout_s: float = 30.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("grad", "params", "diloco"):
+            raise ConfigError(f"mode must be grad, params or diloco, got {self.mode!r}")
+        if self.target_batch_size < 1:
+            raise ConfigError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
+        for name in ("matchmaking_lead_s", "averaging_timeout_s", "outer_lr", "outer_momentum"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one averaging round did, as the optimizer needs to know it.
+
+    Attributes:
+        ok: the tensors now hold the group's weighted average (possibly partial).
+        num_peers: group size (1 when alone).
+        reason: why the round failed or was partial; empty when it fully succeeded.
+        matchmaking_s: seconds spent finding the group.
+        allreduce_s: seconds spent in the all-reduce.
+    """
+
+    ok: bool
+    num_peers: int
+    reason: str = ""
+    matchmaking_s: float = 0.0
+    allreduce_s: float = 0.0
+
+
+class TensorAverager(Protocol):
+    """Averages tensors in place with a group of the swarm (blocking; marks its own phases)."""
+
+    def average(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, epoch: int, timeout_s: float
+    ) -> RoundOutcome: ...
+
+
+class ProgressSource(Protocol):
+    """The progress tracker, as the optimizer uses it."""
+
+    def report_local_progress(self, epoch: int, samples: int) -> None: ...
+
+    def current(self) -> GlobalProgress: ...
+
+
+@dataclass
+class EpochStats:
+    """Counters of finished epochs (the metrics stream and the dashboard read them)."""
+
+    num_rounds: int = 0
+    num_failed_rounds: int = 0
+    num_alone: int = 0
+    last_group_size: int = 0
+    last_reason: str = ""
+    history: list[RoundOutcome] = field(default_factory=list)
+
+
+class CollaborativeOptimizer:
+    """The hook the trainer calls after every backward pass; see the module docstring.
+
+    Args:
+        model: the model being trained (its parameters are what is averaged).
+        optimizer: the local (inner, in ``diloco``) optimizer.
+        averager: averages tensors with a group of the swarm.
+        progress: the progress tracker (reports local samples, estimates the swarm's).
+        config: mode, target batch size and timeouts.
+        scheduler: an LR scheduler stepped once per epoch, or None.
+        on_epoch: called with the new epoch after every epoch boundary (state serving,
+            checkpoints, metrics).
+        epoch: the epoch to start at (after a state download or a checkpoint).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        averager: TensorAverager,
+        progress: ProgressSource,
+        config: CollaborativeConfig,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        on_epoch: Callable[[int], None] | None = None,
+        epoch: int = 0,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.averager = averager
+        self.progress = progress
+        self.config = config
+        self.scheduler = scheduler
+        self.on_epoch = on_epoch
+        self.epoch = epoch
+        self.samples = 0
+        self.stats = EpochStats()
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._accumulators: list[torch.Tensor] | None = None
+        self._start_params: list[torch.Tensor] | None = None
+        self._outer: torch.optim.Optimizer | None = None
+        if config.mode == "diloco":
+            self._start_params = [p.detach().clone() for p in self._params]
+            self._outer = torch.optim.SGD(
+                self._params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True
+            )
+
+    # ---- the hook ----------------------------------------------------------------------------
+
+    def on_step(self, context: StepContext) -> None:
+        if self.config.mode == "grad":
+            self._accumulate(context.batch_samples)
+        else:
+            context.amp.step(self.optimizer)
+            context.amp.update()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.samples += context.batch_samples
+        self.progress.report_local_progress(self.epoch, self.samples)
+        if self._swarm_ready():
+            self.finish_epoch(context)
+
+    def _accumulate(self, batch_samples: int) -> None:
+        if self._accumulators is None:
+            self._accumulators = [torch.zeros_like(p) for p in self._params]
+        for accumulator, param in zip(self._accumulators, self._params, strict=True):
+            if param.grad is not None:
+                accumulator.add_(param.grad, alpha=batch_samples)
+                param.grad = None
+
+    def _swarm_ready(self) -> bool:
+        swarm = self.progress.current()
+        if swarm.epoch > self.epoch:
+            return True  # the swarm moved on: average what we have, or fall back and resync
+        lead = self.config.matchmaking_lead_s
+        return swarm.ready or (swarm.eta_next_epoch_s <= lead and self.samples > 0)
+
+    # ---- epoch boundary ----------------------------------------------------------------------
+
+    def finish_epoch(self, context: StepContext) -> RoundOutcome:
+        """Average with the swarm and apply the result; advances the epoch."""
+        tensors = self._round_tensors()
+        outcome = self.averager.average(
+            tensors,
+            weight=float(self.samples),
+            epoch=self.epoch,
+            timeout_s=self.config.averaging_timeout_s,
+        )
+        self._record(outcome)
+        with context.clock.phase("optimizer"):
+            self._apply(tensors, context)
+        self.epoch += 1
+        self.samples = 0
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.progress.report_local_progress(self.epoch, 0)
+        if self.on_epoch is not None:
+            self.on_epoch(self.epoch)
+        return outcome
+
+    def _round_tensors(self) -> list[torch.Tensor]:
+        mode = self.config.mode
+        if mode == "grad":
+            if self._accumulators is None:  # nothing accumulated: contribute zeros at weight 0
+                self._accumulators = [torch.zeros_like(p) for p in self._params]
+            if self.samples:
+                for accumulator in self._accumulators:
+                    accumulator.div_(self.samples)
+            return self._accumulators
+        if mode == "params":
+            return [p.data for p in self._params]
+        assert self._start_params is not None
+        return [
+            start - p.detach() for start, p in zip(self._start_params, self._params, strict=True)
+        ]
+
+    def _apply(self, tensors: list[torch.Tensor], context: StepContext) -> None:
+        mode = self.config.mode
+        if mode == "grad":
+            for param, average in zip(self._params, tensors, strict=True):
+                param.grad = average.to(param.dtype)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for accumulator in tensors:
+                accumulator.zero_()
+        elif mode == "diloco":
+            assert self._start_params is not None and self._outer is not None
+            with torch.no_grad():
+                for param, start, pseudo_grad in zip(
+                    self._params, self._start_params, tensors, strict=True
+                ):
+                    param.copy_(start)
+                    param.grad = pseudo_grad
+            self._outer.step()
+            self._outer.zero_grad(set_to_none=True)
+            for start, param in zip(self._start_params, self._params, strict=True):
+                start.copy_(param.detach())
+
+    def _record(self, outcome: RoundOutcome) -> None:
+        stats = self.stats
+        stats.num_rounds += 1
+        stats.last_group_size = outcome.num_peers
+        stats.last_reason = outcome.reason
+        stats.history = [*stats.history[-99:], outcome]
+        if not outcome.ok:
+            stats.num_failed_rounds += 1
+            logger.warning(
+                "epoch %d: averaging failed (%s); stepping on local data",
+                self.epoch,
+                outcome.reason,
+            )
+        elif outcome.num_peers <= 1:
+            stats.num_alone += 1
