@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dht.config import DHTConfig
