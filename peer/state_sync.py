@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,12 +217,16 @@ async def download_state(
     min_epoch: int,
     expected: Layout,
     config: StateSyncConfig,
+    extra_prefix: str | None = None,
+    max_extra_bytes: int = 0,
     rng: random.Random | None = None,
 ) -> StateSnapshot:
     """Download a complete state of ``min_epoch`` or later, trying donors in turn.
 
-    Only the tensors named in ``expected`` are asked for, and each must arrive with exactly the
-    expected dtype and shape, so a donor cannot make this peer allocate what it will not use.
+    Each tensor named in ``expected`` must arrive with exactly the expected dtype and shape.
+    Other tensors (e.g. optimizer moments that a fresh optimizer does not have yet) are accepted
+    only under ``extra_prefix`` and up to ``max_extra_bytes`` in all; without ``extra_prefix``
+    only the expected tensors are asked for. A donor cannot make this peer allocate more.
 
     Raises:
         StateSyncError: no donor, or ``max_attempts`` donors failed.
@@ -236,7 +241,12 @@ async def download_state(
             await asyncio.sleep(config.backoff_s * 2 ** (attempt - 1))
         try:
             async with asyncio.timeout(config.download_timeout_s):
-                snapshot = await _download_from(transport, address, min_epoch, expected, config)
+                snapshot = await _download_from(
+                    transport,
+                    address,
+                    min_epoch,
+                    _Template(expected, extra_prefix, max_extra_bytes),
+                )
             logger.info("downloaded state of epoch %d from %s", snapshot.epoch, address)
             return snapshot
         except (DHTError, StateSyncError, TimeoutError) as e:
@@ -246,10 +256,40 @@ async def download_state(
     raise StateSyncError("every donor failed: " + "; ".join(reasons))
 
 
+@dataclass
+class _Template:
+    """What a download may contain; counts the extra bytes allocated so far."""
+
+    expected: Layout
+    extra_prefix: str | None
+    max_extra_bytes: int
+    extra_bytes: int = 0
+
+    def allocate(self, item: Any) -> tuple[str, torch.Tensor]:
+        try:
+            name, dtype_name, shape = item
+            dtype, shape = DTYPES[dtype_name], tuple(int(size) for size in shape)
+        except (TypeError, ValueError, KeyError):
+            raise StateSyncError(f"malformed tensor entry {str(item)[:80]}") from None
+        if not isinstance(name, str) or any(size < 0 for size in shape):
+            raise StateSyncError(f"malformed tensor entry {str(item)[:80]}")
+        if name in self.expected:
+            if self.expected[name] != (dtype, shape):
+                raise StateSyncError(f"unexpected tensor {name[:80]} {dtype_name} {list(shape)}")
+        elif self.extra_prefix is not None and name.startswith(self.extra_prefix):
+            self.extra_bytes += math.prod(shape) * dtype.itemsize
+            if self.extra_bytes > self.max_extra_bytes:
+                raise StateSyncError(f"the donor's state exceeds {self.max_extra_bytes} bytes")
+        else:
+            raise StateSyncError(f"unexpected tensor {name[:80]}")
+        return name, torch.empty(shape, dtype=dtype)
+
+
 async def _download_from(
-    transport: Transport, address: str, min_epoch: int, expected: Layout, config: StateSyncConfig
+    transport: Transport, address: str, min_epoch: int, template: _Template
 ) -> StateSnapshot:
-    request = {"min_epoch": min_epoch, "names": list(expected)}
+    names = list(template.expected) if template.extra_prefix is None else None
+    request = {"min_epoch": min_epoch, "names": names}
     async with transport.open_stream(address, STREAM_NAME, request) as stream:
         await stream.finish_sending()
         header = await stream.reply_header()
@@ -260,7 +300,7 @@ async def _download_from(
             raise StateSyncError("malformed state header")
         tensors = {}
         for item in layout:
-            name, tensor = _allocate(item, expected)
+            name, tensor = template.allocate(item)
             if name in tensors:
                 raise StateSyncError(f"tensor {name!r} sent twice")
             view, filled = _byte_view(tensor), 0
@@ -272,18 +312,7 @@ async def _download_from(
             tensors[name] = tensor
         if await stream.recv() is not None:
             raise StateSyncError("more state bytes than the header announced")
-        if missing := set(expected) - set(tensors):
+        if missing := set(template.expected) - set(tensors):
             raise StateSyncError(f"the donor lacks {len(missing)} tensors, e.g. {min(missing)!r}")
     metadata = header.get("metadata")
     return StateSnapshot(epoch, tensors, metadata if isinstance(metadata, dict) else {})
-
-
-def _allocate(item: Any, expected: Layout) -> tuple[str, torch.Tensor]:
-    try:
-        name, dtype_name, shape = item
-        dtype, shape = DTYPES[dtype_name], tuple(int(size) for size in shape)
-    except (TypeError, ValueError, KeyError):
-        raise StateSyncError(f"malformed tensor entry {str(item)[:80]}") from None
-    if not isinstance(name, str) or expected.get(name) != (dtype, shape):
-        raise StateSyncError(f"unexpected tensor {str(name)[:80]} {dtype_name} {list(shape)}")
-    return name, torch.empty(shape, dtype=dtype)
