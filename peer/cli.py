@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from dht.errors import ConfigError, DHTError, IdentityError
-from peer import commands_dht
+from peer import commands_dht, commands_join
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", required=True, parser_class=_Parser, metavar="COMMAND"
     )
+    commands_join.add_join_command(sub)
     commands_dht.add_dht_command(sub)
     commands_dht.add_demo_command(sub)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")

@@ -114,6 +114,14 @@ class EpochStats:
     history: list[RoundOutcome] = field(default_factory=list)
 
 
+def averaged_buffers(params: list[torch.Tensor], mode: Mode) -> list[torch.Tensor]:
+    """The tensors a round averages, fixed for the optimizer's life: gradient accumulators
+    (``grad``), the parameters themselves (``params``) or pseudo-gradients (``diloco``)."""
+    if mode == "params":
+        return [p.data for p in params]
+    return [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]
+
+
 class CollaborativeOptimizer:
     """The hook the trainer calls after every backward pass; see the module docstring.
 
@@ -127,6 +135,10 @@ class CollaborativeOptimizer:
         on_epoch: called with the new epoch after every epoch boundary (state serving,
             checkpoints, metrics).
         epoch: the epoch to start at (after a state download or a checkpoint).
+        buffers: the averaged tensors, when the caller built them first (with
+            :func:`averaged_buffers`) to hand them to the averager.
+        on_behind: called with the swarm's epoch when it is ahead of this peer's; loads the
+            swarm's state and returns the epoch now reached (this peer's own if it failed).
     """
 
     def __init__(
@@ -140,6 +152,8 @@ class CollaborativeOptimizer:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         on_epoch: Callable[[int], None] | None = None,
         epoch: int = 0,
+        buffers: list[torch.Tensor] | None = None,
+        on_behind: Callable[[int], int] | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -151,8 +165,12 @@ class CollaborativeOptimizer:
         self.epoch = epoch
         self.samples = 0
         self.stats = EpochStats()
+        self.on_behind = on_behind
+        self._alone = False
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._accumulators: list[torch.Tensor] | None = None
+        self.buffers = (
+            buffers if buffers is not None else averaged_buffers(self._params, config.mode)
+        )
         self._start_params: list[torch.Tensor] | None = None
         self._outer: torch.optim.Optimizer | None = None
         if config.mode == "diloco":
@@ -172,19 +190,34 @@ class CollaborativeOptimizer:
             self.optimizer.zero_grad(set_to_none=True)
         self.samples += context.batch_samples
         self.progress.report_local_progress(self.epoch, self.samples)
-        if self._swarm_ready():
+        swarm = self.progress.current()
+        if swarm.epoch > self.epoch and self.on_behind is not None:
+            self._catch_up(swarm.epoch)
+        elif self._swarm_ready(swarm):
             self.finish_epoch(context)
 
+    def _catch_up(self, swarm_epoch: int) -> None:
+        reached = self.on_behind(swarm_epoch)
+        if reached > self.epoch:  # the downloaded state replaces what was accumulated
+            self.epoch, self.samples = reached, 0
+            if self.config.mode == "grad":
+                for accumulator in self.buffers:
+                    accumulator.zero_()
+            elif self.config.mode == "diloco":
+                assert self._start_params is not None
+                for start, param in zip(self._start_params, self._params, strict=True):
+                    start.copy_(param.detach())
+            self.progress.report_local_progress(self.epoch, 0)
+
     def _accumulate(self, batch_samples: int) -> None:
-        if self._accumulators is None:
-            self._accumulators = [torch.zeros_like(p) for p in self._params]
-        for accumulator, param in zip(self._accumulators, self._params, strict=True):
+        for accumulator, param in zip(self.buffers, self._params, strict=True):
             if param.grad is not None:
                 accumulator.add_(param.grad, alpha=batch_samples)
                 param.grad = None
 
-    def _swarm_ready(self) -> bool:
-        swarm = self.progress.current()
+    def _swarm_ready(self, swarm: GlobalProgress) -> bool:
+        # nobody else at this epoch: a round would only wait out matchmaking for a group of one
+        self._alone = sum(peer.epoch == self.epoch for peer in swarm.peers) <= 1
         if swarm.epoch > self.epoch:
             return True  # the swarm moved on: average what we have, or fall back and resync
         lead = self.config.matchmaking_lead_s
@@ -195,12 +228,15 @@ class CollaborativeOptimizer:
     def finish_epoch(self, context: StepContext) -> RoundOutcome:
         """Average with the swarm and apply the result; advances the epoch."""
         tensors = self._round_tensors()
-        outcome = self.averager.average(
-            tensors,
-            weight=float(self.samples),
-            epoch=self.epoch,
-            timeout_s=self.config.averaging_timeout_s,
-        )
+        if self._alone:  # nobody else in the swarm: no matchmaking wait for a group of one
+            outcome = RoundOutcome(ok=True, num_peers=1, reason="alone")
+        else:
+            outcome = self.averager.average(
+                tensors,
+                weight=float(self.samples),
+                epoch=self.epoch,
+                timeout_s=self.config.averaging_timeout_s,
+            )
         self._record(outcome)
         with context.clock.phase("optimizer"):
             self._apply(tensors, context)
@@ -214,20 +250,19 @@ class CollaborativeOptimizer:
         return outcome
 
     def _round_tensors(self) -> list[torch.Tensor]:
+        """Fill the averaged buffers with this peer's contribution to the round."""
         mode = self.config.mode
-        if mode == "grad":
-            if self._accumulators is None:  # nothing accumulated: contribute zeros at weight 0
-                self._accumulators = [torch.zeros_like(p) for p in self._params]
-            if self.samples:
-                for accumulator in self._accumulators:
-                    accumulator.div_(self.samples)
-            return self._accumulators
-        if mode == "params":
-            return [p.data for p in self._params]
-        assert self._start_params is not None
-        return [
-            start - p.detach() for start, p in zip(self._start_params, self._params, strict=True)
-        ]
+        if mode == "grad" and self.samples:
+            for accumulator in self.buffers:
+                accumulator.div_(self.samples)
+        elif mode == "diloco":
+            assert self._start_params is not None
+            with torch.no_grad():
+                for buffer, start, param in zip(
+                    self.buffers, self._start_params, self._params, strict=True
+                ):
+                    torch.sub(start, param, out=buffer)
+        return self.buffers
 
     def _apply(self, tensors: list[torch.Tensor], context: StepContext) -> None:
         mode = self.config.mode

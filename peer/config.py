@@ -17,9 +17,11 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from averaging.config import AveragerConfig
 from dht.config import DHTConfig
 from dht.errors import ConfigError
 from dht.http_config import TransportConfig
+from peer.collaborative import CollaborativeConfig
 from peer.progress import ProgressConfig
 from peer.state_sync import StateSyncConfig
 from peer.trainer import TrainerConfig
@@ -61,9 +63,16 @@ class PeerConfig(BaseModel):
     amp: Literal["auto", "bf16", "fp16", "off"] = Field("auto", description="mixed precision")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this L2 norm")
-    seed: int = Field(0, description="seed of this peer's data shard")
+    seed: int | None = Field(None, description="seed of this peer's data (default: from its id)")
+    # averaging
+    compression: Literal["none", "fp16", "uint8"] = Field("none", description="wire format")
+    target_group_size: int = Field(16, ge=1, description="peers per averaging group")
+    min_group_size: int = Field(2, ge=1, description="fewer peers than this is no group")
+    matchmaking_time: float = Field(5.0, gt=0, description="seconds to look for a group")
+    averaging_timeout: float = Field(30.0, gt=0, description="seconds for one whole round")
     # outputs
     checkpoint_dir: Path | None = Field(None, description="periodic atomic checkpoints; resume")
+    checkpoint_interval: float = Field(60.0, gt=0, description="seconds between checkpoints")
     metrics_file: Path | None = Field(None, description="JSON Lines metrics stream")
     publish_interval: float = Field(2.0, gt=0, description="seconds between progress records")
 
@@ -118,6 +127,22 @@ class PeerConfig(BaseModel):
 
     def state_sync_config(self) -> StateSyncConfig:
         return StateSyncConfig()
+
+    def averager_config(self) -> AveragerConfig:
+        return AveragerConfig(
+            target_group_size=self.target_group_size,
+            min_group_size=min(self.min_group_size, self.target_group_size),
+            matchmaking_time_s=self.matchmaking_time,
+            allreduce_timeout_s=self.averaging_timeout,
+            compression=self.compression,
+        )
+
+    def collaborative_config(self) -> CollaborativeConfig:
+        return CollaborativeConfig(
+            mode=self.mode,
+            target_batch_size=self.target_batch_size,
+            averaging_timeout_s=self.matchmaking_time + self.averaging_timeout,
+        )
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(

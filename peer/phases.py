@@ -164,6 +164,21 @@ class PhaseClock:
                     del stack[position]
                     return
 
+    def transfer(self, seconds: float, source: str, target: str) -> None:
+        """Move ``seconds`` already charged to ``source`` over to ``target``.
+
+        For a blocking call whose callee reports afterwards how its time split (the averager's
+        matchmaking and all-reduce seconds): the caller marks the whole call with one phase and
+        moves the callee's share. Totals and intervals move; trace segments already emitted do
+        not. At most what ``source`` holds in the current interval moves.
+        """
+        src, dst = PHASES.index(source), PHASES.index(target)
+        with self._lock:
+            available = self._totals[src] - self._interval_totals[src]
+            moved = min(max(seconds, 0.0), max(available, 0.0))
+            self._totals[src] -= moved
+            self._totals[dst] += moved
+
     def snapshot(self) -> PhaseSnapshot:
         """Seconds per phase since the clock started, the open phase included up to now."""
         with self._lock:

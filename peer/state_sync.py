@@ -60,6 +60,8 @@ class StateSyncConfig:
         download_timeout_s: bound on one whole download from one donor, in seconds.
         max_attempts: donors tried before giving up.
         backoff_s: wait before the second attempt; doubles for each further one, in seconds.
+        fresh_snapshot_timeout_s: how long a donor waits for its training thread to capture a
+            snapshot of now before serving its last one, in seconds.
     """
 
     announce_interval_s: float = 5.0
@@ -68,6 +70,7 @@ class StateSyncConfig:
     download_timeout_s: float = 120.0
     max_attempts: int = 4
     backoff_s: float = 0.5
+    fresh_snapshot_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("announce_interval_s", "record_ttl_s", "download_timeout_s", "backoff_s"):
@@ -113,15 +116,46 @@ class StateServer:
         self.key = f"{prefix}/state"
         self.config = config
         self.snapshot: StateSnapshot | None = None
+        self.current_epoch: int | None = None  # set by the training thread as epochs pass
+        self.snapshot_requested = False
+        self._waiting: list[asyncio.Future] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         transport.add_stream_handler(STREAM_NAME, self._serve)
 
     def update(self, snapshot: StateSnapshot) -> None:
-        """Serve ``snapshot`` from now on (a reference swap: safe from the training thread)."""
+        """Serve ``snapshot`` from now on; call from the training thread (between steps).
+
+        The training thread checks :attr:`snapshot_requested` after each step (a plain
+        attribute read) and captures a fresh snapshot when a downloader is waiting for one.
+        """
         self.snapshot = snapshot
+        self.snapshot_requested = False
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake_waiting)
+
+    def _wake_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for future in waiting:
+            if not future.done():
+                future.set_result(None)
+
+    async def _fresh_snapshot(self) -> StateSnapshot | None:
+        """Ask the training thread for a snapshot of now; the last one if it does not answer."""
+        if self._loop is None:
+            return self.snapshot
+        future = self._loop.create_future()
+        self._waiting.append(future)
+        self.snapshot_requested = True
+        try:
+            async with asyncio.timeout(self.config.fresh_snapshot_timeout_s):
+                await future
+        except TimeoutError:
+            pass  # a training thread busy in a long step: serve the last snapshot
+        return self.snapshot
 
     async def _serve(self, stream: IncomingStream) -> None:
-        snapshot = self.snapshot
+        snapshot = await self._fresh_snapshot()
         request = stream.header if isinstance(stream.header, dict) else {}
         wanted, names = request.get("min_epoch", 0), request.get("names")
         if snapshot is None or not isinstance(wanted, int) or snapshot.epoch < wanted:
@@ -149,10 +183,12 @@ class StateServer:
         snapshot = self.snapshot
         if snapshot is None or self.dht.address is None:
             return
+        # Snapshots are taken fresh on request, so the epoch to announce is the live one.
+        epoch = snapshot.epoch if self.current_epoch is None else self.current_epoch
         now = get_dht_time()
         await self.dht.store(
             self.key,
-            {"epoch": snapshot.epoch, "address": self.dht.address},
+            {"epoch": epoch, "address": self.dht.address},
             now + self.config.record_ttl_s,
             subkey=owner_subkey(self.dht.peer_id),
         )
@@ -163,6 +199,7 @@ class StateServer:
             await asyncio.sleep(self.config.announce_interval_s)
 
     async def __aenter__(self) -> StateServer:
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="state-announce")
         return self
 
@@ -182,7 +219,11 @@ class StateServer:
 async def find_donors(
     dht: DHTNode, prefix: str, *, min_epoch: int, rng: random.Random
 ) -> list[tuple[int, str]]:
-    """(epoch, address) of donors at ``min_epoch`` or later: newest first, shuffled within."""
+    """(epoch, address) of donors, newest announced epoch first, shuffled within an epoch.
+
+    An announced epoch is only a hint (donors capture a fresh snapshot when asked, and announce
+    every few seconds), so donors that announced less than ``min_epoch`` are kept, last.
+    """
     found = await dht.get(f"{prefix}/state", latest=True)
     donors = []
     if found is not None and isinstance(found.value, dict):
@@ -192,12 +233,11 @@ async def find_donors(
                 subkey_owner(subkey) not in (None, dht.peer_id)
                 and isinstance(value, dict)
                 and isinstance(value.get("epoch"), int)
-                and value["epoch"] >= min_epoch
                 and isinstance(value.get("address"), str)
             ):
                 donors.append((value["epoch"], value["address"]))
     rng.shuffle(donors)
-    donors.sort(key=lambda donor: -donor[0])
+    donors.sort(key=lambda donor: (donor[0] < min_epoch, -donor[0]))
     return donors
 
 

@@ -1,0 +1,60 @@
+"""``peer join``: the volunteer's command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import threading
+
+from peer.config import add_config_arguments, load_config
+
+
+def add_join_command(sub) -> None:
+    parser = sub.add_parser(
+        "join",
+        help="join (or start) a training run and train until stopped",
+        description="Train a full replica of the run's model on this machine and average with "
+        "the swarm. Options come from flags, --config FILE (TOML) and VP_* "
+        "environment variables, in that order of precedence.",
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="end with a JSON summary line")
+    parser.set_defaults(run=run_join)
+
+
+def run_join(args: argparse.Namespace) -> int:
+    from peer.runner import PeerRun
+    from peer.tasks import TaskError
+
+    config = load_config(args)
+    if config.backend != "native":
+        sys.stderr.write(
+            "peer: error: --backend hivemind is not available yet (the hivemind "
+            "backend issue); use --backend native\n"
+        )
+        return 2
+    stop = threading.Event()
+    try:
+        run = PeerRun(config, stop_event=stop)
+    except TaskError as e:
+        sys.stderr.write(f"peer: error: {e}\n")
+        return 2
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        summary = run.run()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    line = (
+        f"peer {summary.peer_id[:8]}: epoch {summary.epoch}, {summary.num_steps} steps, "
+        f"{summary.samples_per_s:.0f} samples/s, {summary.num_rounds} rounds "
+        f"({summary.num_failed_rounds} failed), loss {summary.final_loss}, "
+        f"stopped by {summary.stopped_by}"
+    )
+    print(line, flush=True)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(summary)), flush=True)
+    return 0

@@ -1,0 +1,282 @@
+"""``peer join``: one volunteer's peer, from start to a clean exit.
+
+The training loop runs in the calling (main) thread; the swarm services run on one event-loop
+thread (:mod:`peer.services`). On start the peer resumes its checkpoint, or downloads the swarm's
+state when the swarm is ahead; then it trains with the collaborative optimizer until a stop
+condition, serving fresh state to newcomers and checkpointing as it goes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from averaging.averager import DecentralizedAverager
+from dht.identity import PeerIdentity, short_id
+from dht.runtime import EventLoopThread
+from peer.checkpoint import CheckpointDir, Progress, pack_state, unpack_state
+from peer.collaborative import CollaborativeOptimizer, averaged_buffers
+from peer.config import PeerConfig
+from peer.phases import PhaseClock
+from peer.services import SwarmServices, open_services
+from peer.state_sync import StateSnapshot, StateSyncError, download_state, layout_of
+from peer.swarm_averager import SwarmAverager
+from peer.tasks import DataShard, load_task
+from peer.trainer import StepReport, Trainer
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 60.0
+STATE_PREFIX_OPTIMIZER = "optim"
+
+
+@dataclass(frozen=True)
+class PeerSummary:
+    """How a peer's run went (``peer join`` prints it; ``peer demo`` aggregates it)."""
+
+    peer_id: str
+    address: str | None
+    epoch: int
+    num_steps: int
+    num_samples: int
+    seconds: float
+    samples_per_s: float
+    final_loss: float | None
+    num_rounds: int
+    num_failed_rounds: int
+    stopped_by: str
+
+
+def make_optimizer(config: PeerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.lr)
+    return torch.optim.Adam(model.parameters(), lr=config.lr)
+
+
+def data_seed(config: PeerConfig, identity: PeerIdentity) -> int:
+    """This peer's data seed: the configured one, or one derived from its id (peers differ)."""
+    if config.seed is not None:
+        return config.seed
+    return int.from_bytes(hashlib.sha256(identity.peer_id.encode()).digest()[:4], "little")
+
+
+class PeerRun:
+    """One peer's run; :meth:`run` blocks until it stops. See the module docstring."""
+
+    def __init__(self, config: PeerConfig, *, stop_event: threading.Event | None = None):
+        self.config = config
+        self.stop_event = stop_event or threading.Event()
+        self.identity = (
+            PeerIdentity.load_or_create(config.identity)
+            if config.identity
+            else PeerIdentity.generate()
+        )
+        self.task = load_task(config.task, config.task_options())
+        model = self.task.build_model()
+        self.optimizer = make_optimizer(config, model)
+        self.clock = PhaseClock()
+        self.trainer = Trainer(
+            self.task,
+            model,
+            self.optimizer,
+            shard=DataShard(seed=data_seed(config, self.identity)),
+            config=config.trainer_config(),
+            clock=self.clock,
+        )
+        self.model = self.trainer.model
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.buffers = averaged_buffers(params, config.mode)
+        self.checkpoints = CheckpointDir(config.checkpoint_dir) if config.checkpoint_dir else None
+        self.loop_thread: EventLoopThread | None = None
+        self.services: SwarmServices | None = None
+        self.hook: CollaborativeOptimizer | None = None
+        self._last_checkpoint_s = time.monotonic()
+        self._last_sync_attempt_s = -float("inf")
+        self._last_loss: torch.Tensor | None = None
+
+    @property
+    def address(self) -> str | None:
+        return self.services.transport.address if self.services else None
+
+    def start(self) -> None:
+        """Join the swarm: start the services, then resume or download the state."""
+        self.trainer.start_data()  # fork loader workers before the network thread exists
+        self.loop_thread = EventLoopThread(name=f"vp-{short_id(self.identity.peer_id)}")
+
+        def make_averager(transport, node):
+            return DecentralizedAverager(
+                self.buffers,
+                transport=transport,
+                dht=node,
+                prefix=self.config.run_id,
+                config=self.config.averager_config(),
+            )
+
+        self.services = self.loop_thread.run(
+            open_services(self.config, self.identity, make_averager), timeout_s=START_TIMEOUT_S
+        )
+        logger.info(
+            "peer %s joined run %r, serving on %s",
+            short_id(self.identity.peer_id),
+            self.config.run_id,
+            self.address or "nothing (client mode)",
+        )
+        epoch = self._resume()
+        self.hook = CollaborativeOptimizer(
+            model=self.model,
+            optimizer=self.optimizer,
+            averager=SwarmAverager(self.services.averager, self.loop_thread, self.clock),
+            progress=self.services.tracker,
+            config=self.config.collaborative_config(),
+            on_epoch=self._on_epoch,
+            epoch=epoch,
+            buffers=self.buffers,
+        )
+        self.trainer.hook = self.hook
+        self.services.tracker.report_local_progress(epoch, 0)
+        self.services.state_server.current_epoch = epoch
+        self.services.state_server.update(self._snapshot(epoch))
+        self.loop_thread.run(self.services.state_server.announce(), timeout_s=START_TIMEOUT_S)
+
+    def _resume(self) -> int:
+        epoch = 0
+        if self.checkpoints is not None:
+            loaded = self.checkpoints.load_latest(model=self.model, optimizer=self.optimizer)
+            if loaded is not None:
+                epoch = loaded.progress.epoch
+                logger.info("resumed from %s at epoch %d", loaded.path, epoch)
+        swarm = self.loop_thread.run(self.services.tracker.refresh(), timeout_s=START_TIMEOUT_S)
+        if swarm.epoch > epoch:
+            self._last_sync_attempt_s = time.monotonic()
+            epoch = self._download_state(swarm.epoch, fallback=epoch)
+        return epoch
+
+    def _download_state(self, min_epoch: int, *, fallback: int) -> int:
+        tensors, _ = pack_state(
+            model=self.model,
+            optimizer=self.optimizer,
+            progress=Progress(epoch=0, step=0, samples=0),
+        )
+        model_layout = {k: v for k, v in layout_of(tensors).items() if k.startswith("model/")}
+        model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self.clock.phase("state_sync"):
+            try:
+                snapshot = self.loop_thread.run(
+                    download_state(
+                        self.services.transport,
+                        self.services.node,
+                        self.config.run_id,
+                        min_epoch=min_epoch,
+                        expected=model_layout,
+                        config=self.config.state_sync_config(),
+                        extra_prefix=STATE_PREFIX_OPTIMIZER,
+                        max_extra_bytes=4 * model_bytes + 2**20,
+                    )
+                )
+                progress, _ = unpack_state(
+                    snapshot.tensors,
+                    snapshot.metadata,
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    path="<downloaded state>",
+                )
+            except StateSyncError as e:
+                logger.warning(
+                    "could not download the swarm's state (%s); training on from epoch %d",
+                    e,
+                    fallback,
+                )
+                return fallback
+        logger.info("downloaded the swarm's state of epoch %d", progress.epoch)
+        return progress.epoch
+
+    def _catch_up(self, swarm_epoch: int) -> int:
+        now = time.monotonic()
+        if now - self._last_sync_attempt_s < self.config.matchmaking_time:
+            return self.hook.epoch  # a recent attempt failed: train on, try again later
+        self._last_sync_attempt_s = now
+        logger.info(
+            "the swarm is at epoch %d, this peer at %d: downloading state",
+            swarm_epoch,
+            self.hook.epoch,
+        )
+        return self._download_state(swarm_epoch, fallback=self.hook.epoch)
+
+    def _snapshot(self, epoch: int) -> StateSnapshot:
+        tensors, metadata = pack_state(
+            model=self.model,
+            optimizer=self.optimizer,
+            progress=Progress(
+                epoch=epoch, step=self.trainer.step, samples=self.trainer.total_samples
+            ),
+        )
+        return StateSnapshot.capture(epoch, tensors, metadata)
+
+    def _on_step(self, report: StepReport) -> None:
+        self._last_loss = report.loss_tensor
+        state_server = self.services.state_server
+        if state_server.snapshot_requested:
+            state_server.update(self._snapshot(self.hook.epoch))
+
+    def _on_epoch(self, epoch: int) -> None:
+        self.services.state_server.current_epoch = epoch
+        if self.config.max_epochs is not None and epoch >= self.config.max_epochs:
+            self.stop_event.set()
+        now = time.monotonic()
+        if self.checkpoints and now - self._last_checkpoint_s >= self.config.checkpoint_interval:
+            self._save_checkpoint(epoch)
+            self._last_checkpoint_s = now
+
+    def _save_checkpoint(self, epoch: int) -> None:
+        self.checkpoints.save(
+            model=self.model,
+            optimizer=self.optimizer,
+            progress=Progress(
+                epoch=epoch, step=self.trainer.step, samples=self.trainer.total_samples
+            ),
+        )
+
+    def run(self) -> PeerSummary:
+        """Start, train until a stop condition, leave cleanly; returns the summary."""
+        start = time.monotonic()
+        try:
+            self.start()
+            result = self.trainer.run(
+                max_steps=self.config.max_steps,
+                max_time_s=self.config.max_time,
+                stop_event=self.stop_event,
+                on_step=self._on_step,
+            )
+            if self.checkpoints is not None:
+                self._save_checkpoint(self.hook.epoch)
+            stopped_by = result.stopped_by
+        finally:
+            self.close()
+        seconds = time.monotonic() - start
+        stats = self.hook.stats
+        return PeerSummary(
+            peer_id=self.identity.peer_id,
+            address=None,
+            epoch=self.hook.epoch,
+            num_steps=self.trainer.step,
+            num_samples=self.trainer.total_samples,
+            seconds=seconds,
+            samples_per_s=self.trainer.total_samples / max(result.elapsed_s, 1e-9),
+            final_loss=None if self._last_loss is None else float(self._last_loss),
+            num_rounds=stats.num_rounds,
+            num_failed_rounds=stats.num_failed_rounds,
+            stopped_by=stopped_by,
+        )
+
+    def close(self) -> None:
+        """Leave the swarm and stop the loop thread; safe to call twice."""
+        if self.services is not None and self.loop_thread is not None:
+            services, self.services = self.services, None
+            self.loop_thread.run(services.close(), timeout_s=START_TIMEOUT_S)
+        if self.loop_thread is not None:
+            self.loop_thread.close()
+        self.trainer.close()
