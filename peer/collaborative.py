@@ -77,6 +77,7 @@ class RoundOutcome:
         reason: why the round failed or was partial; empty when it fully succeeded.
         matchmaking_s: seconds spent finding the group.
         allreduce_s: seconds spent in the all-reduce.
+        members: peer ids of the group (this peer included).
     """
 
     ok: bool
@@ -84,6 +85,7 @@ class RoundOutcome:
     reason: str = ""
     matchmaking_s: float = 0.0
     allreduce_s: float = 0.0
+    members: tuple[str, ...] = ()
 
 
 class TensorAverager(Protocol):
@@ -100,6 +102,8 @@ class ProgressSource(Protocol):
     def report_local_progress(self, epoch: int, samples: int) -> None: ...
 
     def current(self) -> GlobalProgress: ...
+
+    def note_round(self, epoch: int, peer_ids: Sequence[str]) -> None: ...
 
 
 @dataclass
@@ -245,6 +249,8 @@ class CollaborativeOptimizer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.progress.report_local_progress(self.epoch, 0)
+        if outcome.ok and outcome.members:
+            self.progress.note_round(self.epoch, outcome.members)
         if self.on_epoch is not None:
             self.on_epoch(self.epoch)
         return outcome

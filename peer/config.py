@@ -62,6 +62,9 @@ class PeerConfig(BaseModel):
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
     amp: Literal["auto", "bf16", "fp16", "off"] = Field("auto", description="mixed precision")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    torch_threads: int | None = Field(
+        None, gt=0, description="torch intra-op threads (several peers on one machine: cores/peers)"
+    )
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this L2 norm")
     seed: int | None = Field(None, description="seed of this peer's data (default: from its id)")
     # averaging
@@ -74,7 +77,7 @@ class PeerConfig(BaseModel):
     checkpoint_dir: Path | None = Field(None, description="periodic atomic checkpoints; resume")
     checkpoint_interval: float = Field(60.0, gt=0, description="seconds between checkpoints")
     metrics_file: Path | None = Field(None, description="JSON Lines metrics stream")
-    publish_interval: float = Field(2.0, gt=0, description="seconds between progress records")
+    publish_interval: float = Field(1.0, gt=0, description="seconds between progress records")
 
     @field_validator("initial_peers")
     @classmethod

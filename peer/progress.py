@@ -94,6 +94,24 @@ class GlobalProgress:
         return self.samples_accumulated >= self.target_batch_size
 
 
+def _after_round(
+    record: PeerProgress, round_peers: dict[str, tuple[int, float]] | None
+) -> PeerProgress:
+    entered = (round_peers or {}).get(record.peer_id)
+    if entered is None or record.epoch >= entered[0]:
+        return record
+    epoch, round_end = entered
+    return PeerProgress(
+        record.peer_id,
+        epoch,
+        0,
+        record.samples_per_s,
+        round_end,
+        record.address,
+        record.client_mode,
+    )
+
+
 def parse_record(subkey: object, value: object, max_samples_per_s: float) -> PeerProgress | None:
     """A peer's record from the DHT, or None if it is malformed."""
     peer_id = subkey_owner(subkey) if isinstance(subkey, str) else None
@@ -114,10 +132,21 @@ def parse_record(subkey: object, value: object, max_samples_per_s: float) -> Pee
 
 
 def estimate(
-    records: list[PeerProgress], *, own: PeerProgress, config: ProgressConfig, now: float
+    records: list[PeerProgress],
+    *,
+    own: PeerProgress,
+    config: ProgressConfig,
+    now: float,
+    round_peers: dict[str, tuple[int, float]] | None = None,
 ) -> GlobalProgress:
-    """The swarm's epoch, samples toward the target, rate and ETA, from ``records`` and ``own``."""
-    others = [r for r in records if r.peer_id != own.peer_id]
+    """The swarm's epoch, samples toward the target, rate and ETA, from ``records`` and ``own``.
+
+    ``round_peers`` maps the peers of this peer's last round to (the epoch they entered, the
+    DHT time the round ended): a record older than that round is read as that peer starting
+    the new epoch at the round's end, which keeps fast epochs (shorter than the publishing
+    interval) in step.
+    """
+    others = [_after_round(r, round_peers) for r in records if r.peer_id != own.peer_id]
     peers = [own, *others]
     quorum = min(2, len(others))
     epoch = own.epoch
@@ -170,6 +199,7 @@ class ProgressTracker:
             [], own=self._own_record(), config=config, now=get_dht_time()
         )
         self._records: list[PeerProgress] = []
+        self._round_peers: dict[str, tuple[int, float]] = {}
         self._task: asyncio.Task | None = None
 
     def report_local_progress(self, epoch: int, samples: int) -> None:
@@ -221,15 +251,26 @@ class ProgressTracker:
                 if record is not None:
                     records.append(record)
         self._records = records
-        self.global_progress = estimate(records, own=own, config=self.config, now=get_dht_time())
+        self.global_progress = estimate(
+            records, own=own, config=self.config, now=get_dht_time(), round_peers=self._round_peers
+        )
         return self.global_progress
 
     def current(self) -> GlobalProgress:
         """The swarm estimate now: the others' last records extrapolated, this peer's live
         numbers (no network; cheap enough to call after every local step)."""
         return estimate(
-            self._records, own=self._own_record(), config=self.config, now=get_dht_time()
+            self._records,
+            own=self._own_record(),
+            config=self.config,
+            now=get_dht_time(),
+            round_peers=self._round_peers,
         )
+
+    def note_round(self, epoch: int, peer_ids) -> None:
+        """The peers ``peer_ids`` averaged with this one and entered ``epoch`` just now."""
+        now = get_dht_time()
+        self._round_peers = {peer_id: (epoch, now) for peer_id in peer_ids}
 
     async def _run(self) -> None:
         while True:

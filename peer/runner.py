@@ -70,6 +70,10 @@ class PeerRun:
     def __init__(self, config: PeerConfig, *, stop_event: threading.Event | None = None):
         self.config = config
         self.stop_event = stop_event or threading.Event()
+        if config.torch_threads is not None:
+            # peers sharing a machine must not oversubscribe its cores: torch's spinning
+            # threads then slow every step many times over
+            torch.set_num_threads(config.torch_threads)
         self.identity = (
             PeerIdentity.load_or_create(config.identity)
             if config.identity

@@ -49,4 +49,5 @@ class SwarmAverager:
             reason=result.reason,
             matchmaking_s=result.matchmaking_s,
             allreduce_s=result.allreduce_s,
+            members=tuple(result.members),
         )
