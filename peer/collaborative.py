@@ -116,6 +116,7 @@ class EpochStats:
     last_group_size: int = 0
     last_reason: str = ""
     history: list[RoundOutcome] = field(default_factory=list)
+    epoch_samples: list[int] = field(default_factory=list)
 
 
 def averaged_buffers(params: list[torch.Tensor], mode: Mode) -> list[torch.Tensor]:
@@ -242,6 +243,7 @@ class CollaborativeOptimizer:
                 timeout_s=self.config.averaging_timeout_s,
             )
         self._record(outcome)
+        self.stats.epoch_samples = [*self.stats.epoch_samples[-999:], self.samples]
         with context.clock.phase("optimizer"):
             self._apply(tensors, context)
         self.epoch += 1

@@ -1,0 +1,106 @@
+"""Peers training together for real (threads of one process, each peer with its own event-loop
+thread and HTTP server on 127.0.0.1), checked against a single process."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from peer.config import PeerConfig
+from peer.runner import PeerRun
+from peer.tasks import DataShard, load_task
+
+pytestmark = pytest.mark.timeout(180)
+TASK_OPTIONS = ["hidden_dim=64", "num_eval_batches=0"]
+
+
+def config(**changes) -> PeerConfig:
+    base = dict(
+        task="synthetic",
+        task_option=TASK_OPTIONS,
+        target_batch_size=256,
+        mode="grad",
+        matchmaking_time=10.0,
+        averaging_timeout=20.0,
+        torch_threads=1,
+        publish_interval=0.2,
+    )
+    return PeerConfig(**{**base, **changes})
+
+
+def start_swarm(configs: list[PeerConfig]) -> list[PeerRun]:
+    """Start the peers one after another, each bootstrapping from the first."""
+    runs: list[PeerRun] = []
+    for peer_config in configs:
+        initial = [runs[0].address] if runs else []
+        run = PeerRun(peer_config.model_copy(update={"initial_peers": initial}))
+        run.start()
+        runs.append(run)
+    for run in runs:  # everyone has seen everyone before the first epoch ends
+        run.loop_thread.run(run.services.tracker.refresh())
+    return runs
+
+
+def train_together(runs: list[PeerRun]) -> list:
+    """Each peer's training loop in a thread of its own, as each would run in its process."""
+    results: list = [None] * len(runs)
+
+    def train(index: int) -> None:
+        run = runs[index]
+        try:
+            result = run.trainer.run(stop_event=run.stop_event, on_step=run._on_step)
+            results[index] = (result, run.hook.epoch, run.hook.stats)
+        finally:
+            run.close()
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(len(runs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=150)
+    return results
+
+
+def reference_params(seeds: list[int], epoch_samples: list[list[int]], lr: float):
+    """One process stepping Adam on the mean gradient of the union of every peer's batches."""
+    task = load_task("synthetic", dict(option.split("=") for option in TASK_OPTIONS))
+    model = task.build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    streams = [iter(task.make_loader(DataShard(seed=seed))) for seed in seeds]
+    params = list(model.parameters())
+    for epoch in range(len(epoch_samples[0])):
+        total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        num_samples = 0
+        for stream, samples in zip(streams, epoch_samples, strict=True):
+            for _ in range(samples[epoch] // task.batch_size):
+                inputs, targets = next(stream)
+                model.zero_grad()
+                task.loss_fn(model(inputs), targets).backward()
+                for accumulator, p in zip(total, params, strict=True):
+                    accumulator += p.grad.double() * len(targets)
+                num_samples += len(targets)
+        for accumulator, p in zip(total, params, strict=True):
+            p.grad = (accumulator / num_samples).float()
+        optimizer.step()
+    return [p.detach() for p in params]
+
+
+def test_two_peers_in_grad_mode_equal_one_process_over_the_union_of_their_batches():
+    seeds = [11, 22]
+    runs = start_swarm([config(seed=seed, max_epochs=3) for seed in seeds])
+    results = train_together(runs)
+    assert all(result is not None for result in results)
+    for _, epoch, stats in results:
+        assert epoch == 3
+        assert stats.num_failed_rounds == 0 and stats.num_alone == 0
+        assert stats.last_group_size == 2
+    epoch_samples = [stats.epoch_samples for _, _, stats in results]
+    for epoch in range(3):  # each epoch gathered at least the target across the swarm
+        assert sum(samples[epoch] for samples in epoch_samples) >= 256
+    expected = reference_params(seeds, epoch_samples, lr=1e-3)
+    for run in runs:
+        for got, want in zip(run.model.parameters(), expected, strict=True):
+            scale = want.abs().max().item()
+            assert (got.detach() - want).abs().max().item() <= 1e-5 * scale
