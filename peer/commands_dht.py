@@ -180,21 +180,38 @@ def run_bench_dht(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- peer demo (a DHT swarm until the training peer lands) -------------------------------------
+# ---- peer demo -------------------------------------------------------------------------------
 
 
 def add_demo_command(sub) -> None:
-    parser = sub.add_parser("demo", help="a local swarm on loopback with a live view")
+    parser = sub.add_parser(
+        "demo",
+        help="a local swarm training on loopback, watched live",
+        description="Start a bootstrap node and N `peer join` processes on 127.0.0.1, show the "
+        "swarm live, and print a summary (with --json, one contract JSON line).",
+    )
+    parser.add_argument("--peers", type=_positive_int, default=3, help="peers (default: 3)")
     parser.add_argument(
-        "--peers", type=_positive_int, default=5, help="nodes to start (default: 5)"
+        "--seconds", type=float, default=60.0, help="how long the peers train (default: 60)"
     )
     parser.add_argument(
-        "--seconds", type=float, default=8.0, help="how long the demo runs (default: 8)"
+        "--target-batch-size",
+        type=_positive_int,
+        default=2048,
+        help="samples per swarm epoch (default: 2048)",
     )
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from peer.demo_dht import run_dht_demo
+    from peer.demo import run_demo as demo
 
-    return asyncio.run(run_dht_demo(num_peers=args.peers, duration_s=args.seconds))
+    return asyncio.run(
+        demo(
+            num_peers=args.peers,
+            seconds=args.seconds,
+            target_batch_size=args.target_batch_size,
+            as_json=args.json,
+        )
+    )

@@ -27,7 +27,7 @@ def run(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*PEER, *args], capture_output=True, text=True, timeout=timeout_s)
 
 
-@pytest.mark.parametrize("args", [[], ["dht"], ["bench"], ["bench", "dht"], ["demo"]])
+@pytest.mark.parametrize("args", [[], ["dht"], ["bench"], ["bench", "dht"], ["demo"], ["join"]])
 def test_help_works(args):
     result = run(*args, "--help")
     assert result.returncode == 0, result.stderr
@@ -86,7 +86,35 @@ def test_bench_dht_prints_the_contract_json():
     assert 0 < report["get_p50_ms"] <= report["get_p99_ms"]
 
 
-def test_demo_shows_every_peer_and_exits_0():
-    result = run("demo", "--peers", "3", "--seconds", "2")
-    assert result.returncode == 0, result.stderr
-    assert "3 of 3 peers seen" in result.stdout
+DEMO_FIELDS = {"peers", "seconds", "rounds", "final_loss", "samples_per_s"}
+
+
+def test_demo_trains_a_swarm_and_prints_the_contract_json():
+    result = run(
+        "demo",
+        "--peers",
+        "2",
+        "--seconds",
+        "6",
+        "--target-batch-size",
+        "256",
+        "--json",
+        timeout_s=110,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(report) == DEMO_FIELDS
+    assert report["peers"] == 2 and report["rounds"] >= 1
+    assert report["samples_per_s"] > 0 and report["final_loss"] < 2.31  # below ln(10) = 2.30+
+
+
+def test_join_rejects_bad_input_with_one_line():
+    for args, needle in [
+        (["join", "--task", "nonsense"], "unknown task"),
+        (["join", "--target-batch-size", "-5"], "--target-batch-size"),
+        (["join", "--task", "charlm", "--task-option", "path=/no/such/file.txt"], "file"),
+    ]:
+        result = run(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], result.stderr

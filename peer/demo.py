@@ -1,0 +1,140 @@
+"""``peer demo``: a bootstrap node and N training peers on loopback, watched live.
+
+The peers are real ``peer join`` processes (torch threads split so that together they use the
+machine's cores once); this process runs the bootstrap DHT node and reads the peers' progress
+records from it to draw a live table. At the end every peer's summary is collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from contextlib import AsyncExitStack
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from dht.config import DHTConfig
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity, short_id
+from dht.launch import open_node
+from dht.node import DHTNode
+from peer.progress import parse_record
+
+RUN_ID = "demo"
+REFRESH_S = 0.5
+
+
+def _peer_command(url: str, seconds: float, threads: int, target: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "peer",
+        "--log-level",
+        "WARNING",
+        "join",
+        "--run-id",
+        RUN_ID,
+        "--initial-peers",
+        url,
+        "--max-time",
+        str(seconds),
+        "--torch-threads",
+        str(threads),
+        "--target-batch-size",
+        str(target),
+        "--json",
+    ]
+
+
+async def _swarm_table(node: DHTNode, num_peers: int, elapsed_s: float) -> Table:
+    found = await node.get(f"{RUN_ID}/progress", latest=True)
+    records = []
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            record = parse_record(subkey, item.value, 1e9)
+            if record is not None:
+                records.append(record)
+    table = Table(
+        title=f"Volunteer Peer demo: {len(records)}/{num_peers} peers training, {elapsed_s:4.0f} s"
+    )
+    for column in ("peer", "address", "epoch", "samples this epoch", "samples/s"):
+        table.add_column(column, justify="right" if column != "address" else "left")
+    for record in sorted(records, key=lambda r: r.peer_id):
+        table.add_row(
+            short_id(record.peer_id),
+            record.address or "client",
+            str(record.epoch),
+            str(record.samples),
+            f"{record.samples_per_s:.0f}",
+        )
+    return table
+
+
+async def run_demo(*, num_peers: int, seconds: float, target_batch_size: int, as_json: bool) -> int:
+    """Run the demo; returns the exit status (0 when every peer finished and trained)."""
+    console = Console(stderr=as_json)
+    threads = max(1, (os.cpu_count() or 1) // num_peers)
+    async with AsyncExitStack() as stack:
+        node = await stack.enter_async_context(
+            open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
+        )
+        processes = [
+            await asyncio.create_subprocess_exec(
+                *_peer_command(node.address, seconds, threads, target_batch_size),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            for _ in range(num_peers)
+        ]
+        outputs = [asyncio.create_task(process.communicate()) for process in processes]
+        start = time.monotonic()
+        try:
+            with Live(console=console, refresh_per_second=2) as live:
+                while not all(task.done() for task in outputs):
+                    live.update(await _swarm_table(node, num_peers, time.monotonic() - start))
+                    await asyncio.wait(outputs, timeout=REFRESH_S)
+        finally:
+            for process in processes:
+                if process.returncode is None:
+                    process.terminate()
+            await asyncio.gather(*outputs, return_exceptions=True)
+    summaries = []
+    for process, task in zip(processes, outputs, strict=True):
+        stdout, stderr = task.result()
+        lines = stdout.decode().strip().splitlines()
+        if process.returncode != 0 or not lines:
+            console.print(
+                f"[red]a peer failed (exit {process.returncode}):[/red] "
+                f"{stderr.decode().strip().splitlines()[-1:]}"
+            )
+            continue
+        summaries.append(json.loads(lines[-1]))
+    console.print()
+    seconds = max((s["seconds"] for s in summaries), default=time.monotonic() - start)
+    return _report(console, summaries, num_peers, seconds, as_json)
+
+
+def _report(
+    console: Console, summaries: list[dict], num_peers: int, seconds: float, as_json: bool
+) -> int:
+    losses = [s["final_loss"] for s in summaries if s["final_loss"] is not None]
+    result = {
+        "peers": num_peers,
+        "seconds": round(seconds, 2),
+        "rounds": max((s["epoch"] for s in summaries), default=0),
+        "final_loss": round(sum(losses) / len(losses), 4) if losses else None,
+        "samples_per_s": round(sum(s["num_samples"] for s in summaries) / seconds, 1),
+    }
+    console.print(
+        f"{len(summaries)}/{num_peers} peers finished: {result['rounds']} rounds, "
+        f"final loss {result['final_loss']}, {result['samples_per_s']} samples/s "
+        "for the swarm"
+    )
+    if as_json:
+        print(json.dumps(result), flush=True)
+    return 0 if len(summaries) == num_peers and result["rounds"] > 0 else 1
