@@ -4,6 +4,7 @@ thread and HTTP server on 127.0.0.1), checked against a single process."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -104,3 +105,53 @@ def test_two_peers_in_grad_mode_equal_one_process_over_the_union_of_their_batche
         for got, want in zip(run.model.parameters(), expected, strict=True):
             scale = want.abs().max().item()
             assert (got.detach() - want).abs().max().item() <= 1e-5 * scale
+
+
+def train_in_thread(run: PeerRun) -> threading.Thread:
+    thread = threading.Thread(
+        target=lambda: run.trainer.run(stop_event=run.stop_event, on_step=run._on_step)
+    )
+    thread.start()
+    return thread
+
+
+def stop(run: PeerRun, thread: threading.Thread | None) -> None:
+    run.stop_event.set()
+    if thread is not None:
+        thread.join(timeout=60)
+    run.close()
+
+
+def wait_for(condition, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_newcomer_downloads_the_state_and_joins_the_next_round():
+    # epochs of about a second here, so that the newcomer can catch one
+    slow = {"target_batch_size": 4096, "publish_interval": 0.1}
+    (first,) = start_swarm([config(seed=1, **slow)])
+    first_thread = train_in_thread(first)
+    newcomer, newcomer_thread = None, None
+    try:
+        wait_for(
+            lambda: first.services.tracker.global_progress.epoch >= 2,
+            "the first peer did not publish epoch 2",
+        )
+        newcomer = PeerRun(config(seed=2, initial_peers=[first.address], **slow))
+        newcomer.start()
+        served = first.services.state_server.snapshot
+        assert newcomer.hook.epoch == served.epoch >= 2
+        for name, value in newcomer.model.state_dict().items():
+            assert torch.equal(value, served.tensors[f"model/{name}"]), name
+        newcomer_thread = train_in_thread(newcomer)
+        wait_for(
+            lambda: newcomer.hook.stats.last_group_size == 2,
+            "the newcomer never averaged with the first",
+        )
+    finally:
+        if newcomer is not None:
+            stop(newcomer, newcomer_thread)
+        stop(first, first_thread)
