@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from dht.errors import ConfigError, DHTError, IdentityError
-from peer import commands_dht, commands_join
+from peer import commands_bench, commands_dht, commands_join
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="bench", required=True, parser_class=_Parser, metavar="BENCH"
     )
     commands_dht.add_bench_dht_command(bench_sub)
+    commands_bench.add_bench_allreduce_command(bench_sub)
     return parser
 
 

@@ -27,7 +27,9 @@ def run(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*PEER, *args], capture_output=True, text=True, timeout=timeout_s)
 
 
-@pytest.mark.parametrize("args", [[], ["dht"], ["bench"], ["bench", "dht"], ["demo"], ["join"]])
+@pytest.mark.parametrize(
+    "args", [[], ["dht"], ["bench"], ["bench", "dht"], ["bench", "allreduce"], ["demo"], ["join"]]
+)
 def test_help_works(args):
     result = run(*args, "--help")
     assert result.returncode == 0, result.stderr
@@ -41,6 +43,7 @@ def test_help_works(args):
         ["dht", "--port", "notaport"],
         ["bench", "dht", "--nodes", "0"],
         ["frobnicate"],
+        ["bench", "allreduce", "--peers", "1"],
         ["dht", "--initial-peers", "localhost"],
         ["dht", "--port", "70000"],
     ],
@@ -118,3 +121,37 @@ def test_join_rejects_bad_input_with_one_line():
         assert result.returncode == 2, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+ALLREDUCE_FIELDS = {
+    "backend",
+    "peers",
+    "size",
+    "compression",
+    "rounds",
+    "round_s_p50",
+    "allreduce_s_p50",
+    "matchmaking_s_p50",
+    "max_abs_err",
+    "bytes_sent_per_peer",
+    "gbit_per_s",
+}
+
+
+def test_bench_allreduce_prints_the_contract_json():
+    result = run(
+        "bench",
+        "allreduce",
+        "--peers",
+        "2",
+        "--size",
+        "100000",
+        "--rounds",
+        "2",
+        "--json",
+        timeout_s=110,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(report) == ALLREDUCE_FIELDS
+    assert report["rounds"] == 2 and report["max_abs_err"] < 1e-5
