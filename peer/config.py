@@ -13,7 +13,7 @@ import argparse
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -21,10 +21,12 @@ from averaging.config import AveragerConfig
 from dht.config import DHTConfig
 from dht.errors import ConfigError
 from dht.http_config import TransportConfig
-from peer.collaborative import CollaborativeConfig
 from peer.progress import ProgressConfig
-from peer.state_sync import StateSyncConfig
-from peer.trainer import TrainerConfig
+
+if TYPE_CHECKING:  # torch-importing modules: kept out of `peer dht` and `peer --help`
+    from peer.collaborative import CollaborativeConfig
+    from peer.state_sync import StateSyncConfig
+    from peer.trainer import TrainerConfig
 
 ENV_PREFIX = "VP_"
 
@@ -129,6 +131,8 @@ class PeerConfig(BaseModel):
         )
 
     def state_sync_config(self) -> StateSyncConfig:
+        from peer.state_sync import StateSyncConfig
+
         return StateSyncConfig()
 
     def averager_config(self) -> AveragerConfig:
@@ -141,6 +145,8 @@ class PeerConfig(BaseModel):
         )
 
     def collaborative_config(self) -> CollaborativeConfig:
+        from peer.collaborative import CollaborativeConfig
+
         return CollaborativeConfig(
             mode=self.mode,
             target_batch_size=self.target_batch_size,
@@ -148,6 +154,8 @@ class PeerConfig(BaseModel):
         )
 
     def trainer_config(self) -> TrainerConfig:
+        from peer.trainer import TrainerConfig
+
         return TrainerConfig(
             device=self.device,
             amp=self.amp,
