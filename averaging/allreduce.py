@@ -1,0 +1,143 @@
+"""One peer's side of a butterfly all-reduce over a formed group.
+
+The flattened vector is split into one part per member that has an address (sized by
+bandwidth). This peer streams every other reducer's part to it and takes the average back
+(:mod:`averaging.sender`) while it reduces its own part (:mod:`averaging.reducer`), all at once.
+The whole exchange is bounded by ``allreduce_timeout_s``: what is not averaged by then keeps its
+local values, and the outcome says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from averaging.compression import get_codec
+from averaging.config import AveragerConfig
+from averaging.group import GroupInfo
+from averaging.protocol import PartHeader
+from averaging.reducer import PartReducer
+from averaging.router import PartRouter
+from averaging.sender import PartSender
+from averaging.work import Worker, WorkStats
+
+
+@dataclass
+class AllReduceOutcome:
+    """What one peer saw of an all-reduce.
+
+    Attributes:
+        total_numel: values in the flattened vector.
+        averaged_numel: values replaced by an average that includes another peer's values.
+        dropped: peers this peer dropped as their reducer, with the reason.
+        failed_parts: reducers whose part did not come back (whole or in part), with the reason.
+        timed_out: the all-reduce ran into ``allreduce_timeout_s``.
+        stats: bytes moved and CPU seconds spent.
+    """
+
+    total_numel: int
+    averaged_numel: int = 0
+    dropped: dict[str, str] = field(default_factory=dict)
+    failed_parts: dict[str, str] = field(default_factory=dict)
+    timed_out: bool = False
+    stats: WorkStats = field(default_factory=WorkStats)
+
+    @property
+    def complete(self) -> bool:
+        return not (self.dropped or self.failed_parts or self.timed_out)
+
+
+async def run_allreduce(
+    *,
+    transport,
+    router: PartRouter,
+    stream_name: str,
+    group: GroupInfo,
+    own_peer_id: str,
+    flat: np.ndarray,
+    config: AveragerConfig,
+) -> AllReduceOutcome:
+    """Average ``flat`` (float32, 1-D, modified in place) with the rest of ``group``.
+
+    This peer's weight is its entry in ``group``. Never raises for a peer's failure: the
+    outcome says who was dropped and which parts were not averaged.
+    """
+    codec = get_codec(group.compression)
+    if not codec.is_identity:
+        await asyncio.to_thread(codec.prepare)
+    outcome = AllReduceOutcome(total_numel=flat.size)
+    worker = Worker(outcome.stats, config.offload_min_numel)
+    me = group.member(own_peer_id)
+    parts = group.parts(flat.size)
+
+    def header(index: int, weight: float) -> PartHeader:
+        part = parts[index]
+        return PartHeader(
+            group.group_id, index, weight, part.numel, group.compression, part.chunk_numel
+        )
+
+    own_index = group.index_of(own_peer_id)
+    own_part = parts[own_index]
+    reducer = None
+    if own_part.numel:
+        reducer = PartReducer(
+            part=own_part,
+            values=flat[own_part.start : own_part.end],
+            own_weight=me.weight,
+            senders={m.peer_id: m.weight for m in group.members if m.peer_id != own_peer_id},
+            header=header(own_index, 0.0),
+            codec=codec,
+            config=config,
+            worker=worker,
+        )
+    senders = [
+        PartSender(
+            transport=transport,
+            stream_name=stream_name,
+            reducer=member,
+            header=header(index, me.weight),
+            part=parts[index],
+            values=flat[parts[index].start : parts[index].end],
+            codec=codec,
+            config=config,
+            worker=worker,
+        )
+        for index, member in enumerate(group.members)
+        if member.peer_id != own_peer_id and parts[index].numel
+    ]
+    router.register(group.group_id, reducer)
+    tasks = [asyncio.create_task(s.run()) for s in senders]
+    if reducer is not None:
+        tasks.append(asyncio.create_task(reducer.run()))
+    try:
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=config.allreduce_timeout_s)
+            outcome.timed_out = bool(pending)
+    finally:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        router.unregister(group.group_id)
+        if reducer is not None:
+            await reducer.close()
+    for task in tasks:  # a failure here is a bug, not a peer's fault: let it surface
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    _collect(outcome, reducer, senders)
+    return outcome
+
+
+def _collect(outcome: AllReduceOutcome, reducer: PartReducer | None, senders) -> None:
+    if reducer is not None:
+        outcome.dropped.update(reducer.dropped)
+        outcome.averaged_numel += reducer.averaged_numel
+    for sender in senders:
+        result = sender.result
+        outcome.averaged_numel += result.averaged_numel
+        if result.error is not None:
+            outcome.failed_parts[result.reducer] = result.error
+        elif not result.done:
+            outcome.failed_parts[result.reducer] = "unfinished at allreduce_timeout_s"

@@ -1,0 +1,330 @@
+"""DecentralizedAverager: find a group, average the tensors with it in place, report the round.
+
+Usage (build it before the transport starts: it adds its handlers to the transport)::
+
+    transport = HttpTransport(identity, TransportConfig())
+    node = DHTNode(transport=transport, identity=identity, config=DHTConfig(...))
+    averager = DecentralizedAverager(
+        [p.grad for p in model.parameters()], transport=transport, dht=node, prefix="run1.grads"
+    )
+    async with transport, node, averager:
+        result = await averager.step(weight=num_samples, epoch=epoch)
+        if not result.averaged:
+            ...  # alone or failed: step locally
+
+A client-mode peer (a transport without an address) sends and receives but reduces no part. A
+training loop in another thread calls :meth:`DecentralizedAverager.step_blocking`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from averaging.allreduce import AllReduceOutcome, run_allreduce
+from averaging.compression import Compression, get_codec
+from averaging.config import AveragerConfig, check_prefix
+from averaging.errors import AveragingError, ConfigError, translate
+from averaging.group import GroupInfo
+from averaging.matchmaking import Matchmaker, MatchmakingDHT
+from averaging.result import RoundResult
+from averaging.router import PartRouter
+from averaging.tensors import FlatTensors
+from dht.errors import DHTError
+from dht.runtime import EventLoopThread
+
+logger = logging.getLogger(__name__)
+
+_FACADE_SLACK_S = 5.0  # the blocking facade's bound beyond the step's own
+
+
+class DecentralizedAverager:
+    """Averages a set of tensors with other peers, one round per :meth:`step`.
+
+    Args:
+        tensors: the tensors to average in place (torch tensors or numpy arrays; every peer of
+            the run passes tensors of the same total size).
+        transport: the network, not yet started (the averager adds its handlers to it).
+        dht: where groups are found; None for an averager that only runs given groups
+            (:meth:`step_in_group`).
+        prefix: this averager's name in the run (e.g. "run1.grads"); peers average with peers
+            of the same prefix.
+        config: group sizes, timeouts, chunking and compression.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[Any],
+        *,
+        transport,
+        dht: MatchmakingDHT | None,
+        prefix: str,
+        config: AveragerConfig | None = None,
+    ):
+        self.prefix = check_prefix(prefix)
+        self.config = config or AveragerConfig()
+        self.peer_id: str = transport.peer_id
+        self._transport = transport
+        self._tensors = FlatTensors(tensors)
+        self._stream_name = f"averaging.{prefix}.part"
+        self._router = PartRouter(
+            transport, self._stream_name, group_wait_s=self.config.group_wait_s
+        )
+        self._matchmaker = None
+        if dht is not None:
+            self._matchmaker = Matchmaker(
+                transport=transport,
+                dht=dht,
+                peer_id=self.peer_id,
+                prefix=prefix,
+                config=self.config,
+            )
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self.num_rounds = 0
+        self.last_result: RoundResult | None = None
+        self.phase_totals_s: dict[str, float] = defaultdict(float)  # summed over rounds
+        self.bytes_sent_total = 0
+        self.bytes_received_total = 0
+
+    @property
+    def numel(self) -> int:
+        """Values averaged per round."""
+        return self._tensors.numel
+
+    @property
+    def client_mode(self) -> bool:
+        return self._transport.address is None
+
+    async def __aenter__(self) -> DecentralizedAverager:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Refuse further steps and wait for a step in progress to end; safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        async with self._lock:
+            pass
+
+    def matchmaking_key(self, epoch: int | None) -> str:
+        """The DHT key under which peers of this round find each other."""
+        key = f"{self.prefix}.mm"
+        if epoch is not None:
+            key += f".{epoch}"
+        if self.config.group_bits:
+            key += f".{self.config.group_bits}"
+        return key
+
+    async def step(
+        self,
+        weight: float = 1.0,
+        *,
+        epoch: int | None = None,
+        timeout_s: float | None = None,
+        compression: Compression | str | None = None,
+    ) -> RoundResult:
+        """Find a group and average the tensors with it, in place.
+
+        Args:
+            weight: this peer's weight (e.g. samples since the last round); 0 takes part
+                without contributing.
+            epoch: peers average only with peers of the same epoch (None: any).
+            timeout_s: bound on the whole step in seconds (default: matchmaking_time_s +
+                allreduce_timeout_s).
+            compression: the wire format if this peer leads the group (default: the config's).
+
+        Returns:
+            The round's result; "alone" when no group formed (the tensors are untouched).
+
+        Raises:
+            ConfigError: a bad weight, timeout or compression.
+            AveragingError: the averager is closed or has no DHT.
+        """
+        weight, timeout_s = self._check_step(weight, timeout_s)
+        try:
+            compression = Compression(compression or self.config.compression)
+        except ValueError:
+            raise ConfigError(
+                f"compression must be none, fp16 or uint8, got {compression!r}"
+            ) from None
+        if self._matchmaker is None:
+            raise AveragingError("this averager has no DHT: use step_in_group")
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            phase_s: dict[str, float] = {}
+            weight = await self._gather(weight, compression, phase_s)
+            key = self.matchmaking_key(epoch)
+            start = loop.time()
+            match = await self._matchmaker.find_group(
+                key,
+                weight=weight,
+                numel=self.numel,
+                compression=compression,
+                timeout_s=min(self.config.matchmaking_time_s, timeout_s),
+            )
+            phase_s["matchmaking"] = loop.time() - start
+            if match.group is None:
+                result = RoundResult("alone", match.reason, phase_s=phase_s)
+                return self._finish(key, result, phase_s["matchmaking"])
+            remaining_s = max(0.001, deadline - loop.time())
+            return await self._average(key, match.group, phase_s, remaining_s)
+
+    async def step_in_group(
+        self, group: GroupInfo, *, timeout_s: float | None = None
+    ) -> RoundResult:
+        """Average with a group formed by other means (this peer's weight is its entry there)."""
+        _, timeout_s = self._check_step(0.0, timeout_s)
+        if self.peer_id not in group.peer_ids:
+            raise ConfigError("this peer is not a member of the group")
+        own_weight = group.member(self.peer_id).weight
+        async with self._lock:
+            phase_s: dict[str, float] = {}
+            weight = await self._gather(own_weight, group.compression, phase_s)
+            if weight != own_weight:
+                raise AveragingError("local tensors are not finite: cannot join a fixed group")
+            phase_s["matchmaking"] = 0.0
+            return await self._average(group.group_id, group, phase_s, timeout_s)
+
+    def step_blocking(
+        self,
+        runner: EventLoopThread,
+        weight: float = 1.0,
+        *,
+        epoch: int | None = None,
+        timeout_s: float | None = None,
+        compression: Compression | str | None = None,
+    ) -> RoundResult:
+        """:meth:`step` from a thread outside the event loop (the training loop's facade).
+
+        Args:
+            runner: the event-loop thread this averager's transport runs on.
+            weight, epoch, timeout_s, compression: as for :meth:`step`.
+
+        Raises:
+            PeerTimeoutError: the step did not end within its own bound plus a few seconds.
+        """
+        bound_s = (timeout_s or self._default_timeout_s()) + _FACADE_SLACK_S
+        step = self.step(weight, epoch=epoch, timeout_s=timeout_s, compression=compression)
+        try:
+            return runner.run(step, timeout_s=bound_s)
+        except DHTError as e:
+            raise translate(e) from e
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _default_timeout_s(self) -> float:
+        return self.config.matchmaking_time_s + self.config.allreduce_timeout_s
+
+    def _check_step(self, weight: float, timeout_s: float | None) -> tuple[float, float]:
+        if self._closed:
+            raise AveragingError("the averager is closed")
+        if isinstance(weight, bool) or not (
+            isinstance(weight, int | float) and math.isfinite(weight) and weight >= 0
+        ):
+            raise ConfigError(f"weight must be a finite number >= 0, got {weight!r}")
+        if timeout_s is None:
+            timeout_s = self._default_timeout_s()
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+        return float(weight), float(timeout_s)
+
+    async def _gather(
+        self, weight: float, compression: Compression, phase_s: dict[str, float]
+    ) -> float:
+        """Copy the tensors in; the weight to use (0 if the local values are not finite)."""
+        start = asyncio.get_running_loop().time()
+        finite = await asyncio.to_thread(self._gather_and_check, compression)
+        phase_s["gather"] = asyncio.get_running_loop().time() - start
+        if not finite and weight > 0:
+            logger.warning("local tensors contain NaN or Inf: taking part with weight 0")
+            return 0.0
+        return weight
+
+    def _gather_and_check(self, compression: Compression) -> bool:
+        get_codec(compression).prepare()
+        self._tensors.gather()
+        return self._tensors.all_finite()
+
+    async def _average(
+        self, key: str, group: GroupInfo, phase_s: dict[str, float], timeout_s: float
+    ) -> RoundResult:
+        loop = asyncio.get_running_loop()
+        config = self.config
+        if timeout_s < config.allreduce_timeout_s:
+            config = dataclasses.replace(config, allreduce_timeout_s=timeout_s)
+        start = loop.time()
+        outcome = await run_allreduce(
+            transport=self._transport,
+            router=self._router,
+            stream_name=self._stream_name,
+            group=group,
+            own_peer_id=self.peer_id,
+            flat=self._tensors.flat,
+            config=config,
+        )
+        phase_s["allreduce"] = loop.time() - start
+        start = loop.time()
+        await asyncio.to_thread(self._tensors.scatter)
+        phase_s["scatter"] = loop.time() - start
+        phase_s.update(outcome.stats.cpu_s)
+        return self._finish(key, _result_of(group, outcome, phase_s), phase_s["matchmaking"])
+
+    def _finish(self, key: str, result: RoundResult, matchmaking_s: float) -> RoundResult:
+        result = dataclasses.replace(result, matchmaking_s=matchmaking_s)
+        self.num_rounds += 1
+        self.last_result = result
+        for phase, seconds in result.phase_s.items():
+            self.phase_totals_s[phase] += seconds
+        self.bytes_sent_total += result.bytes_sent
+        self.bytes_received_total += result.bytes_received
+        if result.status != "ok":
+            logger.warning(
+                "averaging round %s %s: %s (group of %d, %.0f%% averaged, dropped %s)",
+                key,
+                result.status,
+                result.reason,
+                len(result.members),
+                100 * result.averaged_fraction,
+                ", ".join(p[:8] for p in result.dropped_peers) or "nobody",
+            )
+        return result
+
+
+def _result_of(
+    group: GroupInfo, outcome: AllReduceOutcome, phase_s: dict[str, float]
+) -> RoundResult:
+    reasons = [f"dropped {p[:8]}: {why}" for p, why in outcome.dropped.items()]
+    reasons += [f"part of {p[:8]} lost: {why}" for p, why in outcome.failed_parts.items()]
+    if outcome.timed_out:
+        reasons.append("allreduce_timeout_s reached")
+    if outcome.complete:
+        status = "ok"
+    elif outcome.averaged_numel:
+        status = "partial"
+    else:
+        status = "failed"
+    fraction = outcome.averaged_numel / outcome.total_numel if outcome.total_numel else 1.0
+    return RoundResult(
+        status,
+        "; ".join(reasons),
+        group_id=group.group_id,
+        members=group.peer_ids,
+        weights={m.peer_id: m.weight for m in group.members},
+        dropped_peers=tuple(dict.fromkeys([*outcome.dropped, *outcome.failed_parts])),
+        bytes_sent=outcome.stats.bytes_sent,
+        bytes_received=outcome.stats.bytes_received,
+        allreduce_s=phase_s["allreduce"],
+        averaged_fraction=fraction,
+        compression=group.compression.value,
+        phase_s=dict(phase_s),
+    )

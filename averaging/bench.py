@@ -1,0 +1,239 @@
+"""``peer bench allreduce``: N real peer processes on loopback average random vectors.
+
+Each peer is its own process (started with multiprocessing's spawn; the harness only, the peers
+talk over HTTP) with its own transport, DHT node and averager. Every round, each peer draws
+``size`` random float32 values and a random weight, all peers meet at a barrier, and each one
+runs :meth:`DecentralizedAverager.step` (matchmaking included). One peer per round (in turn)
+checks its result against the exact weighted mean computed in float64 from every peer's values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from averaging.averager import DecentralizedAverager
+from averaging.compression import Compression
+from averaging.config import AveragerConfig
+from dht.config import DHTConfig
+from dht.http import HttpTransport
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
+from dht.node import DHTNode
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "bench"
+_BARRIER_TIMEOUT_S = 120.0
+_STARTUP_TIMEOUT_S = 60.0
+
+
+def _values(seed: int, rank: int, round_index: int, size: int) -> tuple[np.ndarray, float]:
+    rng = np.random.default_rng([seed, rank, round_index])
+    weight = float(rng.uniform(0.5, 2.0))
+    values = rng.random(size, dtype=np.float32)
+    values *= 2.0
+    values -= 1.0
+    return values, weight
+
+
+def _exact_mean(seed: int, num_peers: int, round_index: int, size: int) -> np.ndarray:
+    total = np.zeros(size, dtype=np.float64)
+    weight_sum = 0.0
+    for rank in range(num_peers):
+        values, weight = _values(seed, rank, round_index, size)
+        total += values.astype(np.float64) * weight
+        weight_sum += weight
+    total /= weight_sum
+    return total
+
+
+async def _peer(rank: int, spec: dict[str, Any], barrier, results) -> None:
+    identity = PeerIdentity.generate()
+    transport = HttpTransport(identity, TransportConfig())
+    node = DHTNode(
+        transport=transport,
+        identity=identity,
+        config=DHTConfig(initial_peers=spec["initial_peers"]),
+    )
+    tensor = np.zeros(spec["size"], dtype=np.float32)
+    averager = DecentralizedAverager(
+        [tensor], transport=transport, dht=node, prefix=_PREFIX, config=spec["config"]
+    )
+    async with transport, node, averager:
+        results.put(("address", rank, transport.address))
+        num_peers, size = spec["num_peers"], spec["size"]
+        for round_index in range(spec["num_warmup"] + spec["num_rounds"]):
+            values, weight = _values(spec["seed"], rank, round_index, size)
+            tensor[:] = values
+            await asyncio.to_thread(barrier.wait, _BARRIER_TIMEOUT_S)
+            start = time.perf_counter()
+            result = await averager.step(weight=weight, epoch=round_index)
+            round_s = time.perf_counter() - start
+            measured = round_index >= spec["num_warmup"]
+            max_abs_err = None
+            if measured and round_index % num_peers == rank:
+                exact = _exact_mean(spec["seed"], num_peers, round_index, size)
+                max_abs_err = float(np.max(np.abs(tensor - exact)))
+            if measured:
+                results.put(
+                    (
+                        "round",
+                        rank,
+                        {
+                            "round": round_index,
+                            "status": result.status,
+                            "round_s": round_s,
+                            "allreduce_s": result.allreduce_s,
+                            "matchmaking_s": result.matchmaking_s,
+                            "bytes_sent": result.bytes_sent,
+                            "max_abs_err": max_abs_err,
+                            "phase_s": dict(result.phase_s),
+                        },
+                    )
+                )
+        # Stay reachable until everyone is done: others may still be reducing our part.
+        await asyncio.to_thread(barrier.wait, _BARRIER_TIMEOUT_S)
+
+
+def _worker(rank: int, spec: dict[str, Any], barrier, results) -> None:
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(created).4f peer {rank} %(levelname)s %(name)s %(message)s",
+    )
+    logging.getLogger("averaging").setLevel(spec["log_level"])
+    try:
+        asyncio.run(_peer(rank, spec, barrier, results))
+    except BaseException as e:  # report, then let the process die
+        results.put(("error", rank, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def run_allreduce_bench(
+    num_peers: int,
+    size: int,
+    compression: str = "none",
+    num_rounds: int = 5,
+    *,
+    num_warmup: int = 1,
+    seed: int = 0,
+    config: AveragerConfig | None = None,
+    include_phases: bool = False,
+    timeout_s: float = 600.0,
+    log_level: str = "WARNING",
+) -> dict[str, Any]:
+    """Run ``num_rounds`` measured rounds (after ``num_warmup``) of ``num_peers`` processes.
+
+    Returns the contract fields of DESIGN.md: ``backend`` ("native"), ``peers``, ``size``,
+    ``compression``, ``rounds`` (measured rounds in which every peer averaged fully),
+    ``round_s_p50`` / ``allreduce_s_p50`` / ``matchmaking_s_p50`` (median over rounds of the
+    slowest peer's seconds: a round is over when its last peer is done), ``max_abs_err`` (against
+    the exact weighted mean in float64), ``bytes_sent_per_peer`` (tensor bytes one peer sends in
+    one all-reduce, mean) and ``gbit_per_s`` (those bytes over ``allreduce_s_p50``). With
+    ``include_phases``, also ``phases_s_p50``: median seconds per phase (see RoundResult.phase_s).
+
+    Raises:
+        ValueError: bad arguments.
+        RuntimeError: a peer process failed or the run exceeded ``timeout_s``.
+    """
+    if num_peers < 2 or size < 1 or num_rounds < 1 or num_warmup < 0:
+        raise ValueError("need num_peers >= 2, size >= 1, num_rounds >= 1, num_warmup >= 0")
+    compression = Compression(compression).value
+    config = config or AveragerConfig(
+        target_group_size=num_peers, min_group_size=num_peers, compression=compression
+    )
+    spec = {
+        "num_peers": num_peers,
+        "size": size,
+        "num_rounds": num_rounds,
+        "num_warmup": num_warmup,
+        "seed": seed,
+        "config": config,
+        "initial_peers": [],
+        "log_level": log_level,
+    }
+    context = mp.get_context("spawn")
+    barrier = context.Barrier(num_peers)
+    results = context.Queue()
+    processes = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        processes.append(context.Process(target=_worker, args=(0, spec, barrier, results)))
+        processes[0].start()
+        kind, rank, address = _next(results, deadline)
+        if kind != "address":
+            raise RuntimeError(f"peer {rank} failed to start: {address}")
+        spec["initial_peers"] = [address]
+        for rank in range(1, num_peers):
+            processes.append(context.Process(target=_worker, args=(rank, spec, barrier, results)))
+            processes[-1].start()
+        rounds = _collect(results, num_peers, num_rounds, deadline)
+        for process in processes:
+            process.join(max(1.0, deadline - time.monotonic()))
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return _summary(rounds, num_peers, size, compression, include_phases)
+
+
+def _next(results, deadline: float) -> tuple:
+    try:
+        return results.get(timeout=max(0.1, min(_STARTUP_TIMEOUT_S, deadline - time.monotonic())))
+    except queue.Empty:
+        raise RuntimeError("benchmark peers stopped answering") from None
+
+
+def _collect(results, num_peers: int, num_rounds: int, deadline: float) -> list[list[dict]]:
+    rounds: dict[int, list[dict]] = {}
+    expected = num_peers * num_rounds
+    received = 0
+    while received < expected:
+        if time.monotonic() > deadline:
+            raise RuntimeError("allreduce benchmark timed out")
+        kind, rank, payload = _next(results, deadline)
+        if kind == "error":
+            raise RuntimeError(f"peer {rank} failed: {payload}")
+        if kind == "round":
+            rounds.setdefault(payload["round"], []).append(payload)
+            received += 1
+    return [rounds[r] for r in sorted(rounds)]
+
+
+def _summary(rounds, num_peers, size, compression, include_phases) -> dict[str, Any]:
+    def p50_of_slowest(field: str) -> float:
+        return statistics.median(max(peer[field] for peer in peers) for peers in rounds)
+
+    allreduce_s = p50_of_slowest("allreduce_s")
+    bytes_sent = statistics.mean(peer["bytes_sent"] for peers in rounds for peer in peers)
+    errors = [peer["max_abs_err"] for peers in rounds for peer in peers]
+    summary: dict[str, Any] = {
+        "backend": "native",
+        "peers": num_peers,
+        "size": size,
+        "compression": compression,
+        "rounds": sum(all(peer["status"] == "ok" for peer in peers) for peers in rounds),
+        "round_s_p50": round(p50_of_slowest("round_s"), 4),
+        "allreduce_s_p50": round(allreduce_s, 4),
+        "matchmaking_s_p50": round(p50_of_slowest("matchmaking_s"), 4),
+        "max_abs_err": max((e for e in errors if e is not None), default=None),
+        "bytes_sent_per_peer": int(bytes_sent),
+        "gbit_per_s": round(bytes_sent * 8 / allreduce_s / 1e9, 3) if allreduce_s else 0.0,
+    }
+    if include_phases:
+        phases = {k for peers in rounds for peer in peers for k in peer["phase_s"]}
+        summary["phases_s_p50"] = {
+            k: round(
+                statistics.median(peer["phase_s"].get(k, 0.0) for ps in rounds for peer in ps), 4
+            )
+            for k in sorted(phases)
+        }
+    return summary

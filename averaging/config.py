@@ -1,0 +1,128 @@
+"""Settings of the averager: group formation, the all-reduce's timeouts, chunking, compression."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from averaging.compression import UINT8_BLOCK, Compression
+from averaging.errors import ConfigError
+from averaging.group import DEFAULT_CHUNK_NUMEL, MAX_CHUNK_NUMEL
+
+PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AveragerConfig:
+    """How a peer finds a group and averages with it.
+
+    Attributes:
+        target_group_size: a leader closes its group as soon as it has this many members.
+        min_group_size: fewer members than this (the leader included) is no group: the peers
+            get an "alone" result and step locally.
+        matchmaking_time_s: bound on looking for a group, in seconds; a leader waits at most
+            this long for followers, a follower at most this long for its group to form.
+        matchmaking_poll_min_s: first pause between two reads of the matchmaking records in
+            the DHT, in seconds; it doubles after each read up to ``matchmaking_poll_max_s``.
+        matchmaking_poll_max_s: longest pause between two reads of those records, in seconds.
+        request_timeout_s: bound on one matchmaking request (join, DHT store/get), in seconds.
+        allreduce_timeout_s: bound on the whole all-reduce of one round, in seconds; whatever
+            was not averaged by then keeps its local values (a partial round).
+        sender_timeout_s: a reducer drops a sender that delivers no next chunk (or does not
+            connect) for this long, in seconds, and averages the others.
+        reducer_timeout_s: a sender gives up on a reducer that sends no next averaged chunk
+            for this long, in seconds, and keeps its own values for that part.
+        group_wait_s: how long a reducer holds an incoming stream for a group it has not yet
+            heard of (its matchmaking answer may be a little behind), in seconds.
+        chunk_numel: most values per chunk of a part (a multiple of the uint8 block, 1024, at
+            most 2**21); the wire carries ``4 * chunk_numel`` bytes per chunk without
+            compression. Small parts use smaller chunks. A group uses its leader's setting.
+        max_chunks_in_flight: chunks of a part a reducer accumulates at once (its memory is
+            this many chunks per part; senders are held back by flow control beyond it).
+        offload_min_numel: numpy work on at least this many values (compression, decoding)
+            runs in a worker thread, off the event loop.
+        compression: wire format of the parts unless a step says otherwise.
+        bandwidth: this peer's share of the reduction work relative to others' (e.g. its
+            upload bandwidth in Mbit/s); parts are sized in proportion. Client-mode peers
+            reduce nothing whatever this says.
+        group_bits: appended to the matchmaking key (Moshpit-style sub-swarms in large runs).
+    """
+
+    target_group_size: int = 16
+    min_group_size: int = 2
+    matchmaking_time_s: float = 5.0
+    matchmaking_poll_min_s: float = 0.01
+    matchmaking_poll_max_s: float = 0.5
+    request_timeout_s: float = 5.0
+    allreduce_timeout_s: float = 60.0
+    sender_timeout_s: float = 5.0
+    reducer_timeout_s: float = 10.0
+    group_wait_s: float = 5.0
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    max_chunks_in_flight: int = 4
+    offload_min_numel: int = 65536
+    compression: Compression = Compression.NONE
+    bandwidth: float = 1.0
+    group_bits: str = ""
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "compression", Compression(self.compression))
+        except ValueError:
+            raise ConfigError(
+                f"compression must be one of none, fp16, uint8; got {self.compression!r}"
+            ) from None
+        for name in ("target_group_size", "min_group_size", "max_chunks_in_flight"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_group_size > self.target_group_size:
+            raise ConfigError(
+                f"min_group_size ({self.min_group_size}) must not exceed target_group_size "
+                f"({self.target_group_size})"
+            )
+        for name in (
+            "matchmaking_time_s",
+            "matchmaking_poll_min_s",
+            "matchmaking_poll_max_s",
+            "request_timeout_s",
+            "allreduce_timeout_s",
+            "sender_timeout_s",
+            "reducer_timeout_s",
+            "group_wait_s",
+        ):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if self.reducer_timeout_s <= self.sender_timeout_s:
+            # A reducer waits up to sender_timeout_s for a slow sender before it can answer.
+            raise ConfigError(
+                f"reducer_timeout_s ({self.reducer_timeout_s}) must exceed sender_timeout_s "
+                f"({self.sender_timeout_s})"
+            )
+        if self.group_wait_s >= self.reducer_timeout_s:
+            # A sender gives up on a reducer that holds its stream longer than this.
+            raise ConfigError(
+                f"group_wait_s ({self.group_wait_s}) must be less than reducer_timeout_s "
+                f"({self.reducer_timeout_s})"
+            )
+        if self.matchmaking_poll_min_s > self.matchmaking_poll_max_s:
+            raise ConfigError("matchmaking_poll_min_s must not exceed matchmaking_poll_max_s")
+        if not UINT8_BLOCK <= self.chunk_numel <= MAX_CHUNK_NUMEL or self.chunk_numel % UINT8_BLOCK:
+            raise ConfigError(
+                f"chunk_numel must be a multiple of {UINT8_BLOCK} in [{UINT8_BLOCK}, "
+                f"{MAX_CHUNK_NUMEL}], got {self.chunk_numel}"
+            )
+        if self.offload_min_numel < 0:
+            raise ConfigError(f"offload_min_numel must be >= 0, got {self.offload_min_numel}")
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise ConfigError(f"bandwidth must be a positive number, got {self.bandwidth}")
+        if self.group_bits and not set(self.group_bits) <= {"0", "1"}:
+            raise ConfigError(f"group_bits must be a string of 0s and 1s, got {self.group_bits!r}")
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` if it is a valid averager name (letters, digits, ``_.-``; 1 to 64 chars)."""
+    if not isinstance(prefix, str) or not PREFIX_PATTERN.fullmatch(prefix):
+        raise ConfigError(f"prefix must match {PREFIX_PATTERN.pattern}, got {prefix!r}")
+    return prefix

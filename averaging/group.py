@@ -1,0 +1,156 @@
+"""A formed group: who averages together this round, and how that travels on the wire."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from averaging.compression import UINT8_BLOCK, Compression
+from averaging.errors import ProtocolViolation
+from averaging.partition import Part, make_parts
+from dht.identity import is_peer_id
+
+MAX_GROUP_SIZE = 256
+MAX_ADDRESS_CHARS = 300
+MAX_CHUNK_NUMEL = 2 * 1024 * 1024  # 8 MiB of float32: the transport's default frame limit
+DEFAULT_CHUNK_NUMEL = 1024 * 1024  # 4 MiB of float32: fewer, larger writes cost less CPU
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """One member of a group.
+
+    Attributes:
+        peer_id: the member's peer id.
+        address: its URL, or None for a client-mode peer (it reduces no part).
+        bandwidth: its relative share of the reduction work (ignored for client-mode peers).
+        weight: the weight of its contribution (samples); 0 means it contributes nothing but
+            still receives the average and reduces its part.
+    """
+
+    peer_id: str
+    address: str | None
+    bandwidth: float = 1.0
+    weight: float = 1.0
+
+    @property
+    def client_mode(self) -> bool:
+        return self.address is None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"peer": self.peer_id, "addr": self.address, "bw": self.bandwidth, "w": self.weight}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> GroupMember:
+        """Parse a member received from the network.
+
+        Raises:
+            ProtocolViolation: a field is missing or malformed.
+        """
+        if not isinstance(raw, Mapping):
+            raise ProtocolViolation("group member is not a map")
+        peer_id, address = raw.get("peer"), raw.get("addr")
+        bandwidth, weight = raw.get("bw"), raw.get("w")
+        if not is_peer_id(peer_id):
+            raise ProtocolViolation(f"bad peer id in group: {peer_id!r}")
+        if address is not None and not (
+            isinstance(address, str) and 0 < len(address) <= MAX_ADDRESS_CHARS
+        ):
+            raise ProtocolViolation("bad member address")
+        for name, value in (("bandwidth", bandwidth), ("weight", weight)):
+            if not _is_nonnegative_number(value):
+                raise ProtocolViolation(f"member {name} must be a finite number >= 0")
+        return cls(peer_id, address, float(bandwidth), float(weight))
+
+
+def _is_nonnegative_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A group as its leader announced it; every member derives the same partition from it.
+
+    Attributes:
+        group_id: random hex string naming this group's round.
+        members: the members, ordered by peer id; part ``i`` is reduced by ``members[i]``.
+        compression: the wire format every member uses this round.
+        chunk_numel: the most values per chunk (small parts use smaller chunks).
+    """
+
+    group_id: str
+    members: tuple[GroupMember, ...]
+    compression: Compression = Compression.NONE
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compression", Compression(self.compression))
+        object.__setattr__(self, "members", tuple(self.members))
+        ids = [m.peer_id for m in self.members]
+        if len(set(ids)) != len(ids):
+            raise ProtocolViolation("a peer appears twice in the group")
+        if not (
+            isinstance(self.chunk_numel, int)
+            and UINT8_BLOCK <= self.chunk_numel <= MAX_CHUNK_NUMEL
+            and self.chunk_numel % UINT8_BLOCK == 0
+        ):
+            raise ProtocolViolation(f"bad chunk size {self.chunk_numel!r}")
+
+    @property
+    def peer_ids(self) -> tuple[str, ...]:
+        return tuple(m.peer_id for m in self.members)
+
+    def index_of(self, peer_id: str) -> int:
+        for index, member in enumerate(self.members):
+            if member.peer_id == peer_id:
+                return index
+        raise KeyError(peer_id)
+
+    def member(self, peer_id: str) -> GroupMember:
+        return self.members[self.index_of(peer_id)]
+
+    def parts(self, total_numel: int) -> list[Part]:
+        """One part per member (empty for client-mode peers), sized by bandwidth."""
+        bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
+        return make_parts(total_numel, bandwidths, self.chunk_numel)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "group": self.group_id,
+            "members": [m.to_wire() for m in self.members],
+            "compression": self.compression.value,
+            "chunk": self.chunk_numel,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> GroupInfo:
+        """Parse a group received from the network.
+
+        Raises:
+            ProtocolViolation: malformed, empty, too large, or a peer listed twice.
+        """
+        if not isinstance(raw, Mapping):
+            raise ProtocolViolation("group is not a map")
+        group_id, members = raw.get("group"), raw.get("members")
+        if not (isinstance(group_id, str) and 0 < len(group_id) <= 64):
+            raise ProtocolViolation("bad group id")
+        if not (isinstance(members, list) and 0 < len(members) <= MAX_GROUP_SIZE):
+            raise ProtocolViolation("group members must be a non-empty list")
+        try:
+            compression = Compression(raw.get("compression"))
+        except ValueError:
+            raise ProtocolViolation("unknown compression in group") from None
+        parsed = tuple(GroupMember.from_wire(m) for m in members)
+        if all(m.client_mode for m in parsed):
+            raise ProtocolViolation("a group needs at least one member with an address")
+        chunk_numel = raw.get("chunk")
+        if isinstance(chunk_numel, bool):
+            raise ProtocolViolation("bad chunk size")
+        return cls(group_id, parsed, compression, chunk_numel)

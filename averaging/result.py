@@ -1,0 +1,66 @@
+"""The outcome of one averaging round, as the caller and the profiler see it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+RoundStatus = Literal["ok", "partial", "alone", "failed"]
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one peer's round came to.
+
+    Attributes:
+        status: "ok" (every part averaged, nobody dropped), "partial" (some of the vector kept
+            its local values or a peer was dropped), "alone" (no group formed: the caller steps
+            locally) or "failed" (a group formed but nothing was averaged).
+        reason: why the round is not "ok" ("" when it is).
+        group_id: the group's round id (None when alone).
+        members: the group's peer ids (this peer included).
+        weights: each member's weight, as the group recorded it.
+        dropped_peers: peers dropped by this peer as their reducer, and reducers whose part did
+            not come back to this peer.
+        bytes_sent: tensor bytes this peer sent in the all-reduce (chunk headers included).
+        bytes_received: tensor bytes it received.
+        matchmaking_s: seconds spent finding the group.
+        allreduce_s: seconds spent in the all-reduce.
+        averaged_fraction: the fraction of the vector replaced by an average that includes
+            another peer's values.
+        compression: the wire format used.
+        phase_s: seconds per phase, for the profiler: "gather" (tensors to the flat vector),
+            "matchmaking", "allreduce", "scatter" (back to the tensors), and the CPU seconds
+            inside the all-reduce: "encode", "decode", "reduce".
+    """
+
+    status: RoundStatus
+    reason: str = ""
+    group_id: str | None = None
+    members: tuple[str, ...] = ()
+    weights: Mapping[str, float] = field(default_factory=dict)
+    dropped_peers: tuple[str, ...] = ()
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    matchmaking_s: float = 0.0
+    allreduce_s: float = 0.0
+    averaged_fraction: float = 0.0
+    compression: str = "none"
+    phase_s: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def partial(self) -> bool:
+        """Some of the vector was not averaged, or a peer was dropped."""
+        return self.status == "partial"
+
+    @property
+    def averaged(self) -> bool:
+        """The tensors now hold (at least partly) the group's average."""
+        return self.status in ("ok", "partial")
+
+    @property
+    def round_s(self) -> float:
+        """Seconds of the whole step."""
+        phases = ("gather", "matchmaking", "allreduce", "scatter")
+        return sum(self.phase_s.get(phase, 0.0) for phase in phases)
