@@ -139,6 +139,10 @@ def run_allreduce_bench(
     one all-reduce, mean) and ``gbit_per_s`` (those bytes over ``allreduce_s_p50``). With
     ``include_phases``, also ``phases_s_p50``: median seconds per phase (see RoundResult.phase_s).
 
+    Every peer uses ``config`` (default: groups of exactly ``num_peers``, the given compression,
+    the other settings at their defaults); ``log_level`` is the peers' ``averaging`` log level
+    (their log lines go to stderr with wall-clock timestamps, for cross-process timelines).
+
     Raises:
         ValueError: bad arguments.
         RuntimeError: a peer process failed or the run exceeded ``timeout_s``.
