@@ -131,6 +131,7 @@ class DecentralizedAverager:
         epoch: int | None = None,
         timeout_s: float | None = None,
         compression: Compression | str | None = None,
+        target_group_size: int | None = None,
     ) -> RoundResult:
         """Find a group and average the tensors with it, in place.
 
@@ -141,6 +142,9 @@ class DecentralizedAverager:
             timeout_s: bound on the whole step in seconds (default: matchmaking_time_s +
                 allreduce_timeout_s).
             compression: the wire format if this peer leads the group (default: the config's).
+            target_group_size: if this peer leads, close the group as soon as it has this many
+                members (default: the config's); a caller that knows how many peers are ready
+                spares the wait for more.
 
         Returns:
             The round's result; "alone" when no group formed (the tensors are untouched).
@@ -171,6 +175,7 @@ class DecentralizedAverager:
                 numel=self.numel,
                 compression=compression,
                 timeout_s=min(self.config.matchmaking_time_s, timeout_s),
+                target_group_size=target_group_size,
             )
             phase_s["matchmaking"] = loop.time() - start
             if match.group is None:
@@ -203,18 +208,25 @@ class DecentralizedAverager:
         epoch: int | None = None,
         timeout_s: float | None = None,
         compression: Compression | str | None = None,
+        target_group_size: int | None = None,
     ) -> RoundResult:
         """:meth:`step` from a thread outside the event loop (the training loop's facade).
 
         Args:
             runner: the event-loop thread this averager's transport runs on.
-            weight, epoch, timeout_s, compression: as for :meth:`step`.
+            weight, epoch, timeout_s, compression, target_group_size: as for :meth:`step`.
 
         Raises:
             PeerTimeoutError: the step did not end within its own bound plus a few seconds.
         """
         bound_s = (timeout_s or self._default_timeout_s()) + _FACADE_SLACK_S
-        step = self.step(weight, epoch=epoch, timeout_s=timeout_s, compression=compression)
+        step = self.step(
+            weight,
+            epoch=epoch,
+            timeout_s=timeout_s,
+            compression=compression,
+            target_group_size=target_group_size,
+        )
         try:
             return runner.run(step, timeout_s=bound_s)
         except DHTError as e:

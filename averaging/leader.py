@@ -57,7 +57,7 @@ class Leader:
         now = asyncio.get_running_loop().time()
         self._purge_reservations(term, now)
         if member.peer_id not in term.followers:
-            if 1 + len(term.followers) >= self._config.target_group_size:
+            if 1 + len(term.followers) >= search.target_group_size:
                 return {"status": "full", "members": [search.me.peer_id, *term.followers]}
         deadline = now + max(0.0, remaining_s)
         follower = term.followers.get(member.peer_id)
@@ -89,7 +89,7 @@ class Leader:
                 del term.followers[ctx.sender]
             return _answer(term, ctx.sender)
         follower.waiting = True
-        if 1 + term.num_waiting >= self._config.target_group_size:
+        if 1 + term.num_waiting >= search.target_group_size:
             self.finalize(search)
         timeout_s = follower.deadline - asyncio.get_running_loop().time()
         try:

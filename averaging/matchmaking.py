@@ -84,16 +84,28 @@ class Matchmaker:
     # ---- looking for a group -----------------------------------------------------------------
 
     async def find_group(
-        self, key: str, *, weight: float, numel: int, compression: Compression, timeout_s: float
+        self,
+        key: str,
+        *,
+        weight: float,
+        numel: int,
+        compression: Compression,
+        timeout_s: float,
+        target_group_size: int | None = None,
     ) -> MatchResult:
-        """Look for a group under ``key`` for at most ``timeout_s`` seconds."""
+        """Look for a group under ``key`` for at most ``timeout_s`` seconds.
+
+        ``target_group_size`` overrides the config's for this search (a caller that knows how
+        many peers are ready lets a leader close as soon as they are all in).
+        """
         if self._search is not None:
             raise RuntimeError("find_group is already running")
         loop = asyncio.get_running_loop()
         address = self._transport.address
         me = GroupMember(self._peer_id, address, self._config.bandwidth, weight)
         rank = rank_of(key, self._peer_id) if address is not None else CLIENT_RANK
-        search = Search(key, me, numel, compression, loop.time() + timeout_s, rank)
+        target = target_group_size or self._config.target_group_size
+        search = Search(key, me, numel, compression, loop.time() + timeout_s, rank, target)
         search.lead()
         self._search = search
         try:

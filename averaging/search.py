@@ -85,6 +85,7 @@ class Search:
     compression: Compression
     deadline: float
     rank: bytes
+    target_group_size: int
     term: Term | None = None
     following: Candidate | None = None
     seen: set[str] = field(default_factory=set)

@@ -92,7 +92,13 @@ class TensorAverager(Protocol):
     """Averages tensors in place with a group of the swarm (blocking; marks its own phases)."""
 
     def average(
-        self, tensors: Sequence[torch.Tensor], *, weight: float, epoch: int, timeout_s: float
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float,
+        epoch: int,
+        timeout_s: float,
+        expected_peers: int,
     ) -> RoundOutcome: ...
 
 
@@ -172,6 +178,7 @@ class CollaborativeOptimizer:
         self.stats = EpochStats()
         self.on_behind = on_behind
         self._alone = False
+        self._num_at_epoch = 1
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = (
             buffers if buffers is not None else averaged_buffers(self._params, config.mode)
@@ -222,7 +229,8 @@ class CollaborativeOptimizer:
 
     def _swarm_ready(self, swarm: GlobalProgress) -> bool:
         # nobody else at this epoch: a round would only wait out matchmaking for a group of one
-        self._alone = sum(peer.epoch == self.epoch for peer in swarm.peers) <= 1
+        self._num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
+        self._alone = self._num_at_epoch <= 1
         if swarm.epoch > self.epoch:
             return True  # the swarm moved on: average what we have, or fall back and resync
         lead = self.config.matchmaking_lead_s
@@ -241,6 +249,7 @@ class CollaborativeOptimizer:
                 weight=float(self.samples),
                 epoch=self.epoch,
                 timeout_s=self.config.averaging_timeout_s,
+                expected_peers=self._num_at_epoch,
             )
         self._record(outcome)
         self.stats.epoch_samples = [*self.stats.epoch_samples[-999:], self.samples]

@@ -31,6 +31,8 @@ from peer.trainer import StepReport, Trainer
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
+# After a failed catch-up download, train on this long before trying again (a donor may be busy).
+RESYNC_COOLDOWN_S = 2.0
 STATE_PREFIX_OPTIMIZER = "optim"
 
 
@@ -200,7 +202,7 @@ class PeerRun:
 
     def _catch_up(self, swarm_epoch: int) -> int:
         now = time.monotonic()
-        if now - self._last_sync_attempt_s < self.config.matchmaking_time:
+        if now - self._last_sync_attempt_s < RESYNC_COOLDOWN_S:
             return self.hook.epoch  # a recent attempt failed: train on, try again later
         self._last_sync_attempt_s = now
         logger.info(

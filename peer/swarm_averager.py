@@ -31,12 +31,26 @@ class SwarmAverager:
         self.last_result = None
 
     def average(
-        self, tensors: Sequence[torch.Tensor], *, weight: float, epoch: int, timeout_s: float
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float,
+        epoch: int,
+        timeout_s: float,
+        expected_peers: int,
     ) -> RoundOutcome:
         with self.clock.phase("matchmaking"):
             try:
+                config = self.averager.config
                 result = self.averager.step_blocking(
-                    self.loop_thread, weight, epoch=epoch, timeout_s=timeout_s
+                    self.loop_thread,
+                    weight,
+                    epoch=epoch,
+                    timeout_s=timeout_s,
+                    # the peers known to be at this epoch: a leader closes once they are all in
+                    target_group_size=max(
+                        config.min_group_size, min(expected_peers, config.target_group_size)
+                    ),
                 )
             except AveragingError as e:
                 return RoundOutcome(ok=False, num_peers=1, reason=str(e) or type(e).__name__)

@@ -114,7 +114,10 @@ async def test_values_survive_a_third_of_the_nodes_dying(dht_swarm):
     # Values stored after the deaths land on live nodes only, and are found too.
     writer = rng.choice(swarm.nodes)
     outcome = await writer.store_outcome("after-churn", "ok", expiration)
-    assert outcome.ok and outcome.num_accepted == outcome.num_targets == 20
+    # Every target accepted: none was a dead node. Routing tables still name the dead until a
+    # refresh, and an answer lists only its k closest, so the live node farthest from the key
+    # can go unseen: 19 or 20 targets of the 20 survivors, both correct Kademlia.
+    assert outcome.ok and outcome.num_accepted == outcome.num_targets >= 19
     assert (await rng.choice(swarm.nodes).get("after-churn", latest=True)).value == "ok"
 
 

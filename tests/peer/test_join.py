@@ -130,8 +130,8 @@ def wait_for(condition, what: str, timeout_s: float = 60) -> None:
 
 
 def test_a_newcomer_downloads_the_state_and_joins_the_next_round():
-    # epochs of about a second here, so that the newcomer can catch one
-    slow = {"target_batch_size": 4096, "publish_interval": 0.1}
+    # epochs of a second or more here, so that the newcomer can catch one
+    slow = {"target_batch_size": 8192, "publish_interval": 0.1}
     (first,) = start_swarm([config(seed=1, **slow)])
     first_thread = train_in_thread(first)
     newcomer, newcomer_thread = None, None
