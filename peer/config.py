@@ -79,6 +79,7 @@ class PeerConfig(BaseModel):
     checkpoint_dir: Path | None = Field(None, description="periodic atomic checkpoints; resume")
     checkpoint_interval: float = Field(60.0, gt=0, description="seconds between checkpoints")
     metrics_file: Path | None = Field(None, description="JSON Lines metrics stream")
+    metrics_interval: float = Field(5.0, gt=0, description="seconds between metrics lines")
     publish_interval: float = Field(1.0, gt=0, description="seconds between progress records")
 
     @field_validator("initial_peers")

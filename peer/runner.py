@@ -22,6 +22,7 @@ from dht.runtime import EventLoopThread
 from peer.checkpoint import CheckpointDir, Progress, pack_state, unpack_state
 from peer.collaborative import CollaborativeOptimizer, averaged_buffers
 from peer.config import PeerConfig
+from peer.metrics_stream import MetricsStream
 from peer.phases import PhaseClock
 from peer.services import SwarmServices, open_services
 from peer.state_sync import StateSnapshot, StateSyncError, download_state, layout_of
@@ -103,6 +104,7 @@ class PeerRun:
         self._last_checkpoint_s = time.monotonic()
         self._last_sync_attempt_s = -float("inf")
         self._last_loss: torch.Tensor | None = None
+        self.metrics: MetricsStream | None = None
 
     @property
     def address(self) -> str | None:
@@ -146,6 +148,15 @@ class PeerRun:
         self.services.tracker.report_local_progress(epoch, 0)
         self.services.state_server.current_epoch = epoch
         self.services.state_server.update(self._snapshot(epoch))
+        if self.config.metrics_file is not None:
+            self.metrics = MetricsStream(
+                self.config.metrics_file,
+                peer_id=self.identity.peer_id,
+                run_id=self.config.run_id,
+                clock=self.clock,
+                counters=self.services.transport.counters,
+                interval_s=self.config.metrics_interval,
+            )
         self.loop_thread.run(self.services.state_server.announce(), timeout_s=START_TIMEOUT_S)
 
     def _resume(self) -> int:
@@ -224,6 +235,13 @@ class PeerRun:
 
     def _on_step(self, report: StepReport) -> None:
         self._last_loss = report.loss_tensor
+        if self.metrics is not None:
+            self.metrics.maybe_report(
+                epoch=self.hook.epoch,
+                step=report.step,
+                samples=report.samples,
+                loss=report.loss_tensor,
+            )
         state_server = self.services.state_server
         if state_server.snapshot_requested:
             state_server.update(self._snapshot(self.hook.epoch))
@@ -259,6 +277,10 @@ class PeerRun:
             )
             if self.checkpoints is not None:
                 self._save_checkpoint(self.hook.epoch)
+            if self.metrics is not None:
+                self.metrics.report(
+                    epoch=self.hook.epoch, step=self.trainer.step, loss=self._last_loss
+                )
             stopped_by = result.stopped_by
         finally:
             self.close()
@@ -285,4 +307,6 @@ class PeerRun:
             self.loop_thread.run(services.close(), timeout_s=START_TIMEOUT_S)
         if self.loop_thread is not None:
             self.loop_thread.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.trainer.close()
