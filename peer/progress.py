@@ -14,7 +14,6 @@ a negative age (a peer whose clock runs ahead) counts as zero.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -24,6 +23,7 @@ from dht.config import get_dht_time
 from dht.errors import ConfigError
 from dht.node import DHTNode
 from dht.validation import owner_subkey, subkey_owner
+from peer.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class ProgressTracker:
         )
         self._records: list[PeerProgress] = []
         self._round_peers: dict[str, tuple[int, float]] = {}
-        self._task: asyncio.Task | None = None
+        self._publisher = Periodic(self.refresh, config.publish_interval_s, "progress-tracker")
 
     def report_local_progress(self, epoch: int, samples: int) -> None:
         """This peer is at ``epoch`` with ``samples`` accumulated toward its target."""
@@ -272,13 +272,8 @@ class ProgressTracker:
         now = get_dht_time()
         self._round_peers = {peer_id: (epoch, now) for peer_id in peer_ids}
 
-    async def _run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.config.publish_interval_s)
-
     async def __aenter__(self) -> ProgressTracker:
-        self._task = asyncio.create_task(self._run(), name="progress-tracker")
+        self._publisher.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -286,9 +281,4 @@ class ProgressTracker:
 
     async def close(self) -> None:
         """Stop publishing; safe to call twice."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+        await self._publisher.stop()

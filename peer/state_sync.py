@@ -25,6 +25,7 @@ from dht.errors import ConfigError, DHTError
 from dht.node import DHTNode
 from dht.transport import IncomingStream, Transport
 from dht.validation import owner_subkey, subkey_owner
+from peer.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 STREAM_NAME = "state.get"
@@ -120,7 +121,7 @@ class StateServer:
         self.snapshot_requested = False
         self._waiting: list[asyncio.Future] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
+        self._announcer = Periodic(self.announce, config.announce_interval_s, "state-announce")
         transport.add_stream_handler(STREAM_NAME, self._serve)
 
     def update(self, snapshot: StateSnapshot) -> None:
@@ -193,14 +194,9 @@ class StateServer:
             subkey=owner_subkey(self.dht.peer_id),
         )
 
-    async def _run(self) -> None:
-        while True:
-            await self.announce()
-            await asyncio.sleep(self.config.announce_interval_s)
-
     async def __aenter__(self) -> StateServer:
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._run(), name="state-announce")
+        self._announcer.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -208,12 +204,7 @@ class StateServer:
 
     async def close(self) -> None:
         """Stop announcing; safe to call twice."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+        await self._announcer.stop()
 
 
 async def find_donors(
