@@ -1,0 +1,41 @@
+"""Three real peers train the synthetic task in each averaging mode and lower the loss as far as
+one peer does with the same number of epochs."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.runner import PeerRun
+from peer.trainer import evaluate
+from tests.peer.test_join import config, start_swarm, train_together
+
+pytestmark = pytest.mark.timeout(240)
+EVAL = ["hidden_dim=64", "num_eval_batches=4"]
+NUM_EPOCHS = 30
+FAST = {"target_batch_size": 128, "lr": 5e-3}
+
+
+def eval_loss(run: PeerRun) -> float:
+    return evaluate(run.task, run.model)
+
+
+@pytest.mark.parametrize("mode", ["grad", "params", "diloco"])
+def test_three_peers_lower_the_loss(mode):
+    solo = PeerRun(config(task_option=EVAL, seed=5, max_epochs=NUM_EPOCHS, mode=mode, **FAST))
+    initial = eval_loss(solo)
+    solo.run()
+    solo_loss = eval_loss(solo)
+    assert solo_loss < initial - 0.1  # from ln(10) = 2.30: one peer learns
+    threshold = initial - 0.75 * (initial - solo_loss)  # most of what one peer achieves
+    runs = start_swarm(
+        [
+            config(task_option=EVAL, seed=s, max_epochs=NUM_EPOCHS, mode=mode, **FAST)
+            for s in (1, 2, 3)
+        ]
+    )
+    results = train_together(runs)
+    assert all(result is not None for result in results)
+    for run, (_, epoch, stats) in zip(runs, results, strict=True):
+        assert epoch >= NUM_EPOCHS
+        assert stats.num_rounds >= 1 and stats.last_group_size >= 2
+        assert eval_loss(run) < threshold, (mode, eval_loss(run), threshold)
