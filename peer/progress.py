@@ -200,6 +200,7 @@ class ProgressTracker:
         )
         self._records: list[PeerProgress] = []
         self._round_peers: dict[str, tuple[int, float]] = {}
+        self._refresh_lock = asyncio.Lock()
         self._publisher = Periodic(self.refresh, config.publish_interval_s, "progress-tracker")
 
     def report_local_progress(self, epoch: int, samples: int) -> None:
@@ -229,6 +230,10 @@ class ProgressTracker:
 
     async def refresh(self) -> GlobalProgress:
         """Publish the own record, read everyone's and update :attr:`global_progress`."""
+        async with self._refresh_lock:  # two stores racing: the older would be refused
+            return await self._refresh()
+
+    async def _refresh(self) -> GlobalProgress:
         own = self._own_record()
         value = {
             "epoch": own.epoch,
