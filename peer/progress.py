@@ -14,6 +14,7 @@ a negative age (a peer whose clock runs ahead) counts as zero.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
