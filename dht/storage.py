@@ -127,7 +127,14 @@ def merge_entries(a: Entry | None, b: Entry | None) -> Entry | None:
             if old is None or supersedes(record, old):
                 merged[subkey] = record
         return merged
+    for entry in (a, b):  # a replica never lets a plain value wipe peers' signed records
+        if isinstance(entry, dict) and _holds_signed(entry):
+            return entry
     return b if entry_expiration(b) > entry_expiration(a) else a
+
+
+def _holds_signed(entry: dict[Subkey, Record]) -> bool:
+    return any(record.signature is not None for record in entry.values())
 
 
 class DHTStorage:
@@ -187,6 +194,8 @@ class DHTStorage:
         if isinstance(old, Record):
             verdict = supersedes(record, old)
             return old if verdict is None else (record if verdict else None)
+        if _holds_signed(old):
+            return None  # anyone may write a plain value: it must not wipe peers' signed records
         return record if record.expiration_time > entry_expiration(old) else None
 
     def _store_subkey(self, old: Entry | None, subkey: Subkey, record: Record) -> Entry | None:

@@ -154,3 +154,14 @@ def test_cache_is_bounded_ages_out_and_hides_expired():
     disabled = ValueCache(max_entries=0, max_age_s=10.0)
     disabled.put(1, rec("a", NOW + 100))
     assert disabled.get(1, NOW) is None
+
+
+def test_a_plain_value_never_wipes_signed_subkeys(storage):
+    signed = Record(pack("mine"), NOW + 100, signature=b"s" * 64)
+    assert storage.store(7, signed, "peer:" + "ab" * 32)
+    assert not storage.store(7, rec("squatter", NOW + 5000))  # later expiration, still refused
+    assert storage.get(7) == {"peer:" + "ab" * 32: signed}
+    # replicas that disagree merge to the signed records too, whatever the order
+    squatter = rec("squatter", NOW + 5000)
+    assert merge_entries({"peer:" + "ab" * 32: signed}, squatter) == {"peer:" + "ab" * 32: signed}
+    assert merge_entries(squatter, {"peer:" + "ab" * 32: signed}) == {"peer:" + "ab" * 32: signed}
