@@ -52,6 +52,8 @@ class DHTConfig:
         bootstrap_timeout_s: bound on reaching the initial peers when starting, in seconds.
         liveness_check_after_s: a full bucket pings its least recently seen node before
             preferring a newcomer only if that node has been silent this long, in seconds.
+        max_expiration_ahead_s: records expiring further than this in the future are refused,
+            in seconds (a record cannot squat a key for years).
     """
 
     initial_peers: Sequence[str] = ()
@@ -67,6 +69,7 @@ class DHTConfig:
     rpc_timeout_s: float = 5.0
     bootstrap_timeout_s: float = 10.0
     liveness_check_after_s: float = 60.0
+    max_expiration_ahead_s: float = 7 * 24 * 3600.0
 
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
@@ -86,6 +89,7 @@ class DHTConfig:
             "cache_max_age_s",
             "rpc_timeout_s",
             "bootstrap_timeout_s",
+            "max_expiration_ahead_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -126,7 +126,9 @@ class DHTNode:
         self.node_id = DHTID.from_peer_id(identity.peer_id)
         self.limits = limits or MessageLimits()
         self.routing = RoutingTable(self.node_id, config.bucket_size, config.liveness_check_after_s)
-        self.storage = DHTStorage(self.clock, config.max_records)
+        self.storage = DHTStorage(
+            self.clock, config.max_records, max_expiration_ahead_s=config.max_expiration_ahead_s
+        )
         self.cache = ValueCache(config.cache_max_entries, config.cache_max_age_s)
         self.validator = validator or OwnerSignatureValidator()
         self.protocol = DHTProtocol(
@@ -335,6 +337,8 @@ class DHTNode:
         expiration_time = float(expiration_time)
         if expiration_time <= self.clock.time():
             return "expiration_time is in the past"
+        if expiration_time > self.clock.time() + self.config.max_expiration_ahead_s:
+            return "expiration_time is further ahead than max_expiration_ahead_s"
         owner = subkey_owner(subkey)
         if owner is None:
             return Record(value_bytes, expiration_time)

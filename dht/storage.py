@@ -144,13 +144,17 @@ class DHTStorage:
         clock: wall clock for expirations (unix seconds).
         max_records: the most records held (a plain key counts one, a dictionary one per
             subkey); stores of new records beyond it are refused.
+        max_expiration_ahead_s: records expiring further than this in the future are refused.
     """
 
-    def __init__(self, clock: Clock, max_records: int):
+    def __init__(
+        self, clock: Clock, max_records: int, *, max_expiration_ahead_s: float = float("inf")
+    ):
         if max_records < 1:
             raise ConfigError(f"max_records must be >= 1, got {max_records}")
         self._clock = clock
         self.max_records = max_records
+        self.max_expiration_ahead_s = max_expiration_ahead_s
         self._data: dict[int, Entry] = {}
         self._num_records = 0
         self._expirations: list[tuple[float, int]] = []  # a heap; entries may be outdated
@@ -168,7 +172,7 @@ class DHTStorage:
         """
         now = self._clock.time()
         self.purge_expired(now)
-        if record.expiration_time <= now:
+        if not now < record.expiration_time <= now + self.max_expiration_ahead_s:
             return False
         old = self._data.get(key_id)
         if subkey is None:

@@ -165,3 +165,10 @@ def test_a_plain_value_never_wipes_signed_subkeys(storage):
     squatter = rec("squatter", NOW + 5000)
     assert merge_entries({"peer:" + "ab" * 32: signed}, squatter) == {"peer:" + "ab" * 32: signed}
     assert merge_entries(squatter, {"peer:" + "ab" * 32: signed}) == {"peer:" + "ab" * 32: signed}
+
+
+def test_expirations_too_far_ahead_are_refused(clock):
+    storage = DHTStorage(clock, max_records=10, max_expiration_ahead_s=3600)
+    assert not storage.store(1, rec("squat", NOW + 3601))
+    assert storage.store(1, rec("fine", NOW + 3600))
+    assert not storage.store(2, rec("squat", NOW + 10**9), "peer:" + "cd" * 32)
