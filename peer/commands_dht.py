@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
-from pathlib import Path
 
 from dht.errors import ConfigError
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity, short_id
+from peer.config import peer_url, read_swarm_key
 
 
 def add_network_args(parser: argparse.ArgumentParser) -> None:
@@ -62,23 +61,13 @@ def add_network_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _swarm_key(args: argparse.Namespace) -> bytes | None:
-    if args.swarm_key_file:
-        try:
-            return Path(args.swarm_key_file).read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(f"--swarm-key-file: cannot read {args.swarm_key_file}: {e}") from e
-    key = os.environ.get("VP_SWARM_KEY")
-    return key.encode() if key else None
-
-
 def transport_config(args: argparse.Namespace, *, client_mode: bool = False) -> TransportConfig:
     return TransportConfig(
         host=args.host,
         port=args.port,
         announce_host=args.announce_host,
         client_mode=client_mode,
-        swarm_key=_swarm_key(args),
+        swarm_key=read_swarm_key(args.swarm_key_file),
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         tls_ca_file=args.tls_ca,
@@ -90,10 +79,10 @@ def identity(args: argparse.Namespace) -> PeerIdentity:
 
 
 def _check_urls(urls: list[str]) -> list[str]:
-    for url in urls:
-        if not url.startswith(("http://", "https://")) or url.count(":") < 2:
-            raise ConfigError(f"--initial-peers: {url!r} is not a URL like http://host:port")
-    return [url.rstrip("/") for url in urls]
+    try:
+        return [peer_url(url) for url in urls]
+    except ValueError as e:
+        raise ConfigError(f"--initial-peers: {e}") from None
 
 
 # ---- peer dht ---------------------------------------------------------------------------------

@@ -31,6 +31,32 @@ if TYPE_CHECKING:  # torch-importing modules: kept out of `peer dht` and `peer -
 ENV_PREFIX = "VP_"
 
 
+def peer_url(url: str) -> str:
+    """``url`` without a trailing slash, if it looks like ``http(s)://host:port``.
+
+    Raises:
+        ValueError: it does not.
+    """
+    if not url.startswith(("http://", "https://")) or url.count(":") < 2:
+        raise ValueError(f"{url!r} is not a URL like http://host:port")
+    return url.rstrip("/")
+
+
+def read_swarm_key(path: str | Path | None) -> bytes | None:
+    """The swarm key from ``path``, else from ``VP_SWARM_KEY``, else None.
+
+    Raises:
+        ConfigError: the file cannot be read.
+    """
+    if path is not None:
+        try:
+            return Path(path).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"--swarm-key-file: cannot read {path}: {e}") from e
+    key = os.environ.get(f"{ENV_PREFIX}SWARM_KEY")
+    return key.encode() if key else None
+
+
 class PeerConfig(BaseModel):
     """Everything a volunteer can set for ``peer join``."""
 
@@ -85,10 +111,7 @@ class PeerConfig(BaseModel):
     @field_validator("initial_peers")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        for url in urls:
-            if not url.startswith(("http://", "https://")) or url.count(":") < 2:
-                raise ValueError(f"{url!r} is not a URL like http://host:port")
-        return [url.rstrip("/") for url in urls]
+        return [peer_url(url) for url in urls]
 
     @field_validator("task_option")
     @classmethod
@@ -104,13 +127,7 @@ class PeerConfig(BaseModel):
     # ---- composition -------------------------------------------------------------------------
 
     def swarm_key(self) -> bytes | None:
-        if self.swarm_key_file is not None:
-            try:
-                return self.swarm_key_file.read_bytes().strip()
-            except OSError as e:
-                raise ConfigError(f"swarm_key_file: cannot read {self.swarm_key_file}: {e}") from e
-        key = os.environ.get(f"{ENV_PREFIX}SWARM_KEY")
-        return key.encode() if key else None
+        return read_swarm_key(self.swarm_key_file)
 
     def transport_config(self) -> TransportConfig:
         return TransportConfig(
