@@ -33,6 +33,8 @@ class BaselineResult:
         num_samples: samples processed.
         num_optimizer_steps: optimizer steps taken.
         seconds: measured wall time (monotonic).
+        curve: (samples seen, mean loss of that optimizer step's micro-batches) per step, to
+            compare with a run that saw a different number of samples.
     """
 
     samples_per_s: float
@@ -40,6 +42,18 @@ class BaselineResult:
     num_samples: int
     num_optimizer_steps: int
     seconds: float
+    curve: tuple[tuple[int, float], ...] = ()
+
+    def loss_at(self, num_samples: int, *, window_samples: int = 2048) -> float | None:
+        """Mean step loss over the ``window_samples`` samples before ``num_samples`` had been
+        seen (None if the baseline never got that far)."""
+        if not self.curve or num_samples > self.curve[-1][0]:
+            return None
+        before = [(seen, loss) for seen, loss in self.curve if seen <= num_samples]
+        window = [loss for seen, loss in before if seen > num_samples - window_samples]
+        if not window:
+            window = [before[-1][1]] if before else [self.curve[0][1]]
+        return sum(window) / len(window)
 
 
 def run_baseline(
@@ -97,6 +111,8 @@ def _train(
     optimizer = make_optimizer(model.parameters())
     batches = iter(task.make_loader(shard, pin_memory=use_pinned_memory(device)))
     recent_losses: collections.deque[torch.Tensor] = collections.deque(maxlen=loss_window)
+    step_losses: list[torch.Tensor] = []
+    curve_samples: list[int] = []
     num_samples = num_steps = micro = 0
     start = time.monotonic()
     deadline = start + seconds
@@ -112,6 +128,8 @@ def _train(
             optimizer.zero_grad(set_to_none=True)
             num_steps += 1
             micro = 0
+            step_losses.append(torch.stack(list(recent_losses)[-num_micro_batches:]).mean())
+            curve_samples.append(num_samples)
     elapsed_s = time.monotonic() - start
     return BaselineResult(
         samples_per_s=num_samples / elapsed_s,
@@ -119,4 +137,7 @@ def _train(
         num_samples=num_samples,
         num_optimizer_steps=num_steps,
         seconds=elapsed_s,
+        curve=tuple(zip(curve_samples, torch.stack(step_losses).tolist(), strict=True))
+        if step_losses
+        else (),
     )

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands_dht.add_bench_dht_command(bench_sub)
     commands_bench.add_bench_allreduce_command(bench_sub)
+    commands_bench.add_bench_train_command(bench_sub)
     return parser
 
 

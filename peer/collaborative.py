@@ -48,6 +48,10 @@ class CollaborativeConfig:
         averaging_timeout_s: bound on one round (matchmaking and all-reduce), in seconds.
         outer_lr: learning rate of the outer optimizer (``diloco``).
         outer_momentum: Nesterov momentum of the outer optimizer (``diloco``).
+        accumulate_in_grad: in ``grad`` mode, let autograd accumulate straight into the
+            averaged buffers (each loss weighted by its batch size; no extra pass over the
+            gradients per step). Needs gradients that are not rescaled or clipped per local
+            step: turn it off with fp16 loss scaling or ``max_grad_norm``.
     """
 
     mode: Mode = "grad"
@@ -56,6 +60,7 @@ class CollaborativeConfig:
     averaging_timeout_s: float = 30.0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    accumulate_in_grad: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("grad", "params", "diloco"):
@@ -122,6 +127,8 @@ class EpochStats:
     last_group_size: int = 0
     last_reason: str = ""
     history: list[RoundOutcome] = field(default_factory=list)
+    matchmaking_s: float = 0.0
+    allreduce_s: float = 0.0
     epoch_samples: list[int] = field(default_factory=list)
 
 
@@ -185,6 +192,9 @@ class CollaborativeOptimizer:
         )
         self._start_params: list[torch.Tensor] | None = None
         self._outer: torch.optim.Optimizer | None = None
+        self._in_grad = config.mode == "grad" and config.accumulate_in_grad
+        if self._in_grad:
+            self._attach_buffers()
         if config.mode == "diloco":
             self._start_params = [p.detach().clone() for p in self._params]
             self._outer = torch.optim.SGD(
@@ -193,8 +203,20 @@ class CollaborativeOptimizer:
 
     # ---- the hook ----------------------------------------------------------------------------
 
+    def _attach_buffers(self) -> None:
+        # autograd adds into an existing .grad in place, so the buffers the averager holds
+        # receive every backward pass directly
+        for param, accumulator in zip(self._params, self.buffers, strict=True):
+            param.grad = accumulator
+
+    def backward_weight(self, batch_samples: int) -> float:
+        """Weight each loss by its batch size when autograd accumulates into the buffers."""
+        return float(batch_samples) if self._in_grad else 1.0
+
     def on_step(self, context: StepContext) -> None:
-        if self.config.mode == "grad":
+        if self._in_grad:
+            pass  # backward already added batch_samples * gradient into the buffers
+        elif self.config.mode == "grad":
             self._accumulate(context.batch_samples)
         else:
             context.amp.step(self.optimizer)
@@ -233,6 +255,8 @@ class CollaborativeOptimizer:
         self._alone = self._num_at_epoch <= 1
         if swarm.epoch > self.epoch:
             return True  # the swarm moved on: average what we have, or fall back and resync
+        if self._alone:
+            return swarm.ready  # no matchmaking to overlap with the last steps
         lead = self.config.matchmaking_lead_s
         return swarm.ready or (swarm.eta_next_epoch_s <= lead and self.samples > 0)
 
@@ -290,6 +314,8 @@ class CollaborativeOptimizer:
             self.optimizer.zero_grad(set_to_none=True)
             for accumulator in tensors:
                 accumulator.zero_()
+            if self._in_grad:
+                self._attach_buffers()
         elif mode == "diloco":
             assert self._start_params is not None and self._outer is not None
             with torch.no_grad():
@@ -309,6 +335,8 @@ class CollaborativeOptimizer:
         stats.last_group_size = outcome.num_peers
         stats.last_reason = outcome.reason
         stats.history = [*stats.history[-99:], outcome]
+        stats.matchmaking_s += outcome.matchmaking_s
+        stats.allreduce_s += outcome.allreduce_s
         if not outcome.ok:
             stats.num_failed_rounds += 1
             logger.warning(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from dht.errors import ConfigError
 from peer.commands_dht import _positive_int
 
 
@@ -63,5 +64,84 @@ def run_bench_allreduce(args: argparse.Namespace) -> int:
     if not args.json:
         for name, value in result.items():
             print(f"{name:>20}: {value}")
+    print(json.dumps(result))
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_bench_train_command(bench_sub) -> None:
+    parser = bench_sub.add_parser(
+        "train",
+        help="N peer processes against one plain PyTorch loop: samples/s and loss",
+        description="Train the task with one plain PyTorch process using all cores (the "
+        "baseline), then with N `peer join` processes on loopback whose torch threads sum to the "
+        "same cores, each for --seconds. The defaults are the benchmark contract. The last line "
+        "of stdout is one JSON object.",
+    )
+    parser.add_argument("--peers", type=_positive_int, default=2, help="peers (default: 2)")
+    parser.add_argument("--task", default="synthetic", help="task (default: synthetic)")
+    parser.add_argument(
+        "--task-option", action="append", default=[], help="task option KEY=VALUE (repeatable)"
+    )
+    parser.add_argument(
+        "--seconds", type=_positive_float, default=20.0, help="training seconds (default: 20)"
+    )
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=None, help="samples per local step"
+    )
+    parser.add_argument(
+        "--target-batch-size",
+        type=_positive_int,
+        default=2048,
+        help="samples per optimizer step (default: 2048)",
+    )
+    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam lr (default: 1e-3)")
+    parser.add_argument(
+        "--mode", choices=["grad", "params", "diloco"], default="grad", help="default: grad"
+    )
+    parser.add_argument(
+        "--threads", type=_positive_int, default=None, help="cores to use (default: all)"
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="skip the baseline")
+    parser.add_argument(
+        "--backend", choices=["native", "hivemind"], default="native", help="default: native"
+    )
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.set_defaults(run=run_bench_train)
+
+
+def run_bench_train(args: argparse.Namespace) -> int:
+    from peer.bench_train import TrainBenchConfig, run_train_bench
+
+    for option in args.task_option:
+        if "=" not in option:
+            raise ConfigError(f"--task-option: {option!r} is not KEY=VALUE")
+    extra = {} if args.threads is None else {"num_threads": args.threads}
+    config = TrainBenchConfig(
+        backend=args.backend,
+        num_peers=args.peers,
+        task=args.task,
+        task_options=tuple(args.task_option),
+        seconds=args.seconds,
+        batch_size=args.batch_size,
+        target_batch_size=args.target_batch_size,
+        lr=args.lr,
+        mode=args.mode,
+        run_baseline=not args.no_baseline,
+        **extra,
+    )
+    result = run_train_bench(config)
+    if not args.json:
+        for name, value in result.items():
+            print(f"{name:>26}: {value}")
     print(json.dumps(result))
     return 0

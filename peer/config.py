@@ -15,7 +15,14 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from averaging.config import AveragerConfig
 from dht.config import DHTConfig
@@ -107,10 +114,18 @@ class PeerConfig(BaseModel):
     metrics_file: Path | None = Field(None, description="JSON Lines metrics stream")
     metrics_interval: float = Field(5.0, gt=0, description="seconds between metrics lines")
     publish_interval: float = Field(1.0, gt=0, description="seconds between progress records")
+    wait_for_peers: int = Field(
+        1, ge=1, description="before training, wait until this many peers (self included) are up"
+    )
+    wait_for_peers_timeout: float = Field(
+        120.0, gt=0, description="seconds to wait for --wait-for-peers, then train anyway"
+    )
 
     @field_validator("initial_peers")
     @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
+    def _urls(cls, urls: list[str], info: ValidationInfo) -> list[str]:
+        if info.data.get("backend") == "hivemind":
+            return urls  # libp2p multiaddrs (/ip4/.../p2p/...); the hivemind backend checks them
         return [peer_url(url) for url in urls]
 
     @field_validator("task_option")

@@ -8,11 +8,13 @@ condition, serving fresh state to newcomers and checkpointing as it goes.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 import logging
+import math
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -35,9 +37,11 @@ START_TIMEOUT_S = 60.0
 # After a failed catch-up download, train on this long before trying again (a donor may be busy).
 RESYNC_COOLDOWN_S = 2.0
 STATE_PREFIX_OPTIMIZER = "optim"
+# The summary's final loss is the mean over about this many of the last training samples.
+FINAL_LOSS_SAMPLES = 2048
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PeerSummary:
     """How a peer's run went (``peer join`` prints it; ``peer demo`` aggregates it)."""
 
@@ -52,6 +56,8 @@ class PeerSummary:
     num_rounds: int
     num_failed_rounds: int
     stopped_by: str
+    matchmaking_s: float = 0.0
+    allreduce_s: float = 0.0
 
 
 def make_optimizer(config: PeerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -104,6 +110,9 @@ class PeerRun:
         self._last_checkpoint_s = time.monotonic()
         self._last_sync_attempt_s = -float("inf")
         self._last_loss: torch.Tensor | None = None
+        self._recent_losses: collections.deque[torch.Tensor] = collections.deque(
+            maxlen=max(1, math.ceil(FINAL_LOSS_SAMPLES / self.task.batch_size))
+        )
         self.metrics: MetricsStream | None = None
 
     @property
@@ -139,13 +148,20 @@ class PeerRun:
             optimizer=self.optimizer,
             averager=SwarmAverager(self.services.averager, self.loop_thread, self.clock),
             progress=self.services.tracker,
-            config=self.config.collaborative_config(),
+            config=dataclasses.replace(
+                self.config.collaborative_config(),
+                # per-step unscaling or clipping needs each step's gradient on its own
+                accumulate_in_grad=self.trainer.amp.scaler is None
+                and self.config.max_grad_norm is None,
+            ),
             on_epoch=self._on_epoch,
             epoch=epoch,
             buffers=self.buffers,
         )
         self.trainer.hook = self.hook
         self.services.tracker.report_local_progress(epoch, 0)
+        if self.config.wait_for_peers > 1:
+            self._wait_for_peers()
         self.services.state_server.current_epoch = epoch
         self.services.state_server.update(self._snapshot(epoch))
         if self.config.metrics_file is not None:
@@ -158,6 +174,25 @@ class PeerRun:
                 interval_s=self.config.metrics_interval,
             )
         self.loop_thread.run(self.services.state_server.announce(), timeout_s=START_TIMEOUT_S)
+
+    def _wait_for_peers(self) -> None:
+        """Block until ``wait_for_peers`` peers (this one included) publish progress, so that
+        benchmarks and experiments start training together."""
+        wanted, tracker = self.config.wait_for_peers, self.services.tracker
+        deadline = time.monotonic() + self.config.wait_for_peers_timeout
+        while not self.stop_event.is_set():
+            swarm = self.loop_thread.run(tracker.refresh(), timeout_s=START_TIMEOUT_S)
+            if swarm.num_peers >= wanted:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "only %d of %d peers after %.0f s; training anyway",
+                    swarm.num_peers,
+                    wanted,
+                    self.config.wait_for_peers_timeout,
+                )
+                return
+            self.stop_event.wait(min(0.2, self.config.publish_interval))
 
     def _resume(self) -> int:
         epoch = 0
@@ -235,6 +270,7 @@ class PeerRun:
 
     def _on_step(self, report: StepReport) -> None:
         self._last_loss = report.loss_tensor
+        self._recent_losses.append(report.loss_tensor)
         if self.metrics is not None:
             self.metrics.maybe_report(
                 epoch=self.hook.epoch,
@@ -286,6 +322,7 @@ class PeerRun:
             self.close()
         seconds = time.monotonic() - start
         stats = self.hook.stats
+        recent = list(self._recent_losses)
         return PeerSummary(
             peer_id=self.identity.peer_id,
             address=None,
@@ -294,10 +331,12 @@ class PeerRun:
             num_samples=self.trainer.total_samples,
             seconds=seconds,
             samples_per_s=self.trainer.total_samples / max(result.elapsed_s, 1e-9),
-            final_loss=None if self._last_loss is None else float(self._last_loss),
+            final_loss=float(torch.stack(recent).float().mean()) if recent else None,
             num_rounds=stats.num_rounds,
             num_failed_rounds=stats.num_failed_rounds,
             stopped_by=stopped_by,
+            matchmaking_s=stats.matchmaking_s,
+            allreduce_s=stats.allreduce_s,
         )
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -98,6 +98,19 @@ class StepHook(Protocol):
 
     def on_step(self, context: StepContext) -> None:
         """Use the gradients in ``context.model``, then leave them zeroed (or None)."""
+        ...
+
+
+@runtime_checkable
+class WeightedBackward(Protocol):
+    """A hook that wants each batch's loss multiplied by a weight before ``backward``.
+
+    Lets a hook accumulate ``sum(batch_samples * mean_batch_gradient)`` in ``.grad`` through
+    autograd's own in-place accumulation instead of an extra pass over the gradients per step.
+    """
+
+    def backward_weight(self, batch_samples: int) -> float:
+        """The factor for this batch's loss (1.0: unchanged)."""
         ...
 
 
@@ -184,11 +197,21 @@ class Trainer:
         self.optimizer = optimizer
         self.amp = Amp(self.device, self.config.amp)
         self.clock = clock or PhaseClock()
-        self.hook: StepHook = hook or LocalStep()
+        self.hook = hook or LocalStep()
         self.step = 0
         self.total_samples = 0
         self._parameters = [p for p in model.parameters() if p.requires_grad]
         self._batches: Iterator[Batch] | None = None
+
+    @property
+    def hook(self) -> StepHook:
+        """What each step's gradients go to."""
+        return self._hook
+
+    @hook.setter
+    def hook(self, hook: StepHook) -> None:
+        self._hook = hook
+        self._weighted = isinstance(hook, WeightedBackward)
 
     def __enter__(self) -> Trainer:
         return self
@@ -281,9 +304,13 @@ class Trainer:
             inputs, targets = to_device(batch, self.device)
         with clock.phase("forward"), self.amp.autocast():
             loss = self.task.loss_fn(self.model(inputs), targets)
-        with clock.phase("backward"):
-            self.amp.scale(loss).backward()
         samples = len(targets)
+        with clock.phase("backward"):
+            if self._weighted:
+                weight = self._hook.backward_weight(samples)
+                self.amp.scale(loss * weight if weight != 1.0 else loss).backward()
+            else:
+                self.amp.scale(loss).backward()
         self.step += 1
         self.total_samples += samples
         loss = loss.detach()
@@ -294,7 +321,7 @@ class Trainer:
             context = StepContext(
                 self.step, samples, loss, self.model, self.optimizer, self.amp, clock
             )
-            self.hook.on_step(context)
+            self._hook.on_step(context)
         return StepReport(self.step, samples, self.total_samples, loss)
 
 

@@ -1,0 +1,189 @@
+"""``peer bench train``: a swarm of real ``peer join`` processes against one plain PyTorch loop.
+
+The baseline (:mod:`peer.baseline`) runs first, alone on the machine, with torch threads = the
+machine's cores; then a bootstrap node (in this process) and N peer processes, whose torch
+threads sum to the same cores, train for the same time. Peers wait for each other before their
+clocks start (``--wait-for-peers``), so start-up (imports, joining) is outside the measured time
+and every peer's rate is measured while all of them run.
+
+Contract fields (DESIGN.md): ``backend, peers, task, seconds, samples_per_s,
+baseline_samples_per_s, final_loss, baseline_final_loss, rounds``. Extra fields: ``ratio``
+(samples_per_s / baseline_samples_per_s), ``samples`` and ``baseline_samples`` (samples seen),
+``baseline_loss_at_samples`` (the baseline's loss when it had seen as many samples as the swarm:
+loss per sample seen), ``failed_rounds`` and ``round_overhead_s`` (mean seconds per round spent
+outside the all-reduce transfer: matchmaking and waiting for the group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+from contextlib import AsyncExitStack
+
+from dht.config import DHTConfig
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
+from dht.launch import open_node
+
+logger = logging.getLogger(__name__)
+RUN_ID = "bench-train"
+# Seconds a peer may take to start (imports, joining, waiting for the others) on a loaded machine.
+START_GRACE_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainBenchConfig:
+    """One ``peer bench train`` run; the defaults are the benchmark contract.
+
+    Attributes:
+        backend: ``native`` or ``hivemind``.
+        num_peers: peer processes.
+        task: task name (``synthetic``, ``charlm``, or ``package.module:function``).
+        task_options: extra task options (``KEY=VALUE``), e.g. ``path=...`` for charlm.
+        seconds: training seconds, for the baseline and for the swarm each.
+        batch_size: samples per local step (None: the task's default, 32 for synthetic).
+        target_batch_size: samples per optimizer step, in the swarm and in the baseline.
+        lr: Adam's learning rate.
+        mode: ``grad``, ``params`` or ``diloco``.
+        num_threads: the machine's cores to use (baseline threads; peers split them).
+        run_baseline: whether to run the baseline (its fields are null otherwise).
+    """
+
+    backend: str = "native"
+    num_peers: int = 2
+    task: str = "synthetic"
+    task_options: tuple[str, ...] = ()
+    seconds: float = 20.0
+    batch_size: int | None = None
+    target_batch_size: int = 2048
+    lr: float = 1e-3
+    mode: str = "grad"
+    num_threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    run_baseline: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_peers", "target_batch_size", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.seconds > 0 or not self.lr > 0:
+            raise ValueError("seconds and lr must be > 0")
+
+    def all_task_options(self) -> list[str]:
+        options = list(self.task_options)
+        if self.batch_size is not None:
+            options.append(f"batch_size={self.batch_size}")
+        return options
+
+
+def peer_command(config: TrainBenchConfig, url: str, index: int) -> list[str]:
+    """The ``peer join`` command line of peer ``index``."""
+    threads = max(1, config.num_threads // config.num_peers)
+    command = [
+        sys.executable, "-m", "peer", "--log-level", "WARNING", "join",
+        "--backend", config.backend,
+        "--run-id", RUN_ID,
+        "--initial-peers", url,
+        "--task", config.task,
+        "--max-time", str(config.seconds),
+        "--torch-threads", str(threads),
+        "--target-batch-size", str(config.target_batch_size),
+        "--lr", str(config.lr),
+        "--mode", config.mode,
+        "--seed", str(index + 1),
+        "--wait-for-peers", str(config.num_peers),
+        "--json",
+    ]  # fmt: skip
+    for option in config.all_task_options():
+        command += ["--task-option", option]
+    return command
+
+
+async def _run_peers(config: TrainBenchConfig) -> list[dict]:
+    async with AsyncExitStack() as stack:
+        node = await stack.enter_async_context(
+            open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
+        )
+        processes = [
+            await asyncio.create_subprocess_exec(
+                *peer_command(config, node.address, index),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            for index in range(config.num_peers)
+        ]
+        try:
+            async with asyncio.timeout(config.seconds + START_GRACE_S):
+                outputs = await asyncio.gather(*(p.communicate() for p in processes))
+        finally:
+            for process in processes:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+    summaries = []
+    for process, (stdout, stderr) in zip(processes, outputs, strict=True):
+        lines = stdout.decode().strip().splitlines()
+        if process.returncode != 0 or not lines:
+            tail = stderr.decode().strip().splitlines()[-3:]
+            raise RuntimeError(f"a peer failed (exit {process.returncode}): {tail}")
+        summaries.append(json.loads(lines[-1]))
+    return summaries
+
+
+def run_train_bench(config: TrainBenchConfig) -> dict:
+    """Run the baseline, then the swarm; returns the contract JSON object."""
+    baseline = _baseline(config) if config.run_baseline else None
+    summaries = asyncio.run(_run_peers(config))
+    samples = sum(s["num_samples"] for s in summaries)
+    losses = [s["final_loss"] for s in summaries if s["final_loss"] is not None]
+    rounds = max(s["epoch"] for s in summaries)
+    num_rounds = sum(s["num_rounds"] for s in summaries)
+    overhead_s = sum(s.get("matchmaking_s", 0.0) for s in summaries)
+    samples_per_s = sum(s["samples_per_s"] for s in summaries)
+    result = {
+        "backend": config.backend,
+        "peers": config.num_peers,
+        "task": config.task,
+        "seconds": config.seconds,
+        "samples_per_s": round(samples_per_s, 1),
+        "baseline_samples_per_s": None,
+        "final_loss": round(sum(losses) / len(losses), 4) if losses else None,
+        "baseline_final_loss": None,
+        "rounds": rounds,
+        "ratio": None,
+        "samples": samples,
+        "baseline_samples": None,
+        "baseline_loss_at_samples": None,
+        "failed_rounds": sum(s["num_failed_rounds"] for s in summaries),
+        "round_overhead_s": round(overhead_s / num_rounds, 4) if num_rounds else None,
+    }
+    if baseline is not None:
+        at_samples = baseline.loss_at(samples)
+        result |= {
+            "baseline_samples_per_s": round(baseline.samples_per_s, 1),
+            "baseline_final_loss": round(baseline.final_loss, 4),
+            "ratio": round(samples_per_s / baseline.samples_per_s, 3),
+            "baseline_samples": baseline.num_samples,
+            "baseline_loss_at_samples": None if at_samples is None else round(at_samples, 4),
+        }
+    return result
+
+
+def _baseline(config: TrainBenchConfig):
+    import torch
+
+    from peer.baseline import run_baseline
+    from peer.tasks import load_task
+
+    options = dict(option.split("=", 1) for option in config.all_task_options())
+    task = load_task(config.task, options)
+    return run_baseline(
+        task,
+        seconds=config.seconds,
+        num_threads=config.num_threads,
+        total_batch_size=config.target_batch_size,
+        make_optimizer=lambda params: torch.optim.Adam(params, lr=config.lr),
+    )
