@@ -26,19 +26,13 @@ def add_join_command(sub) -> None:
 
 
 def run_join(args: argparse.Namespace) -> int:
-    from peer.runner import PeerRun
+    from peer.backend import make_peer_run
     from peer.tasks import TaskError
 
     config = load_config(args)
-    if config.backend != "native":
-        sys.stderr.write(
-            "peer: error: --backend hivemind is not available yet (the hivemind "
-            "backend issue); use --backend native\n"
-        )
-        return 2
     stop = threading.Event()
     try:
-        run = PeerRun(config, stop_event=stop)
+        run = make_peer_run(config, stop_event=stop)
     except TaskError as e:
         sys.stderr.write(f"peer: error: {e}\n")
         return 2

@@ -1,0 +1,311 @@
+"""The hivemind backend of ``peer join``: our task, trainer and profiler on hivemind's stack.
+
+hivemind.DHT (with its libp2p daemon, p2pd) replaces our DHT and transport, and hivemind.Optimizer
+replaces the collaborative optimizer: it is the trainer's :class:`peer.trainer.StepHook`, called
+after every backward pass with the local step's gradients. Everything else is shared with the
+native backend: the task, the :class:`Trainer` loop, the :class:`PhaseClock`, the metrics
+stream and the summary fields. hivemind is imported lazily (``import_hivemind``), so nothing else
+needs the ``[hivemind]`` extra.
+
+How hivemind's time is attributed (hivemind 1.1.12, pinned by the extra): ``Optimizer.step``
+either only accumulates the gradients (charged to ``optimizer``, as a local step is) or, once the
+swarm has the target batch, finishes the epoch. Its wait for the gradient round
+(``_average_gradients_and_load_into_optimizer``) is charged to ``matchmaking`` until the round's
+``StepControl`` says the all-reduce began (polled every millisecond from a helper thread), and to
+``allreduce`` from then to the end of the wait; the optimizer update after it stays in
+``optimizer``. hivemind's pre-scheduled matchmaking runs in its averager process while this peer
+computes, so only the part of it that the training thread waits for shows. In ``params`` mode the
+parameter round runs synchronously inside the epoch transition, which is charged to
+``matchmaking`` as a whole (hivemind reports no split). State downloads
+(``load_state_from_peers``, which hivemind calls inside ``step`` when the peer is behind) are
+charged to ``state_sync``. Byte counts are estimates: hivemind does not expose what p2pd sent, so
+the metrics stream's ``net`` counts the butterfly all-reduce's payload per round,
+2 (n-1)/n of the compressed gradients each way.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from dht.errors import ConfigError
+from peer.backend import RunSummary
+from peer.checkpoint import CheckpointDir, Progress
+from peer.config import PeerConfig
+from peer.hivemind_hook import (
+    EstimatedCounters,
+    HivemindHook,
+    hivemind_compression,
+    import_hivemind,
+)
+from peer.metrics_stream import MetricsStream
+from peer.phases import PhaseClock
+from peer.tasks import DataShard, load_task
+from peer.trainer import StepReport, Trainer
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 60.0
+FINAL_LOSS_SAMPLES = 2048
+
+
+def listen_maddrs(host: str, port: int) -> list[str]:
+    """libp2p multiaddrs for ``--host``/``--port``."""
+    family = "ip6" if ":" in host else "ip4"
+    return [f"/{family}/{host}/tcp/{port}"]
+
+
+def check_config(config: PeerConfig) -> None:
+    """Refuse, before anything starts, the options that have no hivemind equivalent.
+
+    Raises:
+        ConfigError: one line naming the option.
+    """
+    if config.mode == "diloco":
+        raise ConfigError("--mode diloco: hivemind.Optimizer has no DiLoCo mode; use grad/params")
+    if config.swarm_key_file is not None:
+        raise ConfigError("--swarm-key-file: the hivemind backend has no swarm key (use native)")
+    if config.identity is not None:
+        raise ConfigError("--identity is a native Ed25519 key; hivemind keeps its own identity")
+    if config.optimizer not in ("adam", "sgd"):
+        raise ConfigError(f"--optimizer: {config.optimizer!r} is not adam or sgd")
+    for address in config.initial_peers:
+        if not address.startswith("/"):
+            raise ConfigError(f"--initial-peers: {address!r} is not a libp2p multiaddr (/ip4/...)")
+
+
+def _make_optimizer(config: PeerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.lr)
+    return torch.optim.Adam(model.parameters(), lr=config.lr)
+
+
+class HivemindPeerRun:
+    """One peer's run on hivemind; :meth:`run` blocks until it stops (like ``PeerRun``)."""
+
+    def __init__(self, config: PeerConfig, *, stop_event: threading.Event | None = None):
+        check_config(config)
+        import_hivemind()
+        self.config = config
+        self.stop_event = stop_event or threading.Event()
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        self.task = load_task(config.task, config.task_options())
+        model = self.task.build_model()
+        self.clock = PhaseClock()
+        self.trainer = Trainer(
+            self.task,
+            model,
+            _make_optimizer(config, model),
+            shard=DataShard(seed=config.seed if config.seed is not None else _random_seed()),
+            config=config.trainer_config(),
+            clock=self.clock,
+        )
+        if self.trainer.amp.scaler is not None:
+            raise ConfigError("--amp fp16 needs hivemind's own GradScaler; use bf16 or off")
+        self.model = self.trainer.model
+        self.checkpoints = CheckpointDir(config.checkpoint_dir) if config.checkpoint_dir else None
+        self.counters = EstimatedCounters()
+        self.dht: Any = None
+        self.opt: Any = None
+        self.hook: HivemindHook | None = None
+        self.metrics: MetricsStream | None = None
+        self._recent_losses: collections.deque[torch.Tensor] = collections.deque(
+            maxlen=max(1, math.ceil(FINAL_LOSS_SAMPLES / self.task.batch_size))
+        )
+        self._last_loss: torch.Tensor | None = None
+        self._last_checkpoint_s = time.monotonic()
+
+    @property
+    def address(self) -> str | None:
+        if self.dht is None:
+            return None
+        maddrs = self.dht.get_visible_maddrs()
+        return str(maddrs[0]) if maddrs else None
+
+    def start(self) -> None:
+        """Start hivemind.DHT and hivemind.Optimizer, resume a checkpoint, wait for peers."""
+        hivemind = import_hivemind()
+        config = self.config
+        _quiet_hivemind()
+        self.trainer.start_data()  # fork loader workers before hivemind's processes and threads
+        with self.clock.phase("other"):
+            self.dht = hivemind.DHT(
+                initial_peers=list(config.initial_peers) or None,
+                host_maddrs=listen_maddrs(config.host, config.port),
+                announce_maddrs=(
+                    listen_maddrs(config.announce_host, config.port)
+                    if config.announce_host
+                    else None
+                ),
+                client_mode=config.client_mode,
+                start=True,
+            )
+        epoch = self._resume()
+        self.opt = hivemind.Optimizer(
+            dht=self.dht,
+            run_id=config.run_id,
+            target_batch_size=config.target_batch_size,
+            batch_size_per_step=self.task.batch_size,
+            optimizer=self.trainer.optimizer,
+            matchmaking_time=config.matchmaking_time,
+            averaging_timeout=config.averaging_timeout,
+            use_local_updates=config.mode == "params",
+            delay_state_averaging=config.mode != "params",
+            grad_compression=hivemind_compression(config.compression),
+            state_averaging_compression=hivemind_compression(config.compression),
+            averager_opts={
+                "target_group_size": config.target_group_size,
+                "min_group_size": min(config.min_group_size, config.target_group_size),
+            },
+            client_mode=config.client_mode,
+            verbose=False,
+        )
+        self.opt.state_averager.local_epoch = epoch
+        self.hook = HivemindHook(
+            self.opt, self.clock, compression=config.compression, counters=self.counters
+        )
+        self.trainer.hook = self.hook
+        logger.info(
+            "hivemind peer %s joined run %r on %s", self.peer_id, config.run_id, self.address
+        )
+        if getattr(config, "wait_for_peers", 1) > 1:
+            self._wait_for_peers(config.wait_for_peers, config.wait_for_peers_timeout)
+        if config.metrics_file is not None:
+            self.metrics = MetricsStream(
+                config.metrics_file,
+                peer_id=self.peer_id,
+                run_id=config.run_id,
+                clock=self.clock,
+                counters=self.counters,
+                interval_s=config.metrics_interval,
+            )
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58() if self.dht is not None else "?"
+
+    def _resume(self) -> int:
+        if self.checkpoints is None:
+            return 0
+        loaded = self.checkpoints.load_latest(model=self.model, optimizer=self.trainer.optimizer)
+        if loaded is None:
+            return 0
+        logger.info("resumed from %s at epoch %d", loaded.path, loaded.progress.epoch)
+        return loaded.progress.epoch
+
+    def _wait_for_peers(self, wanted: int, timeout_s: float) -> None:
+        """Block until ``wanted`` peers (this one included) publish hivemind progress records."""
+        deadline = time.monotonic() + timeout_s
+        key = f"{self.config.run_id}_progress"
+        while not self.stop_event.is_set():
+            found = self.dht.get(key, latest=True)
+            num_peers = (
+                len(found.value) if found is not None and hasattr(found.value, "__len__") else 0
+            )
+            if num_peers >= wanted:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "only %d of %d peers after %.0f s; training anyway",
+                    num_peers,
+                    wanted,
+                    timeout_s,
+                )
+                return
+            self.stop_event.wait(0.2)
+
+    def _on_step(self, report: StepReport) -> None:
+        self._last_loss = report.loss_tensor
+        self._recent_losses.append(report.loss_tensor)
+        if self.metrics is not None:
+            self.metrics.maybe_report(
+                epoch=self.hook.epoch,
+                step=report.step,
+                samples=report.samples,
+                loss=report.loss_tensor,
+            )
+        if self.config.max_epochs is not None and self.hook.epoch >= self.config.max_epochs:
+            self.stop_event.set()
+        now = time.monotonic()
+        if self.checkpoints and now - self._last_checkpoint_s >= self.config.checkpoint_interval:
+            self._save_checkpoint()
+            self._last_checkpoint_s = now
+
+    def _save_checkpoint(self) -> None:
+        self.checkpoints.save(
+            model=self.model,
+            optimizer=self.trainer.optimizer,
+            progress=Progress(
+                epoch=self.hook.epoch, step=self.trainer.step, samples=self.trainer.total_samples
+            ),
+        )
+
+    def run(self) -> RunSummary:
+        """Start, train until a stop condition, leave cleanly; returns the summary."""
+        start = time.monotonic()
+        try:
+            self.start()
+            result = self.trainer.run(
+                max_steps=self.config.max_steps,
+                max_time_s=self.config.max_time,
+                stop_event=self.stop_event,
+                on_step=self._on_step,
+            )
+            if self.checkpoints is not None:
+                self._save_checkpoint()
+            if self.metrics is not None:
+                self.metrics.report(
+                    epoch=self.hook.epoch, step=self.trainer.step, loss=self._last_loss
+                )
+            summary = self._summary(result, time.monotonic() - start)
+        finally:
+            self.close()
+        return summary
+
+    def _summary(self, result: Any, seconds: float) -> RunSummary:
+        stats, recent = self.hook.stats, list(self._recent_losses)
+        return RunSummary(
+            peer_id=self.peer_id,
+            address=self.address,
+            epoch=self.hook.epoch,
+            num_steps=self.trainer.step,
+            num_samples=self.trainer.total_samples,
+            seconds=seconds,
+            samples_per_s=result.num_samples / max(result.elapsed_s, 1e-9),
+            final_loss=float(torch.stack(recent).float().mean()) if recent else None,
+            num_rounds=stats.num_rounds,
+            num_failed_rounds=stats.num_failed_rounds,
+            stopped_by=result.stopped_by,
+            matchmaking_s=stats.matchmaking_s,
+            allreduce_s=stats.allreduce_s,
+        )
+
+    def close(self) -> None:
+        """Leave the swarm (hivemind's goodbye), stop its processes; safe to call twice."""
+        opt, self.opt = self.opt, None
+        if opt is not None:
+            opt.shutdown()
+        dht, self.dht = self.dht, None
+        if dht is not None:
+            dht.shutdown()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.trainer.close()
+
+
+def _random_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _quiet_hivemind() -> None:
+    """hivemind logs through its own handler at INFO; follow our root logger's level instead."""
+    logging.getLogger("hivemind").setLevel(
+        max(logging.getLogger().getEffectiveLevel(), logging.INFO)
+    )

@@ -1,0 +1,171 @@
+"""hivemind's pieces that both hivemind modules share: the lazy import, the wire formats, and
+the trainer's StepHook that drives hivemind.Optimizer and attributes its time to our phases.
+
+The attribution (hivemind 1.1.12, pinned by the ``[hivemind]`` extra) is described in
+:mod:`peer.hivemind_backend`. It wraps two or three of the optimizer's methods on the instance
+(hivemind calls them through ``self``); the pin keeps their names and meaning fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+from dht.errors import ConfigError
+from peer.phases import PhaseClock
+from peer.trainer import StepContext
+
+HIVEMIND_MISSING = (
+    "the hivemind backend needs the [hivemind] extra: pip install 'volunteer-peer[hivemind]' "
+    "(keep your torch: add -c <(echo torch==$(python -c 'import torch; print(torch.__version__)')))"
+)
+# Seconds between two looks at a round's StepControl while the training thread waits for it.
+ALLREDUCE_POLL_S = 0.001
+BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "uint8": 1.0}
+
+
+def import_hivemind() -> Any:
+    """The ``hivemind`` module.
+
+    Raises:
+        ConfigError: the ``[hivemind]`` extra is not installed (one line saying how to get it).
+    """
+    try:
+        import hivemind
+    except ImportError as e:
+        raise ConfigError(f"{HIVEMIND_MISSING} ({e})") from None
+    return hivemind
+
+
+def hivemind_compression(name: str) -> Any:
+    """hivemind's closest equivalent of our wire format ``name``.
+
+    ``uint8`` maps to ``Uniform8BitQuantization`` (one 256-value codebook per tensor part,
+    +-3 sigma): hivemind's blockwise 8-bit format needs bitsandbytes, which the extra leaves out.
+    """
+    compression = import_hivemind().compression
+    table = {
+        "none": compression.NoCompression,
+        "fp16": compression.Float16Compression,
+        "uint8": compression.Uniform8BitQuantization,
+    }
+    try:
+        return table[name]()
+    except KeyError:
+        raise ConfigError(f"--compression: {name!r} is not one of {', '.join(table)}") from None
+
+
+class EstimatedCounters:
+    """Byte counters for the metrics stream, estimated per all-reduce (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.recv = 0
+
+    def add_round(self, num_values: int, num_peers: int, bytes_per_value: float) -> None:
+        one_way = int(2 * (num_peers - 1) / num_peers * num_values * bytes_per_value)
+        self.sent += one_way
+        self.recv += one_way
+
+
+@dataclasses.dataclass
+class RoundStats:
+    """Counters of the gradient / parameter rounds this peer waited for."""
+
+    num_rounds: int = 0
+    num_failed_rounds: int = 0
+    matchmaking_s: float = 0.0
+    allreduce_s: float = 0.0
+
+
+class AllreduceWatch:
+    """Polls a round's StepControl from a helper thread and notes when its all-reduce begins."""
+
+    def __init__(self, control: Any):
+        self._control = control
+        self._stop = threading.Event()
+        self.began_s: float | None = time.perf_counter() if control.began_allreduce else None
+        self._thread = threading.Thread(target=self._poll, name="vp-hm-watch", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while self.began_s is None and not self._stop.wait(ALLREDUCE_POLL_S):
+            if self._control.began_allreduce:
+                self.began_s = time.perf_counter()
+
+    def stop(self) -> float | None:
+        """Stop polling; the ``time.perf_counter`` at which the all-reduce began, or None."""
+        self._stop.set()
+        self._thread.join()
+        return self.began_s
+
+
+class HivemindHook:
+    """The trainer's StepHook: one ``hivemind.Optimizer.step`` per local step, profiled.
+
+    Args:
+        opt: the hivemind.Optimizer (built over the trainer's model and local optimizer).
+        clock: the trainer's phase clock.
+        compression: our name of the gradient wire format (for the byte estimate).
+        counters: where the estimated bytes go.
+    """
+
+    def __init__(
+        self, opt: Any, clock: PhaseClock, *, compression: str, counters: EstimatedCounters
+    ):
+        self.opt = opt
+        self.clock = clock
+        self.stats = RoundStats()
+        self.counters = counters
+        self._bytes_per_value = BYTES_PER_VALUE[compression]
+        self._num_values = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        # hivemind calls these through ``self``: instance attributes take precedence
+        self._average = opt._average_gradients_and_load_into_optimizer
+        opt._average_gradients_and_load_into_optimizer = self._timed_average
+        self._load_state = opt.load_state_from_peers
+        opt.load_state_from_peers = self._timed_load_state
+        if opt.use_local_updates:
+            self._update_epoch = opt._update_global_epoch
+            opt._update_global_epoch = self._timed_update_epoch
+
+    @property
+    def epoch(self) -> int:
+        return self.opt.local_epoch
+
+    def on_step(self, context: StepContext) -> None:
+        self.opt.step(batch_size=context.batch_samples)
+        self.opt.zero_grad(set_to_none=True)
+
+    def _timed_average(self, control: Any) -> None:
+        start = time.perf_counter()
+        watch = None if control is None else AllreduceWatch(control)
+        with self.clock.phase("matchmaking"):
+            try:
+                self._average(control)
+            finally:
+                began_s = watch.stop() if watch is not None else None
+        end = time.perf_counter()
+        allreduce_s = 0.0 if began_s is None else end - max(began_s, start)
+        self.clock.transfer(allreduce_s, "matchmaking", "allreduce")
+        if control is None:
+            return  # hivemind skipped the round: no other peer
+        self.stats.num_rounds += 1
+        self.stats.matchmaking_s += end - start - allreduce_s
+        self.stats.allreduce_s += allreduce_s
+        if control.done() and control.exception() is None:
+            self.counters.add_round(self._num_values, len(control.result()), self._bytes_per_value)
+        else:
+            self.stats.num_failed_rounds += 1
+
+    def _timed_update_epoch(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        with self.clock.phase("matchmaking"):
+            self._update_epoch(*args, **kwargs)
+        self.stats.num_rounds += 1
+        self.stats.matchmaking_s += time.perf_counter() - start
+
+    def _timed_load_state(self, **kwargs: Any) -> None:
+        with self.clock.phase("state_sync"):
+            self._load_state(**kwargs)
