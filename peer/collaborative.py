@@ -15,7 +15,7 @@ Modes (``CollaborativeConfig.mode``):
 
 A round that fails (no group, a timeout) is an expected outcome: the peer steps on its own
 contribution, counts it and logs one WARNING line; the next parameter sync brings it back in
-line. The learning-rate scheduler, if any, advances once per epoch (global), not per local step.
+line. The learning rate follows the swarm's epoch (``lr_schedule``), not local steps.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ class CollaborativeOptimizer:
         averager: averages tensors with a group of the swarm.
         progress: the progress tracker (reports local samples, estimates the swarm's).
         config: mode, target batch size and timeouts.
-        scheduler: an LR scheduler stepped once per epoch, or None.
+        lr_schedule: epoch -> factor of each param group's base LR (see
+            :mod:`peer.schedules`), applied whenever the epoch changes; None keeps the LR.
         on_epoch: called with the new epoch after every epoch boundary (state serving,
             checkpoints, metrics).
         epoch: the epoch to start at (after a state download or a checkpoint).
@@ -167,7 +168,7 @@ class CollaborativeOptimizer:
         averager: TensorAverager,
         progress: ProgressSource,
         config: CollaborativeConfig,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        lr_schedule: Callable[[int], float] | None = None,
         on_epoch: Callable[[int], None] | None = None,
         epoch: int = 0,
         buffers: list[torch.Tensor] | None = None,
@@ -178,7 +179,7 @@ class CollaborativeOptimizer:
         self.averager = averager
         self.progress = progress
         self.config = config
-        self.scheduler = scheduler
+        self.lr_schedule = lr_schedule
         self.on_epoch = on_epoch
         self.epoch = epoch
         self.samples = 0
@@ -200,6 +201,16 @@ class CollaborativeOptimizer:
             self._outer = torch.optim.SGD(
                 self._params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True
             )
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        if self.lr_schedule is None:
+            return
+        factor = self.lr_schedule(self.epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
 
     # ---- the hook ----------------------------------------------------------------------------
 
@@ -234,6 +245,7 @@ class CollaborativeOptimizer:
         reached = self.on_behind(swarm_epoch)
         if reached > self.epoch:  # the downloaded state replaces what was accumulated
             self.epoch, self.samples = reached, 0
+            self._apply_lr()
             if self.config.mode == "grad":
                 for accumulator in self.buffers:
                     accumulator.zero_()
@@ -281,8 +293,7 @@ class CollaborativeOptimizer:
             self._apply(tensors, context)
         self.epoch += 1
         self.samples = 0
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self._apply_lr()
         self.progress.report_local_progress(self.epoch, 0)
         if outcome.ok and outcome.members:
             self.progress.note_round(self.epoch, outcome.members)

@@ -22,6 +22,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from averaging.config import AveragerConfig
@@ -29,6 +30,7 @@ from dht.config import DHTConfig
 from dht.errors import ConfigError
 from dht.http_config import TransportConfig
 from peer.progress import ProgressConfig
+from peer.schedules import LRSchedule, make_lr_schedule
 
 if TYPE_CHECKING:  # torch-importing modules: kept out of `peer dht` and `peer --help`
     from peer.collaborative import CollaborativeConfig
@@ -90,6 +92,14 @@ class PeerConfig(BaseModel):
     target_batch_size: int = Field(2048, gt=0, description="samples the swarm gathers per epoch")
     lr: float = Field(1e-3, gt=0, description="learning rate of the optimizer")
     optimizer: Literal["adam", "sgd"] = Field("adam", description="local optimizer")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR over the swarm's epochs, after the warmup"
+    )
+    warmup_epochs: int = Field(0, ge=0, description="epochs of linear LR warmup")
+    schedule_epochs: int | None = Field(
+        None, gt=0, description="epoch where linear/cosine decay ends (default: --max-epochs)"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final LR / --lr of the decay")
     mode: Literal["grad", "params", "diloco"] = Field("grad", description="what is averaged")
     max_epochs: int | None = Field(None, gt=0, description="stop after this many epochs")
     max_steps: int | None = Field(None, gt=0, description="stop after this many local steps")
@@ -120,6 +130,20 @@ class PeerConfig(BaseModel):
     wait_for_peers_timeout: float = Field(
         120.0, gt=0, description="seconds to wait for --wait-for-peers, then train anyway"
     )
+
+    @model_validator(mode="after")
+    def _schedule(self) -> PeerConfig:
+        self.lr_schedule_fn()  # raises ConfigError naming the option
+        return self
+
+    def lr_schedule_fn(self) -> LRSchedule | None:
+        """The LR factor per epoch, or None for a constant LR."""
+        return make_lr_schedule(
+            self.lr_schedule,
+            warmup_epochs=self.warmup_epochs,
+            total_epochs=self.schedule_epochs or self.max_epochs,
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
     @field_validator("initial_peers")
     @classmethod
@@ -269,5 +293,7 @@ def load_config(args: argparse.Namespace) -> PeerConfig:
         error = e.errors()[0]
         if error["type"] == "extra_forbidden":
             raise ConfigError(f"unknown option {error['loc'][0]!r}") from None
-        where = _flag(str(error["loc"][0])) if error["loc"] else "config"
-        raise ConfigError(f"{where}: {error['msg']}") from None
+        message = error["msg"].removeprefix("Value error, ")
+        if not error["loc"]:  # a check across fields names its options itself
+            raise ConfigError(message) from None
+        raise ConfigError(f"{_flag(str(error['loc'][0]))}: {message}") from None

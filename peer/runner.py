@@ -155,6 +155,7 @@ class PeerRun:
                 and self.config.max_grad_norm is None,
             ),
             on_epoch=self._on_epoch,
+            lr_schedule=self.config.lr_schedule_fn(),
             epoch=epoch,
             buffers=self.buffers,
         )

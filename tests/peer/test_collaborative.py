@@ -1,0 +1,123 @@
+"""The collaborative optimizer's local logic, with an in-process stand-in for the swarm (the
+swarm itself is exercised by the real-peer tests in test_join.py and test_modes.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from peer.collaborative import CollaborativeConfig, CollaborativeOptimizer, RoundOutcome
+from peer.phases import PhaseClock
+from peer.progress import GlobalProgress, PeerProgress
+from peer.schedules import make_lr_schedule
+from peer.trainer import StepContext
+
+TARGET = 8
+
+
+class OnePeerSwarm:
+    """Progress of a swarm with this peer alone (or led by ``swarm_epoch``)."""
+
+    def __init__(self) -> None:
+        self.epoch = self.samples = 0
+        self.swarm_epoch = 0
+
+    def report_local_progress(self, epoch: int, samples: int) -> None:
+        self.epoch, self.samples = epoch, samples
+
+    def current(self) -> GlobalProgress:
+        own = PeerProgress("me", self.epoch, self.samples, 100.0, 0.0, None, False)
+        epoch = max(self.epoch, self.swarm_epoch)
+        return GlobalProgress(
+            epoch=epoch,
+            samples_accumulated=self.samples if epoch == self.epoch else 0,
+            target_batch_size=TARGET,
+            samples_per_s=100.0,
+            eta_next_epoch_s=1.0,
+            num_peers=1,
+            num_clients=0,
+            peers=(own,),
+        )
+
+    def note_round(self, epoch, peer_ids) -> None:
+        pass
+
+
+class NoAveraging:
+    def average(self, tensors, **kwargs) -> RoundOutcome:
+        return RoundOutcome(ok=True, num_peers=1)
+
+
+def make(model, *, in_grad=True, lr_schedule=None, on_behind=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = CollaborativeOptimizer(
+        model=model,
+        optimizer=optimizer,
+        averager=NoAveraging(),
+        progress=OnePeerSwarm(),
+        config=CollaborativeConfig(target_batch_size=TARGET, accumulate_in_grad=in_grad),
+        lr_schedule=lr_schedule,
+        on_behind=on_behind,
+    )
+    return hook, optimizer
+
+
+def step(hook, model, optimizer, inputs, targets):
+    """What the trainer does for one local step."""
+    loss = nn.functional.mse_loss(model(inputs), targets)
+    (loss * hook.backward_weight(len(targets))).backward()
+    context = StepContext(0, len(targets), loss.detach(), model, optimizer, _NoAmp(), PhaseClock())
+    hook.on_step(context)
+
+
+class _NoAmp:
+    def step(self, optimizer):
+        optimizer.step()
+
+    def update(self):
+        pass
+
+
+@pytest.mark.parametrize("in_grad", [True, False])
+def test_one_epoch_steps_on_the_mean_gradient_of_all_its_samples(in_grad):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    reference = nn.Linear(3, 2).double()
+    reference.load_state_dict(model.state_dict())
+    hook, optimizer = make(model, in_grad=in_grad)
+    sizes = [3, 1, 4]  # uneven batches: weights by samples matter
+    batches = [(torch.randn(n, 3), torch.randn(n, 2)) for n in sizes]
+    for inputs, targets in batches:
+        step(hook, model, optimizer, inputs, targets)
+    assert hook.epoch == 1
+    # reference: one SGD step on the mean loss over the union of the 8 samples, in float64
+    inputs = torch.cat([b[0] for b in batches]).double()
+    targets = torch.cat([b[1] for b in batches]).double()
+    nn.functional.mse_loss(reference(inputs), targets).backward()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param -= 0.1 * param.grad
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.double(), theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_lr_follows_the_swarm_epoch_also_across_a_catch_up():
+    schedule = make_lr_schedule("cosine", warmup_epochs=1, total_epochs=5, min_lr_ratio=0.1)
+    assert schedule(0) == pytest.approx(0.5)
+    assert schedule(1) == pytest.approx(1.0)
+    assert schedule(3) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert schedule(5) == pytest.approx(0.1) and schedule(50) == pytest.approx(0.1)
+    model = nn.Linear(3, 2)
+    hook, optimizer = make(model, lr_schedule=schedule, on_behind=lambda epoch: epoch)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * schedule(0))
+    for _ in range(2):
+        step(hook, model, optimizer, torch.randn(4, 3), torch.randn(4, 2))
+    assert hook.epoch == 1
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * schedule(1))
+    hook.progress.swarm_epoch = 4  # the swarm is ahead: catch up (a state download)
+    step(hook, model, optimizer, torch.randn(4, 3), torch.randn(4, 2))
+    assert hook.epoch == 4
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * schedule(4))
