@@ -8,6 +8,7 @@ waits for its result with a timeout.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -39,6 +40,13 @@ class EventLoopThread:
         except TimeoutError:
             future.cancel()
             raise RequestTimeoutError(f"operation took longer than {timeout_s} s") from None
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop without waiting; the caller owns the returned future
+        (cancelling it cancels the coroutine; :meth:`close` cancels what is still running)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("EventLoopThread.submit called from its own loop; use a task")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
         """Cancel what is left on the loop, stop it and join the thread."""

@@ -9,6 +9,11 @@ Modes (``CollaborativeConfig.mode``):
   optimizer steps once, and the epoch advances.
 * ``params``: the optimizer steps on every local batch; at each epoch boundary the parameters
   are averaged (weighted by samples).
+* ``grad`` with ``delay_update``: the round of epoch t runs in the background while the peer
+  computes epoch t+1 (on the parameters before t's step); the averaged gradient is applied as
+  soon as the round ends, mid-epoch. Staleness: at most one optimizer step, as in hivemind's
+  delayed parameter updates; the all-reduce costs no compute time unless it takes longer than
+  an epoch (then the next boundary waits for it, charged to ``allreduce``).
 * ``diloco``: the inner optimizer steps locally; at each epoch boundary the peers average the
   pseudo-gradient (parameters at the start of the epoch minus now), parameters go back to the
   start of the epoch, and an outer optimizer (SGD with Nesterov momentum) applies the average.
@@ -52,6 +57,8 @@ class CollaborativeConfig:
             averaged buffers (each loss weighted by its batch size; no extra pass over the
             gradients per step). Needs gradients that are not rescaled or clipped per local
             step: turn it off with fp16 loss scaling or ``max_grad_norm``.
+        delay_update: overlap each round with the next epoch's compute (``grad`` mode; see the
+            module docstring for the staleness).
     """
 
     mode: Mode = "grad"
@@ -61,8 +68,11 @@ class CollaborativeConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     accumulate_in_grad: bool = True
+    delay_update: bool = False
 
     def __post_init__(self) -> None:
+        if self.delay_update and self.mode != "grad":
+            raise ConfigError("delay_update needs mode grad")
         if self.mode not in ("grad", "params", "diloco"):
             raise ConfigError(f"mode must be grad, params or diloco, got {self.mode!r}")
         if self.target_batch_size < 1:
@@ -105,6 +115,28 @@ class TensorAverager(Protocol):
         timeout_s: float,
         expected_peers: int,
     ) -> RoundOutcome: ...
+
+
+class PendingRound(Protocol):
+    """A round started in the background (delayed updates)."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> RoundOutcome: ...
+
+
+class BackgroundAverager(TensorAverager, Protocol):
+    """An averager that can also run a round while the training thread goes on."""
+
+    def start_average(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float,
+        epoch: int,
+        timeout_s: float,
+        expected_peers: int,
+    ) -> PendingRound: ...
 
 
 class ProgressSource(Protocol):
@@ -194,6 +226,14 @@ class CollaborativeOptimizer:
         self._start_params: list[torch.Tensor] | None = None
         self._outer: torch.optim.Optimizer | None = None
         self._in_grad = config.mode == "grad" and config.accumulate_in_grad
+        # with delayed updates the averager's buffers are busy during the next epoch, so
+        # gradients accumulate elsewhere
+        self._accumulators = (
+            averaged_buffers(self._params, "grad") if config.delay_update else self.buffers
+        )
+        self._pending: PendingRound | None = None
+        self._pending_epoch = 0
+        self._clock = None
         if self._in_grad:
             self._attach_buffers()
         if config.mode == "diloco":
@@ -217,7 +257,7 @@ class CollaborativeOptimizer:
     def _attach_buffers(self) -> None:
         # autograd adds into an existing .grad in place, so the buffers the averager holds
         # receive every backward pass directly
-        for param, accumulator in zip(self._params, self.buffers, strict=True):
+        for param, accumulator in zip(self._params, self._accumulators, strict=True):
             param.grad = accumulator
 
     def backward_weight(self, batch_samples: int) -> float:
@@ -234,6 +274,9 @@ class CollaborativeOptimizer:
             context.amp.update()
             self.optimizer.zero_grad(set_to_none=True)
         self.samples += context.batch_samples
+        self._clock = context.clock
+        if self._pending is not None and self._pending.done():
+            self.flush()
         self.progress.report_local_progress(self.epoch, self.samples)
         swarm = self.progress.current()
         if swarm.epoch > self.epoch and self.on_behind is not None:
@@ -242,12 +285,13 @@ class CollaborativeOptimizer:
             self.finish_epoch(context)
 
     def _catch_up(self, swarm_epoch: int) -> None:
+        self.flush()
         reached = self.on_behind(swarm_epoch)
         if reached > self.epoch:  # the downloaded state replaces what was accumulated
             self.epoch, self.samples = reached, 0
             self._apply_lr()
             if self.config.mode == "grad":
-                for accumulator in self.buffers:
+                for accumulator in self._accumulators:
                     accumulator.zero_()
             elif self.config.mode == "diloco":
                 assert self._start_params is not None
@@ -256,7 +300,7 @@ class CollaborativeOptimizer:
             self.progress.report_local_progress(self.epoch, 0)
 
     def _accumulate(self, batch_samples: int) -> None:
-        for accumulator, param in zip(self.buffers, self._params, strict=True):
+        for accumulator, param in zip(self._accumulators, self._params, strict=True):
             if param.grad is not None:
                 accumulator.add_(param.grad, alpha=batch_samples)
                 param.grad = None
@@ -274,9 +318,27 @@ class CollaborativeOptimizer:
 
     # ---- epoch boundary ----------------------------------------------------------------------
 
-    def finish_epoch(self, context: StepContext) -> RoundOutcome:
-        """Average with the swarm and apply the result; advances the epoch."""
+    def finish_epoch(self, context: StepContext) -> RoundOutcome | None:
+        """Average with the swarm and apply the result; advances the epoch.
+
+        Returns the round's outcome, or None when the round goes on in the background.
+        """
+        self._clock = context.clock
+        if self._pending is not None:  # at most one round in flight: apply the previous first
+            self.flush()
+            self._swarm_ready(self.progress.current())  # who is at this epoch, after it
         tensors = self._round_tensors()
+        if self.config.delay_update and not self._alone:
+            self._pending = self.averager.start_average(
+                tensors,
+                weight=float(self.samples),
+                epoch=self.epoch,
+                timeout_s=self.config.averaging_timeout_s,
+                expected_peers=self._num_at_epoch,
+            )
+            self._pending_epoch = self.epoch
+            self._next_epoch()
+            return None
         if self._alone:  # nobody else in the swarm: no matchmaking wait for a group of one
             outcome = RoundOutcome(ok=True, num_peers=1, reason="alone")
         else:
@@ -290,23 +352,43 @@ class CollaborativeOptimizer:
         self._record(outcome)
         self.stats.epoch_samples = [*self.stats.epoch_samples[-999:], self.samples]
         with context.clock.phase("optimizer"):
-            self._apply(tensors, context)
+            self._apply(tensors)
+        self._next_epoch()
+        if outcome.ok and outcome.members:
+            self.progress.note_round(self.epoch, outcome.members)
+        return outcome
+
+    def _next_epoch(self) -> None:
         self.epoch += 1
         self.samples = 0
         self._apply_lr()
         self.progress.report_local_progress(self.epoch, 0)
-        if outcome.ok and outcome.members:
-            self.progress.note_round(self.epoch, outcome.members)
         if self.on_epoch is not None:
             self.on_epoch(self.epoch)
-        return outcome
+
+    def flush(self) -> None:
+        """Wait for the round in the background, if any, and apply its result."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        outcome = pending.wait()
+        self._record(outcome)
+        with self._clock.phase("optimizer"):
+            self._apply(self.buffers)
+        if outcome.ok and outcome.members:  # they entered the next epoch with this peer
+            self.progress.note_round(self._pending_epoch + 1, outcome.members)
 
     def _round_tensors(self) -> list[torch.Tensor]:
         """Fill the averaged buffers with this peer's contribution to the round."""
         mode = self.config.mode
         if mode == "grad" and self.samples:
-            for accumulator in self.buffers:
-                accumulator.div_(self.samples)
+            if self._accumulators is not self.buffers:
+                for buffer, accumulator in zip(self.buffers, self._accumulators, strict=True):
+                    torch.div(accumulator, self.samples, out=buffer)
+                    accumulator.zero_()
+            else:
+                for accumulator in self.buffers:
+                    accumulator.div_(self.samples)
         elif mode == "diloco":
             assert self._start_params is not None
             with torch.no_grad():
@@ -316,15 +398,15 @@ class CollaborativeOptimizer:
                     torch.sub(start, param, out=buffer)
         return self.buffers
 
-    def _apply(self, tensors: list[torch.Tensor], context: StepContext) -> None:
+    def _apply(self, tensors: list[torch.Tensor]) -> None:
         mode = self.config.mode
         if mode == "grad":
             for param, average in zip(self._params, tensors, strict=True):
                 param.grad = average.to(param.dtype)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            for accumulator in tensors:
-                accumulator.zero_()
+            for average in tensors:
+                average.zero_()
             if self._in_grad:
                 self._attach_buffers()
         elif mode == "diloco":

@@ -101,6 +101,9 @@ class PeerConfig(BaseModel):
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final LR / --lr of the decay")
     mode: Literal["grad", "params", "diloco"] = Field("grad", description="what is averaged")
+    delay_update: bool = Field(
+        False, description="overlap each round with the next epoch's compute (grad mode)"
+    )
     max_epochs: int | None = Field(None, gt=0, description="stop after this many epochs")
     max_steps: int | None = Field(None, gt=0, description="stop after this many local steps")
     max_time: float | None = Field(None, gt=0, description="stop after this many seconds")
@@ -132,8 +135,10 @@ class PeerConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _schedule(self) -> PeerConfig:
+    def _across_fields(self) -> PeerConfig:
         self.lr_schedule_fn()  # raises ConfigError naming the option
+        if self.delay_update and self.mode != "grad":
+            raise ConfigError(f"--delay-update needs --mode grad, not {self.mode}")
         return self
 
     def lr_schedule_fn(self) -> LRSchedule | None:
@@ -206,6 +211,7 @@ class PeerConfig(BaseModel):
 
         return CollaborativeConfig(
             mode=self.mode,
+            delay_update=self.delay_update,
             target_batch_size=self.target_batch_size,
             averaging_timeout_s=self.matchmaking_time + self.averaging_timeout,
         )

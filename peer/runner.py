@@ -312,6 +312,7 @@ class PeerRun:
                 stop_event=self.stop_event,
                 on_step=self._on_step,
             )
+            self.hook.flush()  # a delayed update still in flight
             if self.checkpoints is not None:
                 self._save_checkpoint(self.hook.epoch)
             if self.metrics is not None:

@@ -3,6 +3,7 @@ swarm itself is exercised by the real-peer tests in test_join.py and test_modes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -121,3 +122,83 @@ def test_lr_follows_the_swarm_epoch_also_across_a_catch_up():
     step(hook, model, optimizer, torch.randn(4, 3), torch.randn(4, 2))
     assert hook.epoch == 4
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * schedule(4))
+
+
+class BackgroundSwarm:
+    """A round that ends after ``num_steps_late`` more local steps, replacing the peer's mean
+    gradient with ``swarm_mean`` (what the other peers' contributions made of it)."""
+
+    def __init__(self, swarm_mean: list[torch.Tensor], num_steps_late: int):
+        self.swarm_mean, self.num_steps_late = swarm_mean, num_steps_late
+        self.started: list[list[torch.Tensor]] = []
+        self.pending = None
+
+    def average(self, tensors, **kwargs) -> RoundOutcome:
+        raise AssertionError("a delayed update must not block")
+
+    def start_average(self, tensors, *, weight, epoch, timeout_s, expected_peers):
+        self.started.append([t.clone() for t in tensors])
+        averager = self
+
+        class Pending:
+            steps_left = averager.num_steps_late
+
+            def done(self) -> bool:
+                self.steps_left -= 1
+                return self.steps_left < 0
+
+            def wait(self) -> RoundOutcome:
+                for tensor, mean in zip(tensors, averager.swarm_mean, strict=True):
+                    tensor.copy_(mean)
+                return RoundOutcome(ok=True, num_peers=2, members=("me", "other"))
+
+        self.pending = Pending()
+        return self.pending
+
+
+class TwoPeerSwarm(OnePeerSwarm):
+    def current(self) -> GlobalProgress:
+        progress = super().current()
+        other = PeerProgress("other", self.epoch, 0, 100.0, 0.0, None, False)
+        return dataclasses.replace(progress, peers=(*progress.peers, other), num_peers=2)
+
+
+def test_delayed_update_applies_the_swarm_average_one_epoch_late_without_blocking():
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    swarm_mean = [torch.full_like(p, 0.5) for p in model.parameters()]
+    averager = BackgroundSwarm(swarm_mean, num_steps_late=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = CollaborativeOptimizer(
+        model=model,
+        optimizer=optimizer,
+        averager=averager,
+        progress=TwoPeerSwarm(),
+        config=CollaborativeConfig(target_batch_size=TARGET, delay_update=True),
+    )
+    batches = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(4)]
+    start = [p.detach().clone() for p in model.parameters()]
+    for inputs, targets in batches[:2]:
+        step(hook, model, optimizer, inputs, targets)
+    # epoch 0 is over; its round runs in the background and nothing has moved yet
+    assert hook.epoch == 1 and len(averager.started) == 1
+    for param, before in zip(model.parameters(), start, strict=True):
+        assert torch.equal(param, before)
+    # what was sent is this peer's mean gradient over epoch 0, computed independently
+    reference = nn.Linear(3, 2)
+    reference.load_state_dict(dict(zip(["weight", "bias"], start, strict=True)))
+    inputs = torch.cat([b[0] for b in batches[:2]])
+    targets = torch.cat([b[1] for b in batches[:2]])
+    nn.functional.mse_loss(reference(inputs), targets).backward()
+    for sent, param in zip(averager.started[0], reference.parameters(), strict=True):
+        torch.testing.assert_close(sent, param.grad)
+    # one step into epoch 1 the round is still running; at the next it ends and is applied
+    step(hook, model, optimizer, *batches[2])
+    for param, before in zip(model.parameters(), start, strict=True):
+        assert torch.equal(param, before)
+    step(hook, model, optimizer, *batches[3])
+    for param, before, mean in zip(model.parameters(), start, swarm_mean, strict=True):
+        torch.testing.assert_close(param.detach(), before - 0.1 * mean)
+    assert hook.stats.num_rounds == 1 and hook.stats.last_group_size == 2
+    # epoch 1's gradient (batches 2 and 3, at the old and new parameters) went on accumulating
+    assert hook.epoch == 2 and len(averager.started) == 2
