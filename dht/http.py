@@ -9,9 +9,11 @@ logged as one line; the node keeps serving.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import ssl
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 API_VERSION = "v1"
 _STATUS_OF = {BadMessageError: 400, AuthError: 401, ValidationError: 422, BusyError: 429}
+# A plain GET route: returns (content type, body), directly or awaited.
+HttpGetHandler = Callable[[], tuple[str, bytes] | Awaitable[tuple[str, bytes]]]
 
 
 class Refused(Exception):
@@ -83,6 +87,7 @@ class HttpTransport:
         )
         self._rpc_handlers: dict[str, RpcHandler] = {}
         self._stream_handlers: dict[str, StreamHandler] = {}
+        self._get_handlers: dict[str, HttpGetHandler] = {}
         self._active_streams: Counter[str] = Counter()
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -103,6 +108,19 @@ class HttpTransport:
             raise RuntimeError("add handlers before start()")
         self._stream_handlers[name] = handler
 
+    def add_http_get(self, path: str, handler: HttpGetHandler) -> None:
+        """Serve ``GET path`` with ``handler() -> (content_type, body)`` (sync or async).
+
+        For plain read-only endpoints such as Prometheus' ``/metrics``: no swarm MAC is asked
+        (scrapers cannot sign), so serve nothing secret here. ``path`` must start with ``/``
+        and stay outside the versioned API (``/v1/...``).
+        """
+        if self._runner is not None:
+            raise RuntimeError("add handlers before start()")
+        if not path.startswith("/") or path.startswith(f"/{API_VERSION}/"):
+            raise ValueError(f"GET path must start with / and not /{API_VERSION}/: {path!r}")
+        self._get_handlers[path] = handler
+
     async def start(self) -> None:
         """Open the client session and, unless in client mode, start serving."""
         cfg = self.config
@@ -121,6 +139,8 @@ class HttpTransport:
         app.router.add_post(f"/{API_VERSION}/rpc/{{name}}", self._handle_rpc)
         app.router.add_post(f"/{API_VERSION}/stream/{{name}}", self._handle_stream)
         app.router.add_get(f"/{API_VERSION}/info", self._handle_info)
+        for path, handler in self._get_handlers.items():
+            app.router.add_get(path, _plain_get(handler))
         server_ssl = None
         if cfg.tls_cert_file:
             server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -326,6 +346,15 @@ class HttpTransport:
             counters=self.counters,
             idle_timeout_s=self.config.stream_idle_timeout_s if timeout_s is None else timeout_s,
         )
+
+
+def _plain_get(handler: HttpGetHandler):
+    async def handle(request: web.Request) -> web.Response:
+        result = handler()
+        content_type, body = await result if inspect.isawaitable(result) else result
+        return web.Response(body=body, headers={"content-type": content_type})
+
+    return handle
 
 
 async def _read_limited(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
