@@ -104,12 +104,18 @@ def peer_command(config: TrainBenchConfig, url: str, index: int) -> list[str]:
 
 async def _run_peers(config: TrainBenchConfig) -> list[dict]:
     async with AsyncExitStack() as stack:
-        node = await stack.enter_async_context(
-            open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
-        )
+        if config.backend == "hivemind":
+            from peer.hivemind_backend import HivemindBootstrap
+
+            address = stack.enter_context(HivemindBootstrap()).address
+        else:
+            node = await stack.enter_async_context(
+                open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
+            )
+            address = node.address
         processes = [
             await asyncio.create_subprocess_exec(
-                *peer_command(config, node.address, index),
+                *peer_command(config, address, index),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
             )

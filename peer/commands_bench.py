@@ -46,9 +46,9 @@ def add_bench_allreduce_command(bench_sub) -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=["native"],
+        choices=["native", "hivemind"],
         default="native",
-        help="native only until the hivemind backend lands",
+        help="native, or hivemind's DecentralizedAverager ([hivemind] extra) (default: native)",
     )
     parser.add_argument("--phases", action="store_true", help="also report seconds per phase")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
@@ -56,11 +56,16 @@ def add_bench_allreduce_command(bench_sub) -> None:
 
 
 def run_bench_allreduce(args: argparse.Namespace) -> int:
-    from averaging.bench import run_allreduce_bench
+    if args.backend == "hivemind":
+        from peer.hivemind_bench import run_hivemind_allreduce_bench
 
-    result = run_allreduce_bench(
-        args.peers, args.size, args.compression, args.rounds, include_phases=args.phases
-    )
+        result = run_hivemind_allreduce_bench(args.peers, args.size, args.compression, args.rounds)
+    else:
+        from averaging.bench import run_allreduce_bench
+
+        result = run_allreduce_bench(
+            args.peers, args.size, args.compression, args.rounds, include_phases=args.phases
+        )
     if not args.json:
         for name, value in result.items():
             print(f"{name:>20}: {value}")

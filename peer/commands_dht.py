@@ -144,6 +144,12 @@ def add_bench_dht_command(bench_sub) -> None:
         help="values stored, each read back once (default: 200)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument(
+        "--backend",
+        choices=["native", "hivemind"],
+        default="native",
+        help="native, or hivemind.DHT nodes, each its own process + p2pd (default: native)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(run=run_bench_dht)
 
@@ -159,9 +165,16 @@ def _positive_int(text: str) -> int:
 
 
 def run_bench_dht(args: argparse.Namespace) -> int:
-    from dht.bench import run_dht_bench
+    if args.backend == "hivemind":
+        from peer.hivemind_bench import run_hivemind_dht_bench
 
-    result = asyncio.run(run_dht_bench(num_nodes=args.nodes, num_keys=args.keys, seed=args.seed))
+        result = run_hivemind_dht_bench(num_nodes=args.nodes, num_keys=args.keys, seed=args.seed)
+    else:
+        from dht.bench import run_dht_bench
+
+        result = asyncio.run(
+            run_dht_bench(num_nodes=args.nodes, num_keys=args.keys, seed=args.seed)
+        )
     if not args.json:
         for name, value in result.items():
             print(f"{name:>16}: {value}")

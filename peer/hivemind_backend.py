@@ -203,12 +203,8 @@ class HivemindPeerRun:
     def _wait_for_peers(self, wanted: int, timeout_s: float) -> None:
         """Block until ``wanted`` peers (this one included) publish hivemind progress records."""
         deadline = time.monotonic() + timeout_s
-        key = f"{self.config.run_id}_progress"
         while not self.stop_event.is_set():
-            found = self.dht.get(key, latest=True)
-            num_peers = (
-                len(found.value) if found is not None and hasattr(found.value, "__len__") else 0
-            )
+            num_peers = len(progress_records(self.dht, self.config.run_id))
             if num_peers >= wanted:
                 return
             if time.monotonic() >= deadline:
@@ -298,6 +294,51 @@ class HivemindPeerRun:
         if self.metrics is not None:
             self.metrics.close()
         self.trainer.close()
+
+
+def progress_records(dht: Any, run_id: str) -> list[dict[str, Any]]:
+    """The live progress records hivemind.Optimizer peers of ``run_id`` publish (blocking).
+
+    Each is a dict of hivemind's LocalTrainingProgress: ``peer_id`` (bytes), ``epoch``,
+    ``samples_accumulated``, ``samples_per_second``, ``time``, ``client_mode``.
+    """
+    found = dht.get(f"{run_id}_progress", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for item in found.value.values():
+        value = getattr(item, "value", None)
+        if isinstance(value, dict) and "epoch" in value:  # a peer that left stores None
+            records.append(value)
+    return records
+
+
+class HivemindBootstrap:
+    """A hivemind.DHT node for others to join (``peer demo`` / ``peer bench train``).
+
+    A context manager; :attr:`address` is its first multiaddr. hivemind.DHT forks its process
+    at start: create it before starting threads whose locks the child must not inherit.
+    """
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.dht = import_hivemind().DHT(host_maddrs=listen_maddrs(host, 0), start=True)
+        self.address = str(self.dht.get_visible_maddrs()[0])
+
+    def __enter__(self) -> HivemindBootstrap:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def records(self, run_id: str) -> list[dict[str, Any]]:
+        """See :func:`progress_records`."""
+        return progress_records(self.dht, run_id)
+
+    def close(self) -> None:
+        """Stop the node; safe to call twice."""
+        dht, self.dht = self.dht, None
+        if dht is not None:
+            dht.shutdown()
 
 
 def _random_seed() -> int:

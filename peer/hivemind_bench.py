@@ -11,7 +11,7 @@ is the butterfly's payload, 2 (n-1)/n of the compressed vector (hivemind does no
 
 DHT: N hivemind.DHT nodes started from this process, values stored from random nodes and read from
 others, as in :mod:`dht.bench`; ``rss_mb`` sums the resident memory of this process and all its
-descendants (the DHT processes and their p2pd daemons).
+descendants (the DHT processes and their p2pd daemons), ``pss_mb`` their proportional memory.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import multiprocessing as mp
 import random
 import statistics
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -40,10 +41,13 @@ EXPIRATION_S = 600.0
 
 def _worker(rank: int, spec: dict[str, Any], barrier, results) -> None:
     logging.basicConfig(level=logging.WARNING)
+    # this process was spawned, which makes spawn its default; hivemind's averager must fork
+    mp.set_start_method("fork", force=True)
     try:
         _peer(rank, spec, barrier, results)
-    except BaseException as e:  # report, then let the process die
-        results.put(("error", rank, f"{type(e).__name__}: {e}"))
+    except BaseException as e:  # report (with where it happened), then let the process die
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        results.put(("error", rank, f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"))
         raise
 
 
@@ -211,15 +215,22 @@ def _summary(rounds, num_peers: int, size: int, compression: str) -> dict[str, A
     }
 
 
-def tree_rss_bytes(process: psutil.Process) -> int:
-    """Resident bytes of ``process`` and all its descendants (gone processes count 0)."""
-    total = 0
+def tree_memory_bytes(process: psutil.Process) -> tuple[int, int]:
+    """Resident and proportional (PSS) bytes of ``process`` and all its descendants.
+
+    RSS counts the pages forked processes share once per process; PSS splits each shared page
+    among its sharers, so the PSS of a process tree is what it really occupies. Processes that
+    are gone, or whose PSS cannot be read, count 0 (PSS falls back to RSS).
+    """
+    rss = pss = 0
     for member in [process, *process.children(recursive=True)]:
         try:
-            total += member.memory_info().rss
+            info = member.memory_full_info()
         except psutil.Error:
-            pass
-    return total
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return rss, pss
 
 
 def _percentile_ms(samples_s: list[float], fraction: float) -> float:
@@ -235,7 +246,7 @@ def run_hivemind_dht_bench(*, num_nodes: int, num_keys: int, seed: int = 0) -> d
 
     rng = random.Random(seed)
     me = psutil.Process()
-    rss_before = tree_rss_bytes(me)
+    rss_before, _ = tree_memory_bytes(me)
     nodes: list[Any] = []
     try:
         bootstrap_s = []
@@ -260,7 +271,7 @@ def run_hivemind_dht_bench(*, num_nodes: int, num_keys: int, seed: int = 0) -> d
             found = reader.get(f"bench/{seed}/{index}")
             get_s.append(time.perf_counter() - start)
             num_found += found is not None and found.value == {"index": index}
-        rss = tree_rss_bytes(me)
+        rss, pss = tree_memory_bytes(me)
     finally:
         for node in nodes:
             node.shutdown()
@@ -274,4 +285,5 @@ def run_hivemind_dht_bench(*, num_nodes: int, num_keys: int, seed: int = 0) -> d
         "bootstrap_s": round(statistics.median(bootstrap_s), 4) if bootstrap_s else 0.0,
         "rss_mb": round(rss / 2**20, 1),
         "rss_mb_per_node": round((rss - rss_before) / 2**20 / num_nodes, 2),
+        "pss_mb": round(pss / 2**20, 1),
     }
