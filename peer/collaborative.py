@@ -93,6 +93,11 @@ class RoundOutcome:
         matchmaking_s: seconds spent finding the group.
         allreduce_s: seconds spent in the all-reduce.
         members: peer ids of the group (this peer included).
+        epoch: the epoch the round closed (-1 when the averager did not say).
+        status: ``ok``, ``partial``, ``alone`` or ``failed`` ("" when the averager did not say).
+        sent_bytes, recv_bytes: tensor bytes this peer sent and received in the all-reduce.
+        num_dropped: peers dropped from the round.
+        averaged_fraction: share of the vector replaced by an average with other peers.
     """
 
     ok: bool
@@ -101,6 +106,12 @@ class RoundOutcome:
     matchmaking_s: float = 0.0
     allreduce_s: float = 0.0
     members: tuple[str, ...] = ()
+    epoch: int = -1
+    status: str = ""
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    num_dropped: int = 0
+    averaged_fraction: float = 0.0
 
 
 class TensorAverager(Protocol):
@@ -340,7 +351,9 @@ class CollaborativeOptimizer:
             self._next_epoch()
             return None
         if self._alone:  # nobody else in the swarm: no matchmaking wait for a group of one
-            outcome = RoundOutcome(ok=True, num_peers=1, reason="alone")
+            outcome = RoundOutcome(
+                ok=True, num_peers=1, reason="alone", epoch=self.epoch, status="alone"
+            )
         else:
             outcome = self.averager.average(
                 tensors,

@@ -61,9 +61,12 @@ class SwarmAverager:
                     target_group_size=self._group_size(expected_peers),
                 )
             except AveragingError as e:
-                return RoundOutcome(ok=False, num_peers=1, reason=str(e) or type(e).__name__)
+                reason = str(e) or type(e).__name__
+                return RoundOutcome(
+                    ok=False, num_peers=1, reason=reason, epoch=epoch, status="failed"
+                )
         self.clock.transfer(result.allreduce_s, "matchmaking", "allreduce")
-        return self._outcome(result)
+        return self._outcome(result, epoch)
 
     def start_average(
         self,
@@ -82,9 +85,9 @@ class SwarmAverager:
             target_group_size=self._group_size(expected_peers),
         )
         future = self.loop_thread.submit(asyncio.wait_for(step, timeout_s + FACADE_SLACK_S))
-        return PendingRound(self, future)
+        return PendingRound(self, future, epoch)
 
-    def _outcome(self, result) -> RoundOutcome:
+    def _outcome(self, result, epoch: int) -> RoundOutcome:
         self.last_result = result
         return RoundOutcome(
             ok=result.status in ("ok", "partial", "alone"),
@@ -93,15 +96,22 @@ class SwarmAverager:
             matchmaking_s=result.matchmaking_s,
             allreduce_s=result.allreduce_s,
             members=tuple(result.members),
+            epoch=epoch,
+            status=result.status,
+            sent_bytes=result.bytes_sent,
+            recv_bytes=result.bytes_received,
+            num_dropped=len(result.dropped_peers),
+            averaged_fraction=result.averaged_fraction,
         )
 
 
 class PendingRound:
     """A round running on the loop thread while the training thread goes on."""
 
-    def __init__(self, owner: SwarmAverager, future: concurrent.futures.Future):
+    def __init__(self, owner: SwarmAverager, future: concurrent.futures.Future, epoch: int):
         self._owner = owner
         self._future = future
+        self._epoch = epoch
 
     def done(self) -> bool:
         return self._future.done()
@@ -112,12 +122,17 @@ class PendingRound:
             try:
                 result = self._future.result()
             except TimeoutError:
-                return RoundOutcome(ok=False, num_peers=1, reason="the round timed out")
+                return self._failed("the round timed out")
             except AveragingError as e:
-                return RoundOutcome(ok=False, num_peers=1, reason=str(e) or type(e).__name__)
+                return self._failed(str(e) or type(e).__name__)
             except DHTError as e:
-                return RoundOutcome(ok=False, num_peers=1, reason=str(translate(e)))
-        return self._owner._outcome(result)
+                return self._failed(str(translate(e)))
+        return self._owner._outcome(result, self._epoch)
+
+    def _failed(self, reason: str) -> RoundOutcome:
+        return RoundOutcome(
+            ok=False, num_peers=1, reason=reason, epoch=self._epoch, status="failed"
+        )
 
     def cancel(self) -> None:
         self._future.cancel()

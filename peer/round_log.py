@@ -1,0 +1,294 @@
+"""Each peer's recent averaging rounds on the DHT (``{run_id}/rounds``), and their parser.
+
+A training peer keeps its last ``max_rounds`` rounds and stores them, with its run settings and
+round counters, as one signed, expiring record under its own subkey
+(:func:`dht.validation.owner_subkey`). The dashboard reads the whole dictionary to show the
+swarm's last rounds (group sizes, durations, bytes, dropped peers, the fraction truly averaged,
+local-fallback steps) and the loss over time. This module is torch-free so that ``peer monitor``
+stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from dht.config import get_dht_time
+from dht.errors import ConfigError, DHTError
+from dht.node import DHTNode
+from dht.validation import owner_subkey, subkey_owner
+from peer.periodic import Periodic
+
+logger = logging.getLogger(__name__)
+ROUNDS_KEY_SUFFIX = "rounds"
+ROUND_STATUSES = ("ok", "partial", "alone", "failed")
+# Longest reason kept in a record (a reason is one human line).
+MAX_REASON_CHARS = 120
+
+
+def rounds_key(run_id: str) -> str:
+    """The DHT key of a run's round records."""
+    return f"{run_id}/{ROUNDS_KEY_SUFFIX}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundEntry:
+    """One averaging round (or local step instead of one) as one peer saw it.
+
+    Attributes:
+        epoch: the epoch the round closed (the peer entered ``epoch + 1`` after it).
+        end_time: DHT time (unix seconds) when the round ended.
+        status: ``ok``, ``partial`` (some of the vector kept local values or a peer was
+            dropped), ``alone`` (no group: stepped on local data) or ``failed``.
+        group_size: peers in the group, this one included (1 when alone or failed).
+        duration_s: seconds spent in matchmaking and all-reduce.
+        sent_bytes: tensor bytes this peer sent in the all-reduce.
+        recv_bytes: tensor bytes it received.
+        num_dropped: peers dropped from the round (by this peer as their reducer, or reducers
+            whose part did not come back).
+        averaged_fraction: share of the vector replaced by an average with other peers' values.
+        loss: the peer's mean training loss over its last steps when the round ended, or None.
+        reason: why the round was not ``ok`` ("" when it was).
+    """
+
+    epoch: int
+    end_time: float
+    status: str
+    group_size: int = 1
+    duration_s: float = 0.0
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    num_dropped: int = 0
+    averaged_fraction: float = 0.0
+    loss: float | None = None
+    reason: str = ""
+
+    @property
+    def local_fallback(self) -> bool:
+        """The peer stepped on its own contribution only (no group, or the round failed)."""
+        return self.status in ("alone", "failed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundLogRecord:
+    """One peer's round record: its settings, counters and last rounds (oldest first).
+
+    Attributes:
+        peer_id: the publisher (from the signed subkey, never from the value).
+        time: the publisher's DHT time when it published.
+        epoch: the publisher's epoch then.
+        target_batch_size: samples per swarm epoch in the publisher's settings.
+        num_rounds: rounds it has finished (all statuses).
+        num_failed_rounds: rounds that failed.
+        num_local_steps: rounds it stepped on local data only (alone or failed).
+        rounds: its last rounds, oldest first.
+    """
+
+    peer_id: str
+    time: float
+    epoch: int
+    target_batch_size: int
+    num_rounds: int = 0
+    num_failed_rounds: int = 0
+    num_local_steps: int = 0
+    rounds: tuple[RoundEntry, ...] = field(default_factory=tuple)
+
+    def to_wire(self) -> dict:
+        """The record's value as stored on the DHT (msgpack-able; the subkey names the peer)."""
+        value = asdict(self)
+        del value["peer_id"]
+        value["rounds"] = [asdict(entry) for entry in self.rounds]
+        return value
+
+
+def _number(value: object, *, low: float = 0.0, high: float = math.inf) -> float:
+    number = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(number):
+        raise ValueError("not finite")
+    return min(max(number, low), high)
+
+
+def _count(value: object) -> int:
+    return int(_number(value, high=2**62))
+
+
+def _parse_entry(raw: object) -> RoundEntry | None:
+    if not isinstance(raw, dict):
+        return None
+    try:
+        status = str(raw["status"])
+        loss = raw.get("loss")
+        return RoundEntry(
+            epoch=_count(raw["epoch"]),
+            end_time=_number(raw["end_time"]),
+            status=status if status in ROUND_STATUSES else "failed",
+            group_size=max(1, _count(raw.get("group_size", 1))),
+            duration_s=_number(raw.get("duration_s", 0.0)),
+            sent_bytes=_count(raw.get("sent_bytes", 0)),
+            recv_bytes=_count(raw.get("recv_bytes", 0)),
+            num_dropped=_count(raw.get("num_dropped", 0)),
+            averaged_fraction=_number(raw.get("averaged_fraction", 0.0), high=1.0),
+            loss=None if loss is None else _number(loss, low=-math.inf),
+            reason=str(raw.get("reason", ""))[:MAX_REASON_CHARS],
+        )
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+
+
+def parse_rounds(subkey: object, value: object, *, max_rounds: int = 64) -> RoundLogRecord | None:
+    """A peer's round record from the DHT, or None if it is malformed.
+
+    Numbers are clamped to plausible ranges, malformed round entries are skipped, at most
+    ``max_rounds`` of the newest entries are kept and unknown fields are ignored (newer
+    publishers stay readable).
+    """
+    peer_id = subkey_owner(subkey) if isinstance(subkey, str) else None
+    if peer_id is None or not isinstance(value, dict):
+        return None
+    raw_rounds = value.get("rounds", [])
+    if not isinstance(raw_rounds, list):
+        return None
+    entries = [entry for entry in map(_parse_entry, raw_rounds[-max_rounds:]) if entry]
+    try:
+        return RoundLogRecord(
+            peer_id=peer_id,
+            time=_number(value["time"]),
+            epoch=_count(value["epoch"]),
+            target_batch_size=max(1, _count(value["target_batch_size"])),
+            num_rounds=_count(value.get("num_rounds", 0)),
+            num_failed_rounds=_count(value.get("num_failed_rounds", 0)),
+            num_local_steps=_count(value.get("num_local_steps", 0)),
+            rounds=tuple(sorted(entries, key=lambda e: (e.epoch, e.end_time))),
+        )
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundLogConfig:
+    """How a peer publishes its rounds.
+
+    Attributes:
+        target_batch_size: samples per swarm epoch (published so that readers know it).
+        max_rounds: rounds kept and published.
+        publish_interval_s: how often the publisher checks for news, in seconds.
+        record_ttl_s: a record expires this long after it is stored, in seconds; an unchanged
+            record is stored again after a third of it.
+    """
+
+    target_batch_size: int
+    max_rounds: int = 10
+    publish_interval_s: float = 2.0
+    record_ttl_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.target_batch_size < 1:
+            raise ConfigError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
+        if self.max_rounds < 1:
+            raise ConfigError(f"max_rounds must be >= 1, got {self.max_rounds}")
+        for name in ("publish_interval_s", "record_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.record_ttl_s <= self.publish_interval_s:
+            raise ConfigError("record_ttl_s must exceed publish_interval_s")
+
+
+class RoundLog:
+    """Keeps this peer's last rounds and publishes them (an async context manager).
+
+    The training thread calls :meth:`add` and :meth:`set_epoch`; a task on the event loop
+    stores the record whenever it changed, and again before it expires.
+    """
+
+    def __init__(self, *, dht: DHTNode, prefix: str, config: RoundLogConfig):
+        self.dht = dht
+        self.key = f"{prefix}/{ROUNDS_KEY_SUFFIX}"
+        self.config = config
+        self._lock = threading.Lock()
+        self._rounds: tuple[RoundEntry, ...] = ()
+        self._epoch = 0
+        self._counts = (0, 0, 0)  # rounds, failed, local steps
+        self._version = 0
+        self._published: tuple[int, float] | None = None  # (version, monotonic s)
+        self._publisher = Periodic(self.publish, config.publish_interval_s, "round-log")
+
+    def add(self, entry: RoundEntry) -> None:
+        """Record a finished round (any thread)."""
+        with self._lock:
+            self._rounds = (*self._rounds, entry)[-self.config.max_rounds :]
+            rounds, failed, local = self._counts
+            self._counts = (
+                rounds + 1,
+                failed + (entry.status == "failed"),
+                local + entry.local_fallback,
+            )
+            self._epoch = max(self._epoch, entry.epoch + 1)
+            self._version += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """This peer is at ``epoch`` now (a state download can move it without a round)."""
+        with self._lock:
+            if epoch != self._epoch:
+                self._epoch = epoch
+                self._version += 1
+
+    def record(self) -> RoundLogRecord:
+        """What would be published now."""
+        with self._lock:
+            rounds, failed, local = self._counts
+            return RoundLogRecord(
+                peer_id=self.dht.peer_id,
+                time=get_dht_time(),
+                epoch=self._epoch,
+                target_batch_size=self.config.target_batch_size,
+                num_rounds=rounds,
+                num_failed_rounds=failed,
+                num_local_steps=local,
+                rounds=self._rounds,
+            )
+
+    async def publish(self, *, force: bool = False) -> bool:
+        """Store the record if it changed or is due; True when a store happened and took."""
+        version, now = self._version, time.monotonic()
+        if not force and self._published is not None:
+            last_version, last_s = self._published
+            if version == last_version and now - last_s < self.config.record_ttl_s / 3:
+                return False
+        record = self.record()
+        try:
+            stored = await self.dht.store(
+                self.key,
+                record.to_wire(),
+                record.time + self.config.record_ttl_s,
+                subkey=owner_subkey(record.peer_id),
+            )
+        except DHTError as e:  # the next period tries again
+            logger.warning("round record not stored: %s", e)
+            return False
+        if stored:
+            self._published = (version, now)
+        return stored
+
+    async def __aenter__(self) -> RoundLog:
+        self._publisher.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop publishing; safe to call twice."""
+        await self._publisher.stop()
+
+
+__all__ = [
+    "RoundEntry",
+    "RoundLog",
+    "RoundLogConfig",
+    "RoundLogRecord",
+    "parse_rounds",
+    "rounds_key",
+]
