@@ -19,6 +19,7 @@ import torch
 
 from peer.device import select_device, to_device, use_pinned_memory
 from peer.tasks.base import DataShard, Task
+from peer.trainer import evaluate
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -33,6 +34,7 @@ class BaselineResult:
         num_samples: samples processed.
         num_optimizer_steps: optimizer steps taken.
         seconds: measured wall time (monotonic).
+        eval_loss: the task's evaluation loss after training (None without an eval set).
         curve: (samples seen, mean loss of that optimizer step's micro-batches) per step, to
             compare with a run that saw a different number of samples.
     """
@@ -43,6 +45,7 @@ class BaselineResult:
     num_optimizer_steps: int
     seconds: float
     curve: tuple[tuple[int, float], ...] = ()
+    eval_loss: float | None = None
 
     def loss_at(self, num_samples: int, *, window_samples: int = 2048) -> float | None:
         """Mean step loss over the ``window_samples`` samples before ``num_samples`` had been
@@ -66,8 +69,10 @@ def run_baseline(
     shard: DataShard | None = None,
     final_loss_samples: int = 2048,
     device: str = "cpu",
+    max_steps: int | None = None,
+    lr_schedule: Callable[[int], float] | None = None,
 ) -> BaselineResult:
-    """Train ``task`` in this process for ``seconds`` of wall time.
+    """Train ``task`` in this process for ``seconds`` of wall time (or ``max_steps`` steps).
 
     Args:
         task: the task (its ``batch_size`` is the micro-batch).
@@ -79,6 +84,8 @@ def run_baseline(
         shard: the data shard to read (shard 0 of 1, seed 0 when None).
         final_loss_samples: how many of the last samples the final loss averages over.
         device: where to train (``auto``: CUDA when present).
+        max_steps: stop after this many optimizer steps instead, whatever the time.
+        lr_schedule: optimizer step -> factor of the base LR (as the swarm's per epoch).
     """
     if seconds <= 0 or num_threads < 1:
         raise ValueError(f"need seconds > 0 and num_threads >= 1, got {seconds}, {num_threads}")
@@ -93,6 +100,8 @@ def run_baseline(
             shard or DataShard(),
             max(1, math.ceil(final_loss_samples / task.batch_size)),
             select_device(device),
+            max_steps,
+            lr_schedule,
         )
     finally:
         torch.set_num_threads(previous_threads)
@@ -106,17 +115,27 @@ def _train(
     shard: DataShard,
     loss_window: int,
     device: torch.device,
+    max_steps: int | None,
+    lr_schedule: Callable[[int], float] | None,
 ) -> BaselineResult:
     model = task.build_model().to(device)
     optimizer = make_optimizer(model.parameters())
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+
+    def set_lr(step: int) -> None:
+        if lr_schedule is not None:
+            for group, base_lr in zip(optimizer.param_groups, base_lrs, strict=True):
+                group["lr"] = base_lr * lr_schedule(step)
+
+    set_lr(0)
     batches = iter(task.make_loader(shard, pin_memory=use_pinned_memory(device)))
     recent_losses: collections.deque[torch.Tensor] = collections.deque(maxlen=loss_window)
     step_losses: list[torch.Tensor] = []
     curve_samples: list[int] = []
     num_samples = num_steps = micro = 0
     start = time.monotonic()
-    deadline = start + seconds
-    while time.monotonic() < deadline:
+    deadline = start + seconds if max_steps is None else math.inf
+    while time.monotonic() < deadline and (max_steps is None or num_steps < max_steps):
         inputs, targets = to_device(next(batches), device)
         loss = task.loss_fn(model(inputs), targets)
         (loss / num_micro_batches).backward()
@@ -130,6 +149,7 @@ def _train(
             micro = 0
             step_losses.append(torch.stack(list(recent_losses)[-num_micro_batches:]).mean())
             curve_samples.append(num_samples)
+            set_lr(num_steps)
     elapsed_s = time.monotonic() - start
     return BaselineResult(
         samples_per_s=num_samples / elapsed_s,
@@ -140,4 +160,5 @@ def _train(
         curve=tuple(zip(curve_samples, torch.stack(step_losses).tolist(), strict=True))
         if step_losses
         else (),
+        eval_loss=evaluate(task, model, device=device),
     )

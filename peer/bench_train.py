@@ -51,6 +51,11 @@ class TrainBenchConfig:
         mode: ``grad``, ``params`` or ``diloco``.
         num_threads: the machine's cores to use (baseline threads; peers split them).
         run_baseline: whether to run the baseline (its fields are null otherwise).
+        epochs: train this many optimizer steps (swarm epochs) instead of ``seconds``: for
+            statistical efficiency, compared through ``eval_loss`` at the end.
+        lr_schedule, warmup_epochs, min_lr_ratio: the LR schedule over epochs (baseline: over
+            its optimizer steps), as ``peer join`` takes them.
+        timeout_s: bound on the whole swarm run in ``epochs`` mode.
     """
 
     backend: str = "native"
@@ -64,6 +69,11 @@ class TrainBenchConfig:
     mode: str = "grad"
     num_threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     run_baseline: bool = True
+    epochs: int | None = None
+    lr_schedule: str = "constant"
+    warmup_epochs: int = 0
+    min_lr_ratio: float = 0.0
+    timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         for name in ("num_peers", "target_batch_size", "num_threads"):
@@ -88,7 +98,6 @@ def peer_command(config: TrainBenchConfig, url: str, index: int) -> list[str]:
         "--run-id", RUN_ID,
         "--initial-peers", url,
         "--task", config.task,
-        "--max-time", str(config.seconds),
         "--torch-threads", str(threads),
         "--target-batch-size", str(config.target_batch_size),
         "--lr", str(config.lr),
@@ -97,6 +106,16 @@ def peer_command(config: TrainBenchConfig, url: str, index: int) -> list[str]:
         "--wait-for-peers", str(config.num_peers),
         "--json",
     ]  # fmt: skip
+    if config.epochs is None:
+        command += ["--max-time", str(config.seconds)]
+    else:
+        command += ["--max-epochs", str(config.epochs)]
+    if config.lr_schedule != "constant" or config.warmup_epochs:
+        command += [
+            "--lr-schedule", config.lr_schedule,
+            "--warmup-epochs", str(config.warmup_epochs),
+            "--min-lr-ratio", str(config.min_lr_ratio),
+        ]  # fmt: skip
     for option in config.all_task_options():
         command += ["--task-option", option]
     return command
@@ -122,7 +141,8 @@ async def _run_peers(config: TrainBenchConfig) -> list[dict]:
             for index in range(config.num_peers)
         ]
         try:
-            async with asyncio.timeout(config.seconds + START_GRACE_S):
+            bound_s = config.seconds if config.epochs is None else config.timeout_s
+            async with asyncio.timeout(bound_s + START_GRACE_S):
                 outputs = await asyncio.gather(*(p.communicate() for p in processes))
         finally:
             for process in processes:
@@ -149,11 +169,14 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
     num_rounds = sum(s["num_rounds"] for s in summaries)
     overhead_s = sum(s.get("matchmaking_s", 0.0) for s in summaries)
     samples_per_s = sum(s["samples_per_s"] for s in summaries)
+    eval_losses = [s["eval_loss"] for s in summaries if s.get("eval_loss") is not None]
     result = {
         "backend": config.backend,
         "peers": config.num_peers,
         "task": config.task,
-        "seconds": config.seconds,
+        "seconds": config.seconds
+        if config.epochs is None
+        else round(max(s["seconds"] for s in summaries), 2),
         "samples_per_s": round(samples_per_s, 1),
         "baseline_samples_per_s": None,
         "final_loss": round(sum(losses) / len(losses), 4) if losses else None,
@@ -165,6 +188,8 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
         "baseline_loss_at_samples": None,
         "failed_rounds": sum(s["num_failed_rounds"] for s in summaries),
         "round_overhead_s": round(overhead_s / num_rounds, 4) if num_rounds else None,
+        "eval_loss": round(sum(eval_losses) / len(eval_losses), 4) if eval_losses else None,
+        "baseline_eval_loss": None,
     }
     if baseline is not None:
         at_samples = baseline.loss_at(samples)
@@ -174,6 +199,9 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
             "ratio": round(samples_per_s / baseline.samples_per_s, 3),
             "baseline_samples": baseline.num_samples,
             "baseline_loss_at_samples": None if at_samples is None else round(at_samples, 4),
+            "baseline_eval_loss": None
+            if baseline.eval_loss is None
+            else round(baseline.eval_loss, 4),
         }
     return result
 
@@ -182,6 +210,7 @@ def _baseline(config: TrainBenchConfig):
     import torch
 
     from peer.baseline import run_baseline
+    from peer.schedules import make_lr_schedule
     from peer.tasks import load_task
 
     options = dict(option.split("=", 1) for option in config.all_task_options())
@@ -192,4 +221,11 @@ def _baseline(config: TrainBenchConfig):
         num_threads=config.num_threads,
         total_batch_size=config.target_batch_size,
         make_optimizer=lambda params: torch.optim.Adam(params, lr=config.lr),
+        max_steps=config.epochs,
+        lr_schedule=make_lr_schedule(
+            config.lr_schedule,
+            warmup_epochs=config.warmup_epochs,
+            total_epochs=config.epochs,
+            min_lr_ratio=config.min_lr_ratio,
+        ),
     )

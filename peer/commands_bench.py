@@ -116,6 +116,19 @@ def add_bench_train_command(bench_sub) -> None:
     parser.add_argument(
         "--threads", type=_positive_int, default=None, help="cores to use (default: all)"
     )
+    parser.add_argument(
+        "--epochs",
+        type=_positive_int,
+        default=None,
+        help="train this many optimizer steps instead of --seconds (statistical efficiency)",
+    )
+    parser.add_argument(
+        "--lr-schedule", choices=["constant", "linear", "cosine"], default="constant"
+    )
+    parser.add_argument("--warmup-epochs", type=int, default=0, help="LR warmup (default: 0)")
+    parser.add_argument(
+        "--min-lr-ratio", type=float, default=0.0, help="final LR / --lr of the decay"
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline")
     parser.add_argument(
         "--backend", choices=["native", "hivemind"], default="native", help="default: native"
@@ -142,6 +155,10 @@ def run_bench_train(args: argparse.Namespace) -> int:
         lr=args.lr,
         mode=args.mode,
         run_baseline=not args.no_baseline,
+        epochs=args.epochs,
+        lr_schedule=args.lr_schedule,
+        warmup_epochs=args.warmup_epochs,
+        min_lr_ratio=args.min_lr_ratio,
         **extra,
     )
     result = run_train_bench(config)
