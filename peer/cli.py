@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from dht.errors import ConfigError, DHTError, IdentityError
-from peer import commands_bench, commands_dht, commands_join
+from peer import commands_bench, commands_dht, commands_join, commands_profile
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands_join.add_join_command(sub)
     commands_dht.add_dht_command(sub)
     commands_dht.add_demo_command(sub)
+    commands_profile.add_profile_command(sub)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
     bench_sub = bench.add_subparsers(
         dest="bench", required=True, parser_class=_Parser, metavar="BENCH"
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands_dht.add_bench_dht_command(bench_sub)
     commands_bench.add_bench_allreduce_command(bench_sub)
     commands_bench.add_bench_train_command(bench_sub)
+    commands_profile.add_bench_profiler_command(bench_sub)
     return parser
 
 

@@ -34,6 +34,7 @@ from peer.schedules import LRSchedule, make_lr_schedule
 
 if TYPE_CHECKING:  # torch-importing modules: kept out of `peer dht` and `peer --help`
     from peer.collaborative import CollaborativeConfig
+    from peer.profiler import ProfilerConfig
     from peer.state_sync import StateSyncConfig
     from peer.trainer import TrainerConfig
 
@@ -126,6 +127,19 @@ class PeerConfig(BaseModel):
     checkpoint_interval: float = Field(60.0, gt=0, description="seconds between checkpoints")
     metrics_file: Path | None = Field(None, description="JSON Lines metrics stream")
     metrics_interval: float = Field(5.0, gt=0, description="seconds between metrics lines")
+    trace: Path | None = Field(None, description="Chrome/Perfetto trace of phases (Perfetto UI)")
+    trace_max_mb: float = Field(
+        64.0, gt=0, description="phase slices in --trace stop at this size (MiB); epochs go on"
+    )
+    profile_interval: float = Field(
+        5.0, gt=0, description="seconds between profile summaries (logged verdict, DHT record)"
+    )
+    profile_window: float = Field(
+        30.0, gt=0, description="seconds the rolling profile summary covers"
+    )
+    profile_sync: bool = Field(
+        False, description="wait for the GPU at each phase boundary (exact, loses overlap)"
+    )
     publish_interval: float = Field(1.0, gt=0, description="seconds between progress records")
     wait_for_peers: int = Field(
         1, ge=1, description="before training, wait until this many peers (self included) are up"
@@ -224,6 +238,18 @@ class PeerConfig(BaseModel):
             amp=self.amp,
             num_workers=self.num_workers,
             max_grad_norm=self.max_grad_norm,
+        )
+
+    def profiler_config(self) -> ProfilerConfig:
+        from peer.profiler import ProfilerConfig
+
+        return ProfilerConfig(
+            interval_s=self.profile_interval,
+            window_s=max(self.profile_window, self.profile_interval),
+            trace_path=self.trace,
+            trace_max_bytes=max(int(self.trace_max_mb * 2**20), 1024),
+            synchronize_device=self.device if self.profile_sync else None,
+            backend=self.backend,
         )
 
 

@@ -25,12 +25,12 @@ from peer.checkpoint import CheckpointDir, Progress, pack_state, unpack_state
 from peer.collaborative import CollaborativeOptimizer, averaged_buffers
 from peer.config import PeerConfig
 from peer.metrics_stream import MetricsStream
-from peer.phases import PhaseClock
+from peer.profiler import Profiler, StepProgress
 from peer.services import SwarmServices, open_services
 from peer.state_sync import StateSnapshot, StateSyncError, download_state, layout_of
 from peer.swarm_averager import SwarmAverager
 from peer.tasks import DataShard, load_task
-from peer.trainer import StepReport, Trainer
+from peer.trainer import StepReport, Trainer, evaluate
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
@@ -58,6 +58,7 @@ class PeerSummary:
     stopped_by: str
     matchmaking_s: float = 0.0
     allreduce_s: float = 0.0
+    eval_loss: float | None = None
 
 
 def make_optimizer(config: PeerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -91,7 +92,10 @@ class PeerRun:
         self.task = load_task(config.task, config.task_options())
         model = self.task.build_model()
         self.optimizer = make_optimizer(config, model)
-        self.clock = PhaseClock()
+        self.profiler = Profiler(
+            config.profiler_config(), process_name=f"peer {short_id(self.identity.peer_id)}"
+        )
+        self.clock = self.profiler.clock
         self.trainer = Trainer(
             self.task,
             model,
@@ -175,6 +179,20 @@ class PeerRun:
                 interval_s=self.config.metrics_interval,
             )
         self.loop_thread.run(self.services.state_server.announce(), timeout_s=START_TIMEOUT_S)
+        self.profiler.attach(
+            progress=lambda: StepProgress(
+                self.hook.epoch, self.trainer.total_samples, self._last_loss
+            ),
+            counters=self.services.transport.counters,
+            device=str(self.trainer.device),
+        )
+        self.profiler.start_publishing(
+            self.loop_thread,
+            dht=self.services.node,
+            run_id=self.config.run_id,
+            peer_id=self.identity.peer_id,
+            timeout_s=START_TIMEOUT_S,
+        )
 
     def _wait_for_peers(self) -> None:
         """Block until ``wait_for_peers`` peers (this one included) publish progress, so that
@@ -284,6 +302,7 @@ class PeerRun:
             state_server.update(self._snapshot(self.hook.epoch))
 
     def _on_epoch(self, epoch: int) -> None:
+        self.profiler.on_epoch(epoch)
         self.services.state_server.current_epoch = epoch
         if self.config.max_epochs is not None and epoch >= self.config.max_epochs:
             self.stop_event.set()
@@ -313,6 +332,7 @@ class PeerRun:
                 on_step=self._on_step,
             )
             self.hook.flush()  # a delayed update still in flight
+            eval_loss = evaluate(self.task, self.model)
             if self.checkpoints is not None:
                 self._save_checkpoint(self.hook.epoch)
             if self.metrics is not None:
@@ -320,6 +340,7 @@ class PeerRun:
                     epoch=self.hook.epoch, step=self.trainer.step, loss=self._last_loss
                 )
             stopped_by = result.stopped_by
+            self.profiler.print_summary()
         finally:
             self.close()
         seconds = time.monotonic() - start
@@ -339,10 +360,12 @@ class PeerRun:
             stopped_by=stopped_by,
             matchmaking_s=stats.matchmaking_s,
             allreduce_s=stats.allreduce_s,
+            eval_loss=eval_loss,
         )
 
     def close(self) -> None:
         """Leave the swarm and stop the loop thread; safe to call twice."""
+        self.profiler.close()  # stops publishing before the DHT node closes
         if self.services is not None and self.loop_thread is not None:
             services, self.services = self.services, None
             self.loop_thread.run(services.close(), timeout_s=START_TIMEOUT_S)
