@@ -202,6 +202,12 @@ def add_demo_command(sub) -> None:
         default=2048,
         help="samples per swarm epoch (default: 2048)",
     )
+    parser.add_argument(
+        "--backend",
+        choices=["native", "hivemind"],
+        default="native",
+        help="networking backend of the peers (default: native)",
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.set_defaults(run=run_demo)
 
@@ -215,5 +221,6 @@ def run_demo(args: argparse.Namespace) -> int:
             seconds=args.seconds,
             target_batch_size=args.target_batch_size,
             as_json=args.json,
+            backend=args.backend,
         )
     )

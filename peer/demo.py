@@ -29,7 +29,9 @@ RUN_ID = "demo"
 REFRESH_S = 0.5
 
 
-def _peer_command(url: str, seconds: float, threads: int, target: int) -> list[str]:
+def _peer_command(
+    url: str, seconds: float, threads: int, target: int, backend: str = "native"
+) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -37,6 +39,8 @@ def _peer_command(url: str, seconds: float, threads: int, target: int) -> list[s
         "--log-level",
         "WARNING",
         "join",
+        "--backend",
+        backend,
         "--run-id",
         RUN_ID,
         "--initial-peers",
@@ -51,7 +55,7 @@ def _peer_command(url: str, seconds: float, threads: int, target: int) -> list[s
     ]
 
 
-async def _swarm_table(node: DHTNode, num_peers: int, elapsed_s: float) -> Table:
+async def _native_rows(node: DHTNode) -> list[tuple[str, ...]]:
     found = await node.get(f"{RUN_ID}/progress", latest=True)
     records = []
     if found is not None and isinstance(found.value, dict):
@@ -59,33 +63,78 @@ async def _swarm_table(node: DHTNode, num_peers: int, elapsed_s: float) -> Table
             record = parse_record(subkey, item.value, 1e9)
             if record is not None:
                 records.append(record)
+    return [
+        (
+            short_id(r.peer_id),
+            r.address or "client",
+            str(r.epoch),
+            str(r.samples),
+            f"{r.samples_per_s:.0f}",
+        )
+        for r in sorted(records, key=lambda r: r.peer_id)
+    ]
+
+
+def _hivemind_rows(bootstrap) -> list[tuple[str, ...]]:
+    rows = []
+    for record in bootstrap.records(RUN_ID):
+        peer_id = record.get("peer_id")
+        name = peer_id.hex()[-8:] if isinstance(peer_id, bytes) else str(peer_id)[:8]
+        rows.append(
+            (
+                name,
+                "client" if record.get("client_mode") else "libp2p",
+                str(record.get("epoch")),
+                str(record.get("samples_accumulated")),
+                f"{float(record.get('samples_per_second', 0.0)):.0f}",
+            )
+        )
+    return sorted(rows)
+
+
+def _swarm_table(rows: list[tuple[str, ...]], num_peers: int, elapsed_s: float) -> Table:
     table = Table(
-        title=f"Volunteer Peer demo: {len(records)}/{num_peers} peers training, {elapsed_s:4.0f} s"
+        title=f"Volunteer Peer demo: {len(rows)}/{num_peers} peers training, {elapsed_s:4.0f} s"
     )
     for column in ("peer", "address", "epoch", "samples this epoch", "samples/s"):
         table.add_column(column, justify="right" if column != "address" else "left")
-    for record in sorted(records, key=lambda r: r.peer_id):
-        table.add_row(
-            short_id(record.peer_id),
-            record.address or "client",
-            str(record.epoch),
-            str(record.samples),
-            f"{record.samples_per_s:.0f}",
-        )
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
-async def run_demo(*, num_peers: int, seconds: float, target_batch_size: int, as_json: bool) -> int:
+async def run_demo(
+    *,
+    num_peers: int,
+    seconds: float,
+    target_batch_size: int,
+    as_json: bool,
+    backend: str = "native",
+) -> int:
     """Run the demo; returns the exit status (0 when every peer finished and trained)."""
     console = Console(stderr=as_json)
     threads = max(1, (os.cpu_count() or 1) // num_peers)
     async with AsyncExitStack() as stack:
-        node = await stack.enter_async_context(
-            open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
-        )
+        if backend == "hivemind":
+            from peer.hivemind_backend import HivemindBootstrap
+
+            bootstrap = stack.enter_context(HivemindBootstrap())
+            address = bootstrap.address
+
+            async def rows() -> list[tuple[str, ...]]:
+                return await asyncio.to_thread(_hivemind_rows, bootstrap)
+        else:
+            node = await stack.enter_async_context(
+                open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
+            )
+            address = node.address
+
+            async def rows() -> list[tuple[str, ...]]:
+                return await _native_rows(node)
+
         processes = [
             await asyncio.create_subprocess_exec(
-                *_peer_command(node.address, seconds, threads, target_batch_size),
+                *_peer_command(address, seconds, threads, target_batch_size, backend),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
             )
@@ -96,7 +145,7 @@ async def run_demo(*, num_peers: int, seconds: float, target_batch_size: int, as
         try:
             with Live(console=console, refresh_per_second=2) as live:
                 while not all(task.done() for task in outputs):
-                    live.update(await _swarm_table(node, num_peers, time.monotonic() - start))
+                    live.update(_swarm_table(await rows(), num_peers, time.monotonic() - start))
                     await asyncio.wait(outputs, timeout=REFRESH_S)
         finally:
             for process in processes:

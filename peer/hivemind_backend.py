@@ -53,6 +53,8 @@ from peer.trainer import StepReport, Trainer
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
 FINAL_LOSS_SAMPLES = 2048
+# Bound on one read of the progress records from the DHT, in seconds.
+READ_TIMEOUT_S = 10.0
 
 
 def listen_maddrs(host: str, port: int) -> list[str]:
@@ -302,7 +304,13 @@ def progress_records(dht: Any, run_id: str) -> list[dict[str, Any]]:
     Each is a dict of hivemind's LocalTrainingProgress: ``peer_id`` (bytes), ``epoch``,
     ``samples_accumulated``, ``samples_per_second``, ``time``, ``client_mode``.
     """
-    found = dht.get(f"{run_id}_progress", latest=True)
+    try:
+        found = dht.get(f"{run_id}_progress", latest=True, return_future=True).result(
+            timeout=READ_TIMEOUT_S
+        )
+    except Exception as e:  # a slow or failed read is an empty view, not a crash of the caller
+        logger.debug("could not read %s_progress: %r", run_id, e)
+        return []
     if found is None or not isinstance(found.value, dict):
         return []
     records = []
@@ -323,6 +331,7 @@ class HivemindBootstrap:
     def __init__(self, host: str = "127.0.0.1"):
         self.dht = import_hivemind().DHT(host_maddrs=listen_maddrs(host, 0), start=True)
         self.address = str(self.dht.get_visible_maddrs()[0])
+        self._validated: set[str] = set()
 
     def __enter__(self) -> HivemindBootstrap:
         return self
@@ -332,6 +341,16 @@ class HivemindBootstrap:
 
     def records(self, run_id: str) -> list[dict[str, Any]]:
         """See :func:`progress_records`."""
+        if run_id not in self._validated:
+            # the records are signed and schema-checked: without hivemind.Optimizer's validators
+            # this node could not even decode them
+            from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
+            from hivemind.optim.progress_tracker import TrainingProgressSchema
+
+            self.dht.add_validators(
+                [RSASignatureValidator(), SchemaValidator(TrainingProgressSchema, prefix=run_id)]
+            )
+            self._validated.add(run_id)
         return progress_records(self.dht, run_id)
 
     def close(self) -> None:
