@@ -1,0 +1,95 @@
+"""Reads a run's records from the DHT into :class:`monitor.state.SwarmView` frames.
+
+Three dictionary keys per run, each holding one signed record per peer: ``{run}/progress``
+(:mod:`peer.progress`), ``{run}/profile`` (:mod:`peer.profile_record`) and ``{run}/rounds``
+(:mod:`peer.round_log`). A read fetches the three at once (``latest=True``: the merge of the k
+closest replicas) under one timeout; a failed read keeps the last records and says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from dht.config import DHTConfig, get_dht_time
+from dht.errors import DHTError
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
+from dht.launch import open_node
+from dht.node import DHTNode
+from monitor.config import MonitorConfig
+from monitor.state import SwarmView, ViewBuilder
+from peer.profile_record import parse_profile, profile_key
+from peer.progress import parse_record
+from peer.round_log import parse_rounds, rounds_key
+
+logger = logging.getLogger(__name__)
+# The largest believable rate of one peer (as :class:`peer.progress.ProgressConfig` has it).
+MAX_SAMPLES_PER_S = 1e6
+
+
+def _items(found) -> list[tuple[object, object]]:
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [(subkey, item.value) for subkey, item in found.value.items()]
+
+
+class SwarmReader:
+    """Reads the run's records through ``node`` and builds successive views.
+
+    One read at a time (the views remember the previous one). ``local_peer_id`` marks the peer
+    the dashboard runs in (``peer join --dashboard``).
+    """
+
+    def __init__(self, node: DHTNode, config: MonitorConfig, *, local_peer_id: str | None = None):
+        self.node = node
+        self.config = config
+        self.builder = ViewBuilder(config, local_peer_id=local_peer_id)
+        self._records: dict[str, list] = {"progress": [], "profiles": [], "rounds": []}
+
+    async def _fetch(self) -> dict[str, list]:
+        run_id = self.config.run_id
+        progress, profiles, rounds = await asyncio.gather(
+            self.node.get(f"{run_id}/progress", latest=True),
+            self.node.get(profile_key(run_id), latest=True),
+            self.node.get(rounds_key(run_id), latest=True),
+        )
+        parsed = {
+            "progress": [parse_record(k, v, MAX_SAMPLES_PER_S) for k, v in _items(progress)],
+            "profiles": [parse_profile(k, v) for k, v in _items(profiles)],
+            "rounds": [parse_rounds(k, v) for k, v in _items(rounds)],
+        }
+        return {name: [r for r in records if r is not None] for name, records in parsed.items()}
+
+    async def read(self) -> SwarmView:
+        """The swarm now; on a failed read, the last records with ``error`` set."""
+        error = None
+        try:
+            async with asyncio.timeout(self.config.read_timeout_s):
+                self._records = await self._fetch()
+        except TimeoutError:
+            error = f"no answer within {self.config.read_timeout_s:g} s"
+        except DHTError as e:
+            error = str(e) or type(e).__name__
+        if error is not None:
+            logger.debug("swarm read failed: %s", error)
+        return self.builder.build(**self._records, now=get_dht_time(), error=error)
+
+
+@asynccontextmanager
+async def open_client_node(
+    initial_peers: list[str],
+    *,
+    swarm_key: bytes | None = None,
+    tls_ca_file: str | None = None,
+) -> AsyncIterator[DHTNode]:
+    """A DHT node in client mode (no server, nothing to open in a firewall) that has joined
+    through ``initial_peers``."""
+    transport_config = TransportConfig(
+        client_mode=True, swarm_key=swarm_key, tls_ca_file=tls_ca_file
+    )
+    dht_config = DHTConfig(initial_peers=tuple(initial_peers))
+    async with open_node(PeerIdentity.generate(), transport_config, dht_config) as node:
+        yield node

@@ -1,0 +1,443 @@
+"""The dashboard's sections as rich renderables, each a known number of lines tall.
+
+:func:`render_dashboard` lays them out for a terminal of ``width`` x ``height``: one column below
+120 columns (fits 80x24), two side by side above (peers with more columns, rounds beside the loss
+chart, alerts beside the local peer's phases). Rows that do not fit are counted in a "+N more"
+line instead of scrolling off. Without a height (``--once`` into a pipe) everything is shown.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from monitor.layout import plan
+from monitor.state import Alert, PeerView, RoundRow, SwarmView
+from monitor.widgets import (
+    bar_legend,
+    column_chart,
+    fmt_bytes,
+    fmt_count,
+    fmt_seconds,
+    phase_bar,
+    resample,
+    sparkline,
+)
+from peer.profile_record import PROFILE_PHASES
+
+HEAD = "bold reverse"
+_STATUS_STYLE = {"ok": "green", "partial": "yellow", "alone": "cyan", "failed": "bold red"}
+_ALERT_STYLE = {"info": ("•", "cyan"), "warning": ("▲", "yellow"), "error": ("✖", "bold red")}
+_PHASE_ABBREV = {
+    "data": "data",
+    "h2d": "h2d",
+    "forward": "fwd",
+    "backward": "bwd",
+    "optimizer": "opt",
+    "matchmaking": "mm",
+    "allreduce": "ar",
+    "state_sync": "sync",
+    "idle": "idle",
+    "other": "other",
+}
+
+
+def _line(text: Text | str, width: int) -> Text:
+    line = text if isinstance(text, Text) else Text(text)
+    line.no_wrap, line.overflow = True, "ellipsis"
+    line.truncate(width, overflow="ellipsis")
+    return line
+
+
+def _address(peer: PeerView) -> str:
+    if peer.address is None:
+        return "client"
+    return peer.address.split("://", 1)[-1]
+
+
+# ---- header ------------------------------------------------------------------------------------
+
+
+def render_header(view: SwarmView, width: int, *, wide: bool) -> RenderableType:
+    """Two lines: the run at a glance, and the epoch's progress toward the target batch size."""
+    title = Text("Volunteer Peer · " if wide else "", style="bold")
+    clients = f" ({view.num_clients} client{'s' * (view.num_clients != 1)})"
+    title.append(f"run {view.run_id}", style="bold")
+    title.append(
+        f" · epoch {view.epoch} · {view.num_peers} peers"
+        f"{clients if view.num_clients else ''} · {fmt_count(view.samples_per_s)} samples/s · "
+        f"{view.num_rounds} rounds, {view.num_failed_rounds} failed"
+    )
+    if wide and view.loss is not None:
+        title.append(f" · loss {view.loss:.3f}")
+    fraction = view.progress_fraction
+    if fraction is None:
+        progress = _line(
+            f"epoch {view.epoch}: {view.samples_accumulated:,} samples (target not published yet)",
+            width,
+        )
+        return Group(_line(title, width), progress)
+    target = view.target_batch_size or 0
+    status = (
+        f" {view.samples_accumulated:,}/{target:,} samples {fraction:.0%} · "
+        f"ETA {fmt_seconds(view.eta_s)}"
+    )
+    bar_width = max(10, min(60, width - len(status) - 1))
+    grid = Table.grid()
+    grid.add_column(width=bar_width)
+    grid.add_column(no_wrap=True, overflow="ellipsis")
+    grid.add_row(
+        ProgressBar(total=target, completed=view.samples_accumulated, width=bar_width),
+        Text(status),
+    )
+    return Group(_line(title, width), grid)
+
+
+# ---- peers -------------------------------------------------------------------------------------
+
+
+def render_peers(view: SwarmView, max_rows: int | None, *, wide: bool) -> Table:
+    """The peers table: one header line and at most ``max_rows`` lines (more columns when
+    ``wide``)."""
+    table = Table(box=None, header_style=HEAD, pad_edge=False, padding=(0, 1), expand=wide)
+    bar_width = 20 if wide else 10
+    columns = ["peer", "address", "device", "epoch", "smp/s"]
+    columns += ["samples", "loss"] if wide else []
+    columns += ["data/comp/comm/idle" if wide else "phases", "B/s", "seen"]
+    columns += ["cpu", "rss", "notes"] if wide else []
+    for name in columns:
+        table.add_column(
+            name,
+            no_wrap=True,
+            overflow="ellipsis",
+            justify="left" if name in ("peer", "address", "device", "notes") else "right",
+            min_width=bar_width if name in ("phases", "data/comp/comm/idle") else None,
+            max_width={"address": 21 if not wide else 28}.get(name),
+            ratio=1 if name == "notes" else None,
+        )
+    peers = sorted(view.peers, key=lambda p: (not p.local, p.peer_id))
+    shown = peers if max_rows is None or len(peers) <= max_rows else peers[: max(0, max_rows - 1)]
+    for peer in shown:
+        table.add_row(*_peer_cells(peer, view, wide, bar_width), style=_peer_style(peer))
+    if len(shown) < len(peers):
+        table.add_row(Text(f"+{len(peers) - len(shown)} more peers", style="dim"))
+    if not peers:
+        table.add_row(Text("no peers yet", style="dim"))
+    return table
+
+
+def _peer_style(peer: PeerView) -> str:
+    if peer.stale:
+        return "dim"
+    return "bold" if peer.local else ""
+
+
+def _peer_cells(peer: PeerView, view: SwarmView, wide: bool, bar_width: int) -> list:
+    profile = peer.profile
+    epoch = Text(str(peer.epoch))
+    if peer.behind:
+        epoch = Text(f"{peer.epoch}-{view.epoch - peer.epoch}", style="yellow")
+    rate = Text(fmt_count(peer.samples_per_s), style="yellow" if peer.straggler else "")
+    seen = Text(fmt_seconds(peer.age_s), style="red" if peer.stale else "")
+    name = Text(("*" if peer.local else "") + peer.short_id)
+    sent = (profile.sent_bytes_per_s + profile.recv_bytes_per_s) if profile else math.nan
+    cells = [name, _address(peer), profile.device if profile else "-", epoch, rate]
+    if wide:
+        loss = profile.loss if profile and profile.loss is not None else None
+        cells += [f"{peer.samples:,}", "-" if loss is None else f"{loss:.3f}"]
+    bar = phase_bar(profile.group_fractions() if profile else None, bar_width)
+    cells += [bar, fmt_bytes(sent), seen]
+    if wide:
+        notes = [
+            word
+            for flag, word in (
+                (peer.local, "this peer"),
+                (peer.behind, "behind"),
+                (peer.straggler, "straggler"),
+                (peer.stale, "out of date"),
+            )
+            if flag
+        ]
+        if profile and profile.bottleneck != "balanced":
+            notes.append(f"{profile.bottleneck}-bound")
+        cells += [
+            f"{profile.cpu_percent:.0f}%" if profile else "-",
+            fmt_bytes(profile.rss_bytes) if profile else "-",
+            ", ".join(notes),
+        ]
+    return cells
+
+
+# ---- rounds ------------------------------------------------------------------------------------
+
+
+def render_rounds(view: SwarmView, max_rows: int | None, *, wide: bool) -> RenderableType:
+    """The last rounds, newest first: one header line and at most ``max_rows`` lines."""
+    if not view.rounds:
+        return Text("rounds: none reported yet", style="dim")
+    table = Table(box=None, header_style=HEAD, pad_edge=False, padding=(0, 1))
+    columns = ["round", "group", "time", "bytes", "drop", "avg", "local", "status"]
+    columns += ["loss", "ended"] if wide else []
+    for name in columns:
+        table.add_column(
+            name, no_wrap=True, justify="left" if name in ("status", "group") else "right"
+        )
+    rows = view.rounds if max_rows is None else view.rounds[:max_rows]
+    for row in rows:
+        table.add_row(*_round_cells(row, view, wide))
+    return table
+
+
+def _round_cells(row: RoundRow, view: SwarmView, wide: bool) -> list:
+    sizes = "+".join(str(size) for size in row.group_sizes)
+    group = f"{sizes}/{row.num_swarm_peers}"
+    if wide:
+        group += f" {row.swarm_share:.0%}"
+    cells = [
+        str(row.epoch),
+        group,
+        fmt_seconds(row.duration_s),
+        fmt_bytes(row.sent_bytes),
+        Text(str(row.num_dropped), style="yellow" if row.num_dropped else ""),
+        f"{row.averaged_fraction:.0%}",
+        Text(str(row.num_local), style="yellow" if row.num_local else ""),
+        Text(row.status, style=_STATUS_STYLE.get(row.status, "")),
+    ]
+    if wide:
+        cells += [
+            "-" if row.loss is None else f"{row.loss:.3f}",
+            fmt_seconds(max(0.0, view.time - row.end_time)) + " ago",
+        ]
+    return cells
+
+
+# ---- loss, verdict, alerts ---------------------------------------------------------------------
+
+
+def _loss_range(view: SwarmView) -> tuple[list[float | None], float, float, float] | None:
+    points = view.loss_history
+    if not points:
+        return None
+    values = [v for _, v in points]
+    return values, min(values), max(values), points[-1][0] - points[0][0]
+
+
+def render_loss_line(view: SwarmView, width: int) -> Text:
+    """One line: the loss now and a sparkline of it over time."""
+    found = _loss_range(view)
+    if found is None:
+        return _line(Text("loss: no reports yet", style="dim"), width)
+    _, low, high, span_s = found
+    first, last = view.loss_history[0][1], view.loss_history[-1][1]
+    prefix = f"loss {last:.3f} "
+    suffix = f" {first:.3g}→{last:.3g} in {fmt_seconds(span_s)}"
+    spark_width = max(1, width - len(prefix) - len(suffix))
+    line = Text(prefix, style="bold")
+    line.append(sparkline(resample(view.loss_history, spark_width), low, high), style="cyan")
+    line.append(suffix)
+    return _line(line, width)
+
+
+def render_loss_chart(view: SwarmView, width: int, rows: int) -> RenderableType:
+    """A title line, ``rows`` chart lines with the range on the left, and a time line."""
+    found = _loss_range(view)
+    if found is None:
+        return Text("loss: no reports yet", style="dim")
+    _, low, high, span_s = found
+    label_width = max(len(f"{high:.3g}"), len(f"{low:.3g}")) + 1
+    chart_width = max(4, width - label_width)
+    values = resample(view.loss_history, chart_width)
+    lines = column_chart(values, low, high, rows)
+    out = [Text(f"loss over time (now {view.loss_history[-1][1]:.4g})", style="bold")]
+    for index, chart_line in enumerate(lines):
+        label = f"{high:.3g}" if index == 0 else f"{low:.3g}" if index == rows - 1 else ""
+        line = Text(label.rjust(label_width - 1) + " ", style="dim")
+        line.append(chart_line, style="cyan")
+        out.append(_line(line, width))
+    footer = f"-{fmt_seconds(span_s)}".ljust(chart_width - 3) + "now"
+    out.append(_line(Text(" " * label_width + footer, style="dim"), width))
+    return Group(*out)
+
+
+def render_verdict(view: SwarmView, width: int) -> Text:
+    """One line: the swarm's bottleneck, the peers agreeing, the mean group shares."""
+    verdict = view.verdict
+    if verdict is None:
+        return _line(Text("bottleneck: no profile records yet", style="dim"), width)
+    line = Text("bottleneck ", style="bold")
+    line.append(verdict.bottleneck, style="bold magenta")
+    line.append(f" ({verdict.num_agree}/{verdict.num_profiled} peers) ")
+    line.append_text(phase_bar(verdict.fractions, 10))
+    shares = " ".join(f"{name} {share:.0%}" for name, share in verdict.fractions.items())
+    line.append(f" {shares}")
+    if verdict.example:
+        line.append(f" · {verdict.example}", style="dim")
+    return _line(line, width)
+
+
+def render_alerts(alerts: tuple[Alert, ...], width: int, max_rows: int | None) -> Group:
+    shown = alerts if max_rows is None else alerts[:max_rows]
+    lines = []
+    for alert in shown:
+        glyph, style = _ALERT_STYLE.get(alert.level, ("•", ""))
+        lines.append(_line(Text(f"{glyph} {alert.text}", style=style), width))
+    if len(shown) < len(alerts) and lines:
+        more = Text(f"  +{len(alerts) - len(shown) + 1} more alerts", style="dim")
+        lines[-1] = _line(more, width)
+    return Group(*lines)
+
+
+# ---- this peer (peer join --dashboard) ---------------------------------------------------------
+
+
+def render_local_lines(view: SwarmView, width: int) -> Group:
+    """Two lines about the local peer: its numbers, and its ten phases in percent."""
+    peer = view.peer(view.local_peer_id)
+    if peer is None:
+        return Group(_line(Text("this peer: not in the progress records yet", style="dim"), width))
+    log = peer.rounds
+    head = Text(f"this peer {peer.short_id}", style="bold")
+    head.append(f" · epoch {peer.epoch} · {fmt_count(peer.samples_per_s)} samples/s")
+    if log is not None:
+        head.append(
+            f" · rounds {log.num_rounds} ({log.num_failed_rounds} failed, "
+            f"{log.num_local_steps} local)"
+        )
+    if peer.profile is not None and peer.profile.loss is not None:
+        head.append(f" · loss {peer.profile.loss:.3f}")
+    if peer.profile is None:
+        phases = Text("phases: waiting for this peer's first profile record", style="dim")
+    else:
+        phases = Text("phases ")
+        fractions = peer.profile.fractions
+        phases.append(
+            " ".join(f"{_PHASE_ABBREV[p]} {fractions.get(p, 0.0):.0%}" for p in PROFILE_PHASES)
+        )
+    return Group(_line(head, width), _line(phases, width))
+
+
+def render_local_panel(view: SwarmView, width: int) -> Group:
+    """The local peer's phase breakdown, one bar per phase (12 lines)."""
+    peer = view.peer(view.local_peer_id)
+    lines = [render_local_lines(view, width).renderables[0]]
+    fractions = peer.profile.fractions if peer is not None and peer.profile else {}
+    bar_width = max(5, width - 20)
+    for phase in PROFILE_PHASES:
+        share = fractions.get(phase, 0.0)
+        cells = round(min(1.0, share) * bar_width)
+        line = Text(f"{phase:<12}")
+        line.append("█" * cells, style="green")
+        line.append("·" * (bar_width - cells), style="bright_black")
+        line.append(f" {share:4.0%}")
+        lines.append(_line(line, width))
+    if peer is not None and peer.profile is not None and peer.profile.verdict:
+        lines.append(_line(Text(peer.profile.verdict, style="dim"), width))
+    return Group(*lines)
+
+
+# ---- the whole screen --------------------------------------------------------------------------
+
+
+def render_dashboard(
+    view: SwarmView, *, width: int, height: int | None = None, footer: str = ""
+) -> RenderableType:
+    """The dashboard for a ``width`` x ``height`` terminal (no height: show every row)."""
+    local = view.local_peer_id is not None
+    budget = plan(
+        width=width,
+        height=height,
+        local=local,
+        num_peers=len(view.peers),
+        num_rounds=len(view.rounds),
+        num_alerts=len(view.alerts),
+    )
+    wide = budget.wide
+    parts: list[RenderableType] = [render_header(view, width, wide=wide)]
+    if local and not wide:
+        parts.append(render_local_lines(view, width))
+    parts.append(render_peers(view, budget.peers, wide=wide))
+    if wide:
+        left = max(60, width * 11 // 20)
+        parts.append(
+            _side_by_side(
+                render_rounds(view, budget.rounds, wide=True),
+                render_loss_chart(view, width - left - 2, budget.chart_rows),
+                left,
+            )
+        )
+        parts.append(render_verdict(view, width))
+        right = render_local_panel(view, width - left - 2) if local else Text("")
+        parts.append(_side_by_side(render_alerts(view.alerts, left, budget.alerts), right, left))
+    else:
+        parts += [
+            render_rounds(view, budget.rounds, wide=False),
+            render_loss_line(view, width),
+            render_verdict(view, width),
+            render_alerts(view.alerts, width, budget.alerts),
+        ]
+    parts.append(_footer(view, width, footer))
+    return Group(*parts)
+
+
+def _side_by_side(left: RenderableType, right: RenderableType, left_width: int) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(width=left_width, no_wrap=True)
+    grid.add_column(no_wrap=True, ratio=1)
+    grid.add_row(left, right)
+    return grid
+
+
+def _footer(view: SwarmView, width: int, footer: str) -> Text:
+    if view.error:
+        return _line(Text(f"DHT read failed: {view.error} (retrying)", style="bold red"), width)
+    legend = bar_legend()
+    legend.append(f" {footer}", style="dim")
+    return _line(legend, width)
+
+
+class Dashboard:
+    """A live renderable: lays the newest view out for the console's current size.
+
+    Args:
+        get_view: the newest view (None until the first read).
+        footer: text for the last line (key help, when the view was read).
+    """
+
+    def __init__(self, get_view: Callable[[], SwarmView | None], footer: Callable[[], str]):
+        self._get_view = get_view
+        self._footer = footer
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        view = self._get_view()
+        if view is None:
+            yield Text(f"reading the swarm's records... {self._footer()}", style="dim")
+            return
+        height = options.height or console.height
+        yield render_dashboard(view, width=options.max_width, height=height, footer=self._footer())
+
+
+def plain_line(view: SwarmView) -> str:
+    """One log line per interval when stdout is not a terminal."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(view.time))
+    target = f"/{view.target_batch_size}" if view.target_batch_size else ""
+    parts = [
+        f"{stamp} run={view.run_id} epoch={view.epoch}",
+        f"samples={view.samples_accumulated}{target}",
+        f"eta_s={view.eta_s:.1f}" if math.isfinite(view.eta_s) else "eta_s=-",
+        f"peers={view.num_peers} clients={view.num_clients}",
+        f"samples_per_s={view.samples_per_s:.1f}",
+        f"rounds={view.num_rounds} failed={view.num_failed_rounds}",
+        f"loss={view.loss:.4f}" if view.loss is not None else "loss=-",
+        f"bottleneck={view.verdict.bottleneck if view.verdict else '-'}",
+    ]
+    if view.alerts:
+        parts.append(f"alert={view.alerts[0].text!r}")
+    if view.error:
+        parts.append(f"error={view.error!r}")
+    return " ".join(parts)
