@@ -84,11 +84,11 @@ def run_summarize(args: argparse.Namespace) -> int:
         return 0
     console = Console()
     rows = [(peer[:8], summary) for peer, summary in peers.items()]
-    console.print(peers_table(rows, title="per peer (% of each peer's wall time)"))
+    console.print(peers_table(rows, title="per peer: % of each peer's wall time per phase"))
     console.print(
         peers_table(
-            [(f"{len(peers)} peers", swarm)],
-            title="swarm (% of all peer-seconds; rates summed over peers)",
+            [(f"{len(peers)} peer{'s' if len(peers) > 1 else ''}", swarm)],
+            title="swarm: % of all peer-seconds; rates summed over peers",
         )
     )
     for peer, summary in peers.items():

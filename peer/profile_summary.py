@@ -2,18 +2,19 @@
 ``peer profile summarize`` (torch-free, so reading metrics files stays light).
 
 A :class:`StretchSummary` is what a stretch of wall time (a rolling window, an epoch, a whole run,
-a metrics file) was spent on. :func:`diagnose` turns it into a :class:`Verdict`: the largest of
-four groups, if it holds at least :data:`BOUND_FRACTION` of the wall time, names the bottleneck:
+a metrics file) was spent on. :func:`diagnose` turns it into a :class:`Verdict`. Compute is the
+work a peer is there to do; the other groups are time lost, and the largest of them is the
+bottleneck once it holds :data:`LOST_FRACTION` of the wall time, even when compute holds more:
 
 * ``data`` (``data`` + ``h2d``): the loader cannot keep up: more workers, a faster dataset;
 * ``communication`` (``matchmaking`` + ``allreduce`` + ``state_sync``): the network or the
   group formation; the all-reduce's rate is the bytes sent in the stretch over its all-reduce
   seconds (DHT traffic included, so it slightly overstates what the all-reduce achieved);
-* ``swarm`` (``idle``): waiting for other peers with nothing to do;
-* ``compute`` (``forward`` + ``backward`` + ``optimizer``): the device is the limit, which is
-  where a healthy run is.
+* ``swarm`` (``idle``): waiting for other peers with nothing to do.
 
-Otherwise the verdict is ``balanced`` (``other``, time outside any phase, counts there too).
+Otherwise ``compute`` (``forward`` + ``backward`` + ``optimizer``) if it holds at least
+:data:`COMPUTE_FRACTION` (the device is the limit: where a healthy run is), else ``balanced``
+(``other``, time outside any phase, counts there).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from rich import box
 from rich.table import Table
 
 from peer.profile_record import PROFILE_PHASES
 
-# The largest group must hold at least this share of the wall time to be called the bottleneck.
-BOUND_FRACTION = 0.4
+# Time lost to one group (data, communication, swarm) from this share on is the bottleneck.
+LOST_FRACTION = 0.25
+# Otherwise compute from this share on makes a run compute bound.
+COMPUTE_FRACTION = 0.5
 VERDICT_GROUPS: dict[str, tuple[str, ...]] = {
     "data": ("data", "h2d"),
     "compute": ("forward", "backward", "optimizer"),
@@ -142,10 +146,12 @@ def diagnose(seconds: Mapping[str, float], wall_s: float, *, sent_bytes: float =
         return Verdict("balanced", "no time measured yet")
     share = {phase: seconds.get(phase, 0.0) / wall_s for phase in PROFILE_PHASES}
     groups = group_shares(seconds, wall_s)
-    top = max(VERDICT_GROUPS, key=groups.__getitem__)
-    if groups[top] < BOUND_FRACTION:
-        parts = ", ".join(f"{g} {groups[g]:.0%}" for g in sorted(groups, key=groups.get)[::-1])
-        return Verdict("balanced", f"no single bottleneck: {parts}")
+    top = max(("data", "communication", "swarm"), key=groups.__getitem__)
+    if groups[top] < LOST_FRACTION:
+        top = "compute"
+        if groups[top] < COMPUTE_FRACTION:
+            parts = ", ".join(f"{g} {groups[g]:.0%}" for g in sorted(groups, key=groups.get)[::-1])
+            return Verdict("balanced", f"no single bottleneck: {parts}")
     if top == "data":
         if share["h2d"] > share["data"]:
             text = (
@@ -233,15 +239,16 @@ def breakdown_table(columns: list[tuple[str, StretchSummary]], *, title: str) ->
 
 
 def peers_table(rows: list[tuple[str, StretchSummary]], *, title: str) -> Table:
-    """A rich table with one row per peer: % of wall time per phase, rate, bottleneck."""
-    table = Table(title=title, title_justify="left")
-    table.add_column("peer")
+    """A rich table with one row per peer: % of wall time per phase, rates, bottleneck."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("peer", no_wrap=True)
     table.add_column("wall s", justify="right")
     for phase in PROFILE_PHASES:
-        table.add_column(f"{SHORT_NAMES[phase]} %", justify="right")
+        table.add_column(SHORT_NAMES[phase], justify="right")
     table.add_column("samples/s", justify="right")
-    table.add_column("Mbit/s out/in", justify="right")
-    table.add_column("bottleneck")
+    table.add_column("Mbit/s out", justify="right")
+    table.add_column("in", justify="right")
+    table.add_column("bound", no_wrap=True)
     for name, summary in rows:
         fractions = summary.fractions()
         table.add_row(
@@ -249,7 +256,8 @@ def peers_table(rows: list[tuple[str, StretchSummary]], *, title: str) -> Table:
             f"{summary.wall_s:.0f}",
             *(f"{100 * fractions[phase]:.1f}" for phase in PROFILE_PHASES),
             f"{summary.samples_per_s:.0f}",
-            f"{mbit_per_s(summary.sent_bytes_per_s)}/{mbit_per_s(summary.recv_bytes_per_s)}",
+            mbit_per_s(summary.sent_bytes_per_s),
+            mbit_per_s(summary.recv_bytes_per_s),
             summary.verdict().bottleneck,
         )
     return table

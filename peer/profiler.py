@@ -368,4 +368,5 @@ class Profiler:
             logger.exception("the profile publisher failed")
         finally:
             if self.trace is not None:
+                self.clock.snapshot()  # closes the open stretch, so the trace gets it
                 self.trace.close()

@@ -107,9 +107,10 @@ class TraceWriter:
             if held is None or held[0] != source or seconds <= 0:
                 return
             split_s = max(held[1], held[2] - seconds)
+            end_s, held[2] = held[2], split_s
             if split_s > held[1]:
-                self._emit_phase(source, held[1], split_s)
-            self._held = [target, split_s, held[2]]
+                self._release_held()
+            self._held = [target, split_s, end_s]
 
     def epoch(self, epoch: int, start_s: float, end_s: float, args: dict[str, Any]) -> None:
         """A slice on the epochs track for ``epoch``, which ran from ``start_s`` to ``end_s``."""
