@@ -122,6 +122,9 @@ class PeerConfig(BaseModel):
     min_group_size: int = Field(2, ge=1, description="fewer peers than this is no group")
     matchmaking_time: float = Field(5.0, gt=0, description="seconds to look for a group")
     averaging_timeout: float = Field(30.0, gt=0, description="seconds for one whole round")
+    state_compression: Literal["none", "bf16"] = Field(
+        "none", description="state downloads: float32 tensors as bfloat16 (half the bytes)"
+    )
     # outputs
     checkpoint_dir: Path | None = Field(None, description="periodic atomic checkpoints; resume")
     checkpoint_interval: float = Field(60.0, gt=0, description="seconds between checkpoints")
@@ -209,7 +212,7 @@ class PeerConfig(BaseModel):
     def state_sync_config(self) -> StateSyncConfig:
         from peer.state_sync import StateSyncConfig
 
-        return StateSyncConfig()
+        return StateSyncConfig(compression=self.state_compression)
 
     def averager_config(self) -> AveragerConfig:
         return AveragerConfig(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import torch
 
 from dht.config import DHTConfig
+from dht.errors import ConfigError
 from dht.faults import Faults, FaultyTransport
 from dht.http import HttpTransport
 from dht.http_config import TransportConfig
@@ -114,3 +116,42 @@ async def test_refuses_a_state_of_another_shape_and_reports_no_donor():
             await download_state(
                 transport, node, "run", min_epoch=2, expected=expected, config=CONFIG
             )
+
+
+async def test_bf16_compression_halves_the_bytes_within_its_bound():
+    state = trained_state(3)
+    float_bytes = sum(t.numel() * 4 for t in state.values() if t.dtype == torch.float32)
+    other_bytes = sum(
+        t.numel() * t.element_size() for t in state.values() if t.dtype != torch.float32
+    )
+    compressed = dataclasses.replace(CONFIG, compression="bf16")
+    received = {}
+    async with AsyncExitStack() as stack:
+        _, donor_node, donor = await stack.enter_async_context(peer([]))
+        donor.update(StateSnapshot.capture(3, state))
+        await donor.announce()
+        transport, node, _ = await stack.enter_async_context(peer([donor_node.address]))
+        for name, config in (("none", CONFIG), ("bf16", compressed)):
+            before = transport.counters.recv
+            got = await download_state(
+                transport, node, "run", min_epoch=3, expected=layout_of(state), config=config
+            )
+            received[name] = (got, transport.counters.recv - before)
+    exact, exact_bytes = received["none"]
+    got, got_bytes = received["bf16"]
+    # tensor bytes: float32 halved, the rest as is (headers and DHT lookups on top of both)
+    assert exact_bytes - got_bytes == pytest.approx(float_bytes / 2, rel=0.02)
+    assert got_bytes >= float_bytes / 2 + other_bytes
+    for name, tensor in state.items():
+        assert got.tensors[name].dtype == tensor.dtype, name
+        if tensor.dtype == torch.float32:
+            error = (got.tensors[name].double() - tensor.double()).abs()
+            assert torch.all(error <= tensor.double().abs() * 2**-8), name
+        else:
+            assert torch.equal(got.tensors[name], tensor), name
+        assert torch.equal(exact.tensors[name], tensor), name
+
+
+def test_unknown_compression_is_refused_by_name():
+    with pytest.raises(ConfigError, match="compression"):
+        StateSyncConfig(compression="zip")
