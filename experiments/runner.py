@@ -1,0 +1,211 @@
+"""Running a configuration: its process plans, watching them, the stopping rules, its status.
+
+A swarm configuration is a bootstrap node plus N ``peer join`` processes that wait for each
+other before their clocks start (``--wait-for-peers N``) and stop on ``--max-time`` /
+``--max-epochs``; a baseline configuration is one ``python -m peer.baseline_run`` with all the
+CPUs. The target-loss rule is watched here from the metrics files (SIGTERM: peers end their step
+and write a last line). ``status.json`` records the outcome; a configuration whose status is
+``done`` and whose settings are unchanged is skipped by the next sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from experiments.analysis import STATUS_FILE, loss_curve, read_json
+from experiments.launch_base import LaunchError, ProcessPlan, Session
+from experiments.spec import ExperimentSpec, RunConfig, cpu_split
+from peer.metrics_reader import read_metrics
+
+WATCH_INTERVAL_S = 0.5
+# How often the target-loss rule reads the metrics files (remote sessions copy them first).
+LOSS_CHECK_INTERVAL_S = 2.0
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How a configuration ended."""
+
+    status: str  # done, failed
+    reason: str = ""
+    stopped_by: str = ""
+    exit_codes: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    started_at: str = ""
+    seconds: float = 0.0
+
+
+def _task_args(spec: ExperimentSpec, config: RunConfig) -> list[str]:
+    args = ["--task", spec.task.name]
+    options = dict(spec.task.options)
+    if config.train.batch_size is not None:
+        options["batch_size"] = config.train.batch_size
+    for key, value in options.items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        args += ["--task-option", f"{key}={text}"]
+    return args
+
+
+def _stop_args(spec: ExperimentSpec) -> list[str]:
+    args = []
+    if spec.stop.max_time_s is not None:
+        args += ["--max-time", str(spec.stop.max_time_s)]
+    if spec.stop.max_epochs is not None:
+        args += ["--max-epochs", str(spec.stop.max_epochs)]
+    return args
+
+
+def _gpu_env(spec: ExperimentSpec, index: int) -> tuple[dict[str, str], list[str]]:
+    gpus = spec.resources.gpus
+    if not gpus:
+        return {}, []
+    return {"CUDA_VISIBLE_DEVICES": str(gpus[index % len(gpus)])}, ["--device", "cuda"]
+
+
+def peer_plans(spec: ExperimentSpec, config: RunConfig) -> list[ProcessPlan]:
+    """The ``peer join`` processes of a swarm configuration."""
+    train, num_peers = config.train, config.train.peers
+    blocks = cpu_split(spec.resources.total_cpus, num_peers)
+    plans = []
+    for index, cpus in enumerate(blocks):
+        env, device_args = _gpu_env(spec, index)
+        args = [
+            "-m", "peer", "--log-level", "INFO", "join",
+            "--run-id", f"{spec.name}-{config.name}",
+            "--backend", train.backend,
+            "--target-batch-size", str(train.target_batch_size),
+            "--lr", str(train.lr),
+            "--optimizer", train.optimizer,
+            "--mode", train.mode,
+            "--compression", train.compression,
+            "--seed", str(config.seed * 1000 + index),
+            "--torch-threads", str(len(cpus)),
+            "--wait-for-peers", str(num_peers),
+            "--metrics-interval", str(spec.metrics_interval_s),
+            "--json",
+            *_task_args(spec, config), *_stop_args(spec), *device_args,
+        ]  # fmt: skip
+        if train.delay_update:
+            args.append("--delay-update")
+        if train.matchmaking_time_s is not None:
+            args += ["--matchmaking-time", str(train.matchmaking_time_s)]
+        args += train.join_args
+        plans.append(
+            ProcessPlan(
+                name=f"peer-{index}",
+                args=args,
+                index=index,
+                cpus=cpus if spec.resources.pin_cpus else None,
+                env=env,
+            )
+        )
+    return plans
+
+
+def bootstrap_plan(config: RunConfig) -> ProcessPlan:
+    """The bootstrap node: ``peer dht``, or a hivemind node for the hivemind backend."""
+    if config.train.backend == "hivemind":
+        args = ["-m", "experiments.hivemind_dht"]
+    else:
+        args = ["-m", "peer", "--log-level", "WARNING", "dht"]
+    return ProcessPlan(name="dht", args=args, metrics=False)
+
+
+def baseline_plan(spec: ExperimentSpec, config: RunConfig) -> ProcessPlan:
+    """The single-node baseline: every CPU, torch threads = total CPUs."""
+    train, total = config.train, spec.resources.total_cpus
+    env, device_args = _gpu_env(spec, 0)
+    args = [
+        "-m", "peer.baseline_run",
+        "--run-id", f"{spec.name}-{config.name}",
+        "--target-batch-size", str(train.target_batch_size),
+        "--lr", str(train.lr),
+        "--optimizer", train.optimizer,
+        "--seed", str(config.seed * 1000),
+        "--torch-threads", str(total),
+        "--metrics-interval", str(spec.metrics_interval_s),
+        *_task_args(spec, config), *_stop_args(spec), *device_args,
+    ]  # fmt: skip
+    cpus = list(range(total)) if spec.resources.pin_cpus else None
+    return ProcessPlan(name="baseline", args=args, cpus=cpus, env=env, listens=False)
+
+
+def _swarm_loss(session: Session, names: list[str]) -> float | None:
+    for name in names:
+        session.refresh(name)
+    paths = [session.run_dir / f"{name}.jsonl" for name in names]
+    curve = loss_curve(read_metrics([p for p in paths if p.exists()]).peers)
+    return curve[-1].loss if curve else None
+
+
+def watch(spec: ExperimentSpec, session: Session, plans: list[ProcessPlan]) -> Outcome:
+    """Wait until the processes end or a stopping rule fires; stops them in the latter case."""
+    handles = [h for h in session.handles if h.name in {p.name for p in plans}]
+    start = time.monotonic()
+    next_check_s = start + LOSS_CHECK_INTERVAL_S
+    outcome = Outcome(status="done", stopped_by="max_time_s or max_epochs")
+    while any(h.poll() is None for h in handles):
+        now = time.monotonic()
+        if now - start > spec.stop.timeout_s:
+            outcome.stopped_by = "timeout_s"
+            session.stop_all()
+            break
+        if spec.stop.target_loss is not None and now >= next_check_s:
+            next_check_s = now + LOSS_CHECK_INTERVAL_S
+            loss = _swarm_loss(session, [p.name for p in plans])
+            if loss is not None and loss <= spec.stop.target_loss:
+                outcome.stopped_by = "target_loss"
+                for handle in handles:
+                    handle.terminate()
+        time.sleep(WATCH_INTERVAL_S)
+    outcome.exit_codes = {h.name: h.poll() for h in handles}
+    failed = {name: code for name, code in outcome.exit_codes.items() if code != 0}
+    if outcome.stopped_by == "timeout_s":
+        outcome.status, outcome.reason = "failed", f"still running after {spec.stop.timeout_s} s"
+    elif failed:
+        name, code = next(iter(failed.items()))
+        plan = next(p for p in plans if p.name == name)
+        outcome.status = "failed"
+        outcome.reason = f"{name} exited with {code}: {session.tail(plan)}"
+    return outcome
+
+
+def run_config(spec: ExperimentSpec, config: RunConfig, session: Session) -> Outcome:
+    """Run one configuration in ``session``; never raises for the configuration's own failure."""
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    start = time.monotonic()
+    try:
+        if config.baseline:
+            plans = [baseline_plan(spec, config)]
+        else:
+            url = session.start_bootstrap(bootstrap_plan(config))
+            plans = peer_plans(spec, config)
+            plans = [dataclasses.replace(p, args=[*p.args, "--initial-peers", url]) for p in plans]
+        for plan in plans:
+            session.start(plan)
+        outcome = watch(spec, session, plans)
+    except LaunchError as e:
+        outcome = Outcome(status="failed", reason=str(e))
+    finally:
+        session.stop_all()
+        session.collect()
+    outcome.started_at = started_at
+    outcome.seconds = round(time.monotonic() - start, 2)
+    if outcome.status == "done" and not any(session.run_dir.glob("*.jsonl")):
+        outcome.status, outcome.reason = "failed", "no metrics stream was written"
+    return outcome
+
+
+def is_finished(config_dir: Path, config: RunConfig) -> bool:
+    """Whether a previous sweep finished this configuration with the same settings."""
+    status = read_json(config_dir / STATUS_FILE)
+    return status.get("status") == "done" and read_json(config_dir / "config.json") == json.loads(
+        json.dumps(config.describe())
+    )
+
+
+def write_status(config_dir: Path, outcome: Outcome) -> None:
+    (config_dir / STATUS_FILE).write_text(json.dumps(dataclasses.asdict(outcome), indent=2) + "\n")
