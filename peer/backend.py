@@ -34,6 +34,7 @@ class RunSummary:
         stopped_by: why the loop stopped.
         matchmaking_s, allreduce_s: seconds the training thread waited for groups and
             all-reduces.
+        eval_loss: the task's evaluation loss after training (None without an eval set).
     """
 
     peer_id: str
@@ -49,6 +50,7 @@ class RunSummary:
     stopped_by: str
     matchmaking_s: float = 0.0
     allreduce_s: float = 0.0
+    eval_loss: float | None = None
 
 
 class PeerRunner(Protocol):

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from contextlib import AsyncExitStack
 
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 RUN_ID = "bench-train"
 # Seconds a peer may take to start (imports, joining, waiting for the others) on a loaded machine.
 START_GRACE_S = 120.0
+# Seconds a peer gets to leave the swarm after SIGTERM before it is killed.
+STOP_GRACE_S = 20.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,6 +140,8 @@ async def _run_peers(config: TrainBenchConfig) -> list[dict]:
                 *peer_command(config, address, index),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
+                # its own process group: hivemind's processes and p2pd daemons go with it
+                start_new_session=True,
             )
             for index in range(config.num_peers)
         ]
@@ -145,10 +150,7 @@ async def _run_peers(config: TrainBenchConfig) -> list[dict]:
             async with asyncio.timeout(bound_s + START_GRACE_S):
                 outputs = await asyncio.gather(*(p.communicate() for p in processes))
         finally:
-            for process in processes:
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
+            await asyncio.gather(*(stop_process_group(p) for p in processes))
     summaries = []
     for process, (stdout, stderr) in zip(processes, outputs, strict=True):
         lines = stdout.decode().strip().splitlines()
@@ -157,6 +159,23 @@ async def _run_peers(config: TrainBenchConfig) -> list[dict]:
             raise RuntimeError(f"a peer failed (exit {process.returncode}): {tail}")
         summaries.append(json.loads(lines[-1]))
     return summaries
+
+
+async def stop_process_group(process: asyncio.subprocess.Process) -> None:
+    """Stop ``process`` (SIGTERM, then SIGKILL after ``STOP_GRACE_S``) and whatever it left
+    behind in its process group (hivemind's forked processes and p2pd daemons)."""
+    if process.returncode is None:
+        process.terminate()
+        try:
+            async with asyncio.timeout(STOP_GRACE_S):
+                await process.wait()
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is empty: everything exited
 
 
 def run_train_bench(config: TrainBenchConfig) -> dict:

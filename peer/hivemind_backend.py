@@ -40,27 +40,27 @@ from peer.backend import RunSummary
 from peer.checkpoint import CheckpointDir, Progress
 from peer.config import PeerConfig
 from peer.hivemind_hook import (
+    READ_TIMEOUT_S,
     EstimatedCounters,
+    HivemindBootstrap,
     HivemindHook,
     hivemind_compression,
     import_hivemind,
+    joined_peers,
+    listen_maddrs,
 )
+
+__all__ = ["HivemindBootstrap", "HivemindPeerRun", "check_config", "listen_maddrs"]
 from peer.metrics_stream import MetricsStream
-from peer.phases import PhaseClock
+from peer.profiler import Profiler, StepProgress
 from peer.tasks import DataShard, load_task
-from peer.trainer import StepReport, Trainer
+from peer.trainer import StepReport, Trainer, evaluate
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
 FINAL_LOSS_SAMPLES = 2048
-# Bound on one read of the progress records from the DHT, in seconds.
-READ_TIMEOUT_S = 10.0
-
-
-def listen_maddrs(host: str, port: int) -> list[str]:
-    """libp2p multiaddrs for ``--host``/``--port``."""
-    family = "ip6" if ":" in host else "ip4"
-    return [f"/{family}/{host}/tcp/{port}"]
+# How long a peer's "joined" record outlives its wait for the others, in seconds.
+JOINED_TTL_S = 60.0
 
 
 def check_config(config: PeerConfig) -> None:
@@ -100,7 +100,8 @@ class HivemindPeerRun:
             torch.set_num_threads(config.torch_threads)
         self.task = load_task(config.task, config.task_options())
         model = self.task.build_model()
-        self.clock = PhaseClock()
+        self.profiler = Profiler(config.profiler_config(), process_name="peer (hivemind)")
+        self.clock = self.profiler.clock
         self.trainer = Trainer(
             self.task,
             model,
@@ -123,6 +124,7 @@ class HivemindPeerRun:
         )
         self._last_loss: torch.Tensor | None = None
         self._last_checkpoint_s = time.monotonic()
+        self._profiled_epoch = 0
 
     @property
     def address(self) -> str | None:
@@ -179,6 +181,14 @@ class HivemindPeerRun:
         )
         if getattr(config, "wait_for_peers", 1) > 1:
             self._wait_for_peers(config.wait_for_peers, config.wait_for_peers_timeout)
+        self._profiled_epoch = epoch
+        self.profiler.attach(
+            progress=lambda: StepProgress(
+                self.hook.epoch, self.trainer.total_samples, self._last_loss
+            ),
+            counters=self.counters,
+            device=str(self.trainer.device),
+        )
         if config.metrics_file is not None:
             self.metrics = MetricsStream(
                 config.metrics_file,
@@ -203,10 +213,21 @@ class HivemindPeerRun:
         return loaded.progress.epoch
 
     def _wait_for_peers(self, wanted: int, timeout_s: float) -> None:
-        """Block until ``wanted`` peers (this one included) publish hivemind progress records."""
+        """Block until ``wanted`` peers (this one included) have joined the run.
+
+        hivemind publishes a peer's progress only once it has accumulated samples, so the peers
+        announce themselves under a key of their own (``{run_id}_vp_joined``, one subkey each).
+        """
+        from hivemind.utils import get_dht_time
+
+        key = f"{self.config.run_id}_vp_joined"
+        expiration_s = get_dht_time() + timeout_s + JOINED_TTL_S
+        self.dht.store(key, True, expiration_s, subkey=self.peer_id, return_future=True).result(
+            timeout=READ_TIMEOUT_S
+        )
         deadline = time.monotonic() + timeout_s
         while not self.stop_event.is_set():
-            num_peers = len(progress_records(self.dht, self.config.run_id))
+            num_peers = len(joined_peers(self.dht, key))
             if num_peers >= wanted:
                 return
             if time.monotonic() >= deadline:
@@ -217,7 +238,7 @@ class HivemindPeerRun:
                     timeout_s,
                 )
                 return
-            self.stop_event.wait(0.2)
+            self.stop_event.wait(0.5)
 
     def _on_step(self, report: StepReport) -> None:
         self._last_loss = report.loss_tensor
@@ -229,6 +250,9 @@ class HivemindPeerRun:
                 samples=report.samples,
                 loss=report.loss_tensor,
             )
+        if self.hook.epoch != self._profiled_epoch:
+            self._profiled_epoch = self.hook.epoch
+            self.profiler.on_epoch(self.hook.epoch)
         if self.config.max_epochs is not None and self.hook.epoch >= self.config.max_epochs:
             self.stop_event.set()
         now = time.monotonic()
@@ -256,18 +280,20 @@ class HivemindPeerRun:
                 stop_event=self.stop_event,
                 on_step=self._on_step,
             )
+            eval_loss = evaluate(self.task, self.model)
             if self.checkpoints is not None:
                 self._save_checkpoint()
             if self.metrics is not None:
                 self.metrics.report(
                     epoch=self.hook.epoch, step=self.trainer.step, loss=self._last_loss
                 )
-            summary = self._summary(result, time.monotonic() - start)
+            self.profiler.print_summary()
+            summary = self._summary(result, time.monotonic() - start, eval_loss)
         finally:
             self.close()
         return summary
 
-    def _summary(self, result: Any, seconds: float) -> RunSummary:
+    def _summary(self, result: Any, seconds: float, eval_loss: float | None) -> RunSummary:
         stats, recent = self.hook.stats, list(self._recent_losses)
         return RunSummary(
             peer_id=self.peer_id,
@@ -283,10 +309,12 @@ class HivemindPeerRun:
             stopped_by=result.stopped_by,
             matchmaking_s=stats.matchmaking_s,
             allreduce_s=stats.allreduce_s,
+            eval_loss=eval_loss,
         )
 
     def close(self) -> None:
         """Leave the swarm (hivemind's goodbye), stop its processes; safe to call twice."""
+        self.profiler.close()
         opt, self.opt = self.opt, None
         if opt is not None:
             opt.shutdown()
@@ -296,68 +324,6 @@ class HivemindPeerRun:
         if self.metrics is not None:
             self.metrics.close()
         self.trainer.close()
-
-
-def progress_records(dht: Any, run_id: str) -> list[dict[str, Any]]:
-    """The live progress records hivemind.Optimizer peers of ``run_id`` publish (blocking).
-
-    Each is a dict of hivemind's LocalTrainingProgress: ``peer_id`` (bytes), ``epoch``,
-    ``samples_accumulated``, ``samples_per_second``, ``time``, ``client_mode``.
-    """
-    try:
-        found = dht.get(f"{run_id}_progress", latest=True, return_future=True).result(
-            timeout=READ_TIMEOUT_S
-        )
-    except Exception as e:  # a slow or failed read is an empty view, not a crash of the caller
-        logger.debug("could not read %s_progress: %r", run_id, e)
-        return []
-    if found is None or not isinstance(found.value, dict):
-        return []
-    records = []
-    for item in found.value.values():
-        value = getattr(item, "value", None)
-        if isinstance(value, dict) and "epoch" in value:  # a peer that left stores None
-            records.append(value)
-    return records
-
-
-class HivemindBootstrap:
-    """A hivemind.DHT node for others to join (``peer demo`` / ``peer bench train``).
-
-    A context manager; :attr:`address` is its first multiaddr. hivemind.DHT forks its process
-    at start: create it before starting threads whose locks the child must not inherit.
-    """
-
-    def __init__(self, host: str = "127.0.0.1"):
-        self.dht = import_hivemind().DHT(host_maddrs=listen_maddrs(host, 0), start=True)
-        self.address = str(self.dht.get_visible_maddrs()[0])
-        self._validated: set[str] = set()
-
-    def __enter__(self) -> HivemindBootstrap:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def records(self, run_id: str) -> list[dict[str, Any]]:
-        """See :func:`progress_records`."""
-        if run_id not in self._validated:
-            # the records are signed and schema-checked: without hivemind.Optimizer's validators
-            # this node could not even decode them
-            from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
-            from hivemind.optim.progress_tracker import TrainingProgressSchema
-
-            self.dht.add_validators(
-                [RSASignatureValidator(), SchemaValidator(TrainingProgressSchema, prefix=run_id)]
-            )
-            self._validated.add(run_id)
-        return progress_records(self.dht, run_id)
-
-    def close(self) -> None:
-        """Stop the node; safe to call twice."""
-        dht, self.dht = self.dht, None
-        if dht is not None:
-            dht.shutdown()
 
 
 def _random_seed() -> int:

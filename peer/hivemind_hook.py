@@ -9,6 +9,7 @@ The attribution (hivemind 1.1.12, pinned by the ``[hivemind]`` extra) is describ
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any
@@ -17,6 +18,9 @@ from dht.errors import ConfigError
 from peer.phases import PhaseClock
 from peer.trainer import StepContext
 
+logger = logging.getLogger(__name__)
+# Bound on one read of a record from hivemind's DHT, in seconds.
+READ_TIMEOUT_S = 10.0
 HIVEMIND_MISSING = (
     "the hivemind backend needs the [hivemind] extra: pip install 'volunteer-peer[hivemind]' "
     "(keep your torch: add -c <(echo torch==$(python -c 'import torch; print(torch.__version__)')))"
@@ -169,3 +173,83 @@ class HivemindHook:
     def _timed_load_state(self, **kwargs: Any) -> None:
         with self.clock.phase("state_sync"):
             self._load_state(**kwargs)
+
+
+def listen_maddrs(host: str, port: int) -> list[str]:
+    """libp2p multiaddrs for ``--host``/``--port``."""
+    family = "ip6" if ":" in host else "ip4"
+    return [f"/{family}/{host}/tcp/{port}"]
+
+
+def joined_peers(dht: Any, key: str) -> list[str]:
+    """The peers that announced themselves under ``key`` (blocking; empty on a failed read)."""
+    try:
+        found = dht.get(key, latest=True, return_future=True).result(timeout=READ_TIMEOUT_S)
+    except Exception as e:  # a slow or failed read is an empty view: the caller polls again
+        logger.debug("could not read %s: %r", key, e)
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [str(subkey) for subkey in found.value]
+
+
+def progress_records(dht: Any, run_id: str) -> list[dict[str, Any]]:
+    """The live progress records hivemind.Optimizer peers of ``run_id`` publish (blocking).
+
+    Each is a dict of hivemind's LocalTrainingProgress: ``peer_id`` (bytes), ``epoch``,
+    ``samples_accumulated``, ``samples_per_second``, ``time``, ``client_mode``.
+    """
+    try:
+        found = dht.get(f"{run_id}_progress", latest=True, return_future=True).result(
+            timeout=READ_TIMEOUT_S
+        )
+    except Exception as e:  # a slow or failed read is an empty view, not a crash of the caller
+        logger.debug("could not read %s_progress: %r", run_id, e)
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for item in found.value.values():
+        value = getattr(item, "value", None)
+        if isinstance(value, dict) and "epoch" in value:  # a peer that left stores None
+            records.append(value)
+    return records
+
+
+class HivemindBootstrap:
+    """A hivemind.DHT node for others to join (``peer demo`` / ``peer bench train``).
+
+    A context manager; :attr:`address` is its first multiaddr. hivemind.DHT forks its process
+    at start: create it before starting threads whose locks the child must not inherit.
+    """
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.dht = import_hivemind().DHT(host_maddrs=listen_maddrs(host, 0), start=True)
+        self.address = str(self.dht.get_visible_maddrs()[0])
+        self._validated: set[str] = set()
+
+    def __enter__(self) -> HivemindBootstrap:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def records(self, run_id: str) -> list[dict[str, Any]]:
+        """See :func:`progress_records`."""
+        if run_id not in self._validated:
+            # the records are signed and schema-checked: without hivemind.Optimizer's validators
+            # this node could not even decode them
+            from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
+            from hivemind.optim.progress_tracker import TrainingProgressSchema
+
+            self.dht.add_validators(
+                [RSASignatureValidator(), SchemaValidator(TrainingProgressSchema, prefix=run_id)]
+            )
+            self._validated.add(run_id)
+        return progress_records(self.dht, run_id)
+
+    def close(self) -> None:
+        """Stop the node; safe to call twice."""
+        dht, self.dht = self.dht, None
+        if dht is not None:
+            dht.shutdown()
