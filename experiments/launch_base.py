@@ -62,7 +62,8 @@ class Handle(Protocol):
         """Its exit status, or None while it runs."""
 
     def terminate(self) -> None:
-        """Ask it to stop (SIGTERM: peers finish the step, write a last metrics line)."""
+        """Ask it to stop (SIGTERM: peers finish the step, write a last metrics line); only the
+        first call signals (a second SIGTERM could land in the interpreter's teardown)."""
 
     def kill(self) -> None:
         """Stop it now (SIGKILL)."""
@@ -161,6 +162,7 @@ class PopenHandle:
 
     def __init__(self, name: str, command: list[str], run_dir: Path, env: dict[str, str]):
         self.name = name
+        self._terminated = False
         with (
             (run_dir / f"{name}.out").open("ab") as out,
             (run_dir / f"{name}.log").open("ab") as log,
@@ -175,7 +177,8 @@ class PopenHandle:
         return self.process.poll()
 
     def terminate(self) -> None:
-        if self.process.poll() is None:
+        if self.process.poll() is None and not self._terminated:
+            self._terminated = True
             self.process.terminate()
 
     def kill(self) -> None:

@@ -59,10 +59,11 @@ def _stop_args(spec: ExperimentSpec) -> list[str]:
 
 
 def _gpu_env(spec: ExperimentSpec, index: int) -> tuple[dict[str, str], list[str]]:
-    gpus = spec.resources.gpus
+    gpus, env = spec.resources.gpus, dict(spec.resources.env)
     if not gpus:
-        return {}, []
-    return {"CUDA_VISIBLE_DEVICES": str(gpus[index % len(gpus)])}, ["--device", "cuda"]
+        return env, []
+    env["CUDA_VISIBLE_DEVICES"] = str(gpus[index % len(gpus)])
+    return env, ["--device", "cuda"]
 
 
 def peer_plans(spec: ExperimentSpec, config: RunConfig) -> list[ProcessPlan]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,7 @@ class TaskSpec(_Strict):
 
 
 class TrainSpec(_Strict):
-    """``[train]``: one configuration's settings; ``[grid]`` sweeps any of them but join_args."""
+    """``[train]``: one configuration's settings; ``[grid]`` sweeps any of them."""
 
     peers: int = Field(2, ge=1, description="peer processes")
     batch_size: int | None = Field(None, ge=1, description="samples per local step")
@@ -51,7 +52,7 @@ class TrainSpec(_Strict):
     join_args: list[str] = Field(default_factory=list, description="extra `peer join` flags")
 
 
-GRID_KEYS = tuple(name for name in TrainSpec.model_fields if name != "join_args")
+GRID_KEYS = tuple(TrainSpec.model_fields)
 
 
 class LinkSpec(_Strict):
@@ -105,6 +106,10 @@ class ResourcesSpec(_Strict):
     )
     pin_cpus: bool = Field(True, description="pin each peer to its CPUs (CPU affinity)")
     gpus: list[int] = Field(default_factory=list, description="GPU indices, round robin")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment of every peer and the baseline, e.g. OMP_WAIT_POLICY",
+    )
 
 
 class StopSpec(_Strict):
@@ -323,8 +328,13 @@ def _check_launcher(spec: ExperimentSpec) -> None:
         raise SpecError(f"ssh: an inventory is given but launcher = '{spec.launcher}'")
 
 
+def _value_text(value: Any) -> str:
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return re.sub(r"[^A-Za-z0-9.,=-]", "", text).strip("-") or "none"
+
+
 def _name(values: dict[str, Any], seed: int) -> str:
-    parts = [f"{key}-{value}" for key, value in values.items()]
+    parts = [f"{key}-{_value_text(value)}" for key, value in values.items()]
     return "_".join([*parts, f"seed-{seed}"]) if parts else f"swarm_seed-{seed}"
 
 
