@@ -242,13 +242,16 @@ def _with_inventory(spec: ExperimentSpec, base_dir: Path) -> ExperimentSpec:
     path = spec.ssh.inventory if spec.ssh.inventory.is_absolute() else base_dir / spec.ssh.inventory
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-        hosts = [HostSpec.model_validate(host) for host in data.get("hosts", [])]
     except OSError as e:
         raise SpecError(f"ssh.inventory: cannot read {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"ssh.inventory: {path} is not valid TOML: {e}") from None
-    except ValidationError as e:
-        raise _error(e, "ssh.inventory.hosts") from None
+    hosts = []
+    for number, host in enumerate(data.get("hosts", [])):
+        try:
+            hosts.append(HostSpec.model_validate(host))
+        except ValidationError as e:
+            raise _error(e, f"ssh.inventory.hosts[{number}]") from None
     ssh = spec.ssh.model_copy(update={"hosts": [*spec.ssh.hosts, *hosts]})
     return spec.model_copy(update={"ssh": ssh})
 

@@ -1,0 +1,124 @@
+"""Experiment files are checked up front: clear one-line errors naming the key, nothing starts."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from experiments.spec import SpecError, cpu_split, expand, load_spec, parse_spec
+from tests.experiments.helpers import peer_cli, tiny_spec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def spec_dict(extra: str = "", **kwargs) -> dict:
+    return tomllib.loads(tiny_spec("t", extra=extra, **kwargs))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("bogus = 1", "bogus: unknown key"),
+        ("[grid]\nnope = [1, 2]", "grid.nope: unknown key (grid keys: peers,"),
+        ("[grid]\npeers = [0, 2]", "grid.peers: Input should be greater than or equal to 1"),
+        ("[grid]\npeers = []", "grid.peers: needs at least one value"),
+        ("[grid]\nmode = ['grad', 'bogus']", "grid.mode: Input should be 'grad'"),
+        ("[grid]\npeers = [1, 4]", "resources.total_cpus: 4 peers cannot share 2 CPUs"),
+        ("[network]\nbandwidth_mbit = 20", "network: shaping links needs launcher = 'netns'"),
+        ("[network]\nloss_percent = 150", "network.loss_percent: Input should be less than"),
+    ],
+)
+def test_invalid_specs_name_the_key(extra: str, message: str):
+    with pytest.raises(SpecError) as error:
+        parse_spec(spec_dict(extra))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("launcher", "extra", "message"),
+    [
+        ("ssh", "", "ssh.hosts: the ssh launcher needs an inventory"),
+        ("pigeon", "", "launcher: Input should be 'local', 'netns' or 'ssh'"),
+        (
+            "netns",
+            "[[network.groups]]\npeers = [5]\nlatency_ms = 10",
+            "network.groups[0].peers: peer 5 does not exist",
+        ),
+    ],
+)
+def test_invalid_launcher_settings(launcher: str, extra: str, message: str):
+    with pytest.raises(SpecError) as error:
+        parse_spec(spec_dict(extra, launcher=launcher))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_key_inside_a_table():
+    data = spec_dict()
+    data["seeds"] = [1, 1]
+    with pytest.raises(SpecError, match=r"^seeds: values repeat$"):
+        parse_spec(data)
+    data["seeds"] = [1]
+    data["train"]["learning_rate"] = 0.1
+    with pytest.raises(SpecError, match=r"^train\.learning_rate: unknown key$"):
+        parse_spec(data)
+
+
+def test_impossible_resources():
+    data = spec_dict()
+    data["resources"] = {"total_cpus": (os.cpu_count() or 1) + 1, "pin_cpus": True}
+    data["train"]["peers"] = 1
+    with pytest.raises(SpecError, match=r"resources\.total_cpus: \d+ CPUs cannot be pinned"):
+        parse_spec(data)
+    data["stop"] = {"target_loss": 0.5}
+    data["resources"] = {"total_cpus": 1}
+    with pytest.raises(SpecError, match=r"^stop: give max_time_s or max_epochs"):
+        parse_spec(data)
+
+
+def test_expand_names_every_configuration_and_splits_the_cpus():
+    data = spec_dict("[grid]\npeers = [1, 2]\ncompression = ['none', 'fp16']")
+    data["seeds"] = [1, 2]
+    configs = expand(parse_spec(data))
+    assert [c.name for c in configs[:2]] == ["baseline_seed-1", "baseline_seed-2"]
+    assert len(configs) == 2 + 2 * 2 * 2
+    assert "peers-2_compression-fp16_seed-2" in {c.name for c in configs}
+    assert {c.train.peers for c in configs if not c.baseline} == {1, 2}
+    assert cpu_split(5, 2) == [[0, 1, 2], [3, 4]]
+    assert cpu_split(4, 4) == [[0], [1], [2], [3]]
+
+
+def test_inventory_file_and_bad_toml(tmp_path: Path):
+    (tmp_path / "hosts.toml").write_text('[[hosts]]\nhost = "10.0.0.5"\nuser = "me"\n')
+    (tmp_path / "spec.toml").write_text(
+        tiny_spec("t", launcher="ssh", extra='[ssh]\ninventory = "hosts.toml"\n')
+    )
+    spec = load_spec(tmp_path / "spec.toml")
+    assert [h.host for h in spec.ssh.hosts] == ["10.0.0.5"]
+    (tmp_path / "hosts.toml").write_text('[[hosts]]\nhost = "x"\nbogus = 1\n')
+    with pytest.raises(SpecError, match=r"ssh\.inventory\.hosts\[0\]\.bogus: unknown key"):
+        load_spec(tmp_path / "spec.toml")
+    (tmp_path / "broken.toml").write_text("name = \n")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        load_spec(tmp_path / "broken.toml")
+
+
+def test_cli_refuses_a_bad_spec_before_starting_anything(tmp_path: Path):
+    spec = tmp_path / "spec.toml"
+    spec.write_text(tiny_spec("t", extra="[grid]\npeers = [1, 8]"))
+    out = tmp_path / "out"
+    result = peer_cli("experiment", "run", str(spec), "--out", str(out), timeout_s=30)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "peer: error: resources.total_cpus: 8 peers cannot share 2 CPUs (every peer needs at "
+        "least one)"
+    ]
+    assert not out.exists()
+    missing = peer_cli("experiment", "run", str(tmp_path / "nope.toml"), "--out", str(out),
+                       timeout_s=30)  # fmt: skip
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    assert peer_cli("experiment", "report", str(tmp_path), timeout_s=30).returncode == 2
