@@ -195,9 +195,12 @@ def render_rounds(view: SwarmView, max_rows: int | None, *, wide: bool) -> Rende
 
 
 def _round_cells(row: RoundRow, view: SwarmView, wide: bool) -> list:
-    sizes = "+".join(str(size) for size in row.group_sizes)
-    group = f"{sizes}/{row.num_swarm_peers}"
-    if wide:
+    if not row.group_sizes:  # nobody averaged in this epoch
+        group = "alone"
+    else:
+        sizes = "+".join(str(size) for size in row.group_sizes)
+        group = f"{sizes}/{row.num_swarm_peers}"
+    if wide and row.group_sizes:
         group += f" {row.swarm_share:.0%}"
     cells = [
         str(row.epoch),

@@ -314,8 +314,8 @@ class ViewBuilder:
                 )
             )
         accumulated, target = self._accumulated(peers, epoch, now), self._target(rounds)
-        if target is not None:
-            accumulated = min(accumulated, float(target * max(1, len(peers))))
+        if target is not None:  # extrapolated past the target: the round is due, not "120%"
+            accumulated = min(accumulated, float(target))
         rate = sum(p.samples_per_s for p in peers)
         missing = max(0.0, (target or 0) - accumulated)
         eta_s = 0.0 if not missing else (missing / rate if rate > 0 else math.inf)
@@ -362,9 +362,11 @@ class ViewBuilder:
                 for entry in peer.rounds.rounds if peer.rounds else ():
                     if entry.loss is not None:
                         points[entry.epoch].append((entry.end_time, entry.loss))
+            seeded = []
             for epoch in sorted(points):
                 times, losses = zip(*points[epoch], strict=True)
-                history.append((max(times), statistics.fmean(losses)))
+                seeded.append((min(max(times), now), statistics.fmean(losses)))
+            history.extend(sorted(seeded))
             self._memory.first = False
         current = [loss for peer in peers if (loss := current_loss(peer)) is not None]
         if current:

@@ -99,12 +99,13 @@ def resample(points: Sequence[tuple[float, float]], num_bins: int) -> list[float
     point, or the previous bin's value)."""
     if not points or num_bins < 1:
         return []
+    points = sorted(points, key=lambda point: point[0])  # peers' clocks need not agree
     start, end = points[0][0], points[-1][0]
     if end <= start:
         return [points[-1][1]] * min(num_bins, len(points))
     values: list[float | None] = [None] * num_bins
     for t, value in points:
-        index = min(num_bins - 1, int((t - start) / (end - start) * num_bins))
+        index = min(num_bins - 1, max(0, int((t - start) / (end - start) * num_bins)))
         values[index] = value
     last = None
     for i, value in enumerate(values):

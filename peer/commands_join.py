@@ -25,17 +25,46 @@ def add_join_command(sub) -> None:
     parser.set_defaults(run=run_join)
 
 
+def dashboard_companion(config, stop: threading.Event):
+    """``--dashboard``: the live view of this peer and its swarm, beside the training loop
+    (q stops training; the peer then leaves as on Ctrl-C)."""
+    from monitor.config import MonitorConfig
+    from monitor.embed import peer_dashboard
+
+    monitor_config = MonitorConfig(
+        run_id=config.run_id,
+        interval_s=max(0.5, config.publish_interval),
+        target_batch_size=config.target_batch_size,
+    )
+
+    def companion(run):
+        return peer_dashboard(
+            run.loop_thread,
+            run.services.node,
+            config=monitor_config,
+            local_peer_id=run.identity.peer_id,
+            on_quit=stop.set,
+        )
+
+    return companion
+
+
 def run_join(args: argparse.Namespace) -> int:
+    from dht.errors import ConfigError
     from peer.backend import make_peer_run
     from peer.tasks import TaskError
 
     config = load_config(args)
+    if config.dashboard and config.backend != "native":
+        raise ConfigError("--dashboard needs --backend native (it reads our DHT's records)")
     stop = threading.Event()
     try:
         run = make_peer_run(config, stop_event=stop)
     except TaskError as e:
         sys.stderr.write(f"peer: error: {e}\n")
         return 2
+    if config.dashboard:
+        run.companion = dashboard_companion(config, stop)
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

@@ -130,6 +130,9 @@ class PeerConfig(BaseModel):
     checkpoint_interval: float = Field(60.0, gt=0, description="seconds between checkpoints")
     metrics_file: Path | None = Field(None, description="JSON Lines metrics stream")
     metrics_interval: float = Field(5.0, gt=0, description="seconds between metrics lines")
+    dashboard: bool = Field(
+        False, description="show this peer and its swarm live in the terminal (q quits)"
+    )
     trace: Path | None = Field(None, description="Chrome/Perfetto trace of phases (Perfetto UI)")
     trace_max_mb: float = Field(
         64.0, gt=0, description="phase slices in --trace stop at this size (MiB); epochs go on"

@@ -2,7 +2,9 @@
 
 The peers are real ``peer join`` processes (torch threads split so that together they use the
 machine's cores once); this process runs the bootstrap DHT node and reads the peers' progress
-records from it to draw a live table. At the end every peer's summary is collected.
+records from it: the monitor's dashboard when the command line hands one in (``dashboard``),
+a small table otherwise (and with the hivemind backend). q on the dashboard stops the peers
+early. At the end every peer's summary is collected.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
-from contextlib import AsyncExitStack
+from collections.abc import Callable
+from contextlib import AbstractContextManager, AsyncExitStack
 
 from rich.console import Console
 from rich.live import Live
@@ -27,10 +31,15 @@ from peer.progress import parse_record
 
 RUN_ID = "demo"
 REFRESH_S = 0.5
+# (bootstrap node, its event loop, console, on_quit) -> a context manager showing the swarm
+# while it is open; the monitor provides it (this package may not import the monitor).
+DashboardFactory = Callable[
+    [DHTNode, asyncio.AbstractEventLoop, Console, Callable[[], None]], AbstractContextManager
+]
 
 
 def _peer_command(
-    url: str, seconds: float, threads: int, target: int, backend: str = "native"
+    url: str, seconds: float, threads: int, target: int, backend: str = "native", num_peers: int = 1
 ) -> list[str]:
     return [
         sys.executable,
@@ -51,6 +60,9 @@ def _peer_command(
         str(threads),
         "--target-batch-size",
         str(target),
+        # start together: a peer that starts alone runs ahead, stepping alone
+        "--wait-for-peers",
+        str(num_peers),
         "--json",
     ]
 
@@ -110,9 +122,11 @@ async def run_demo(
     target_batch_size: int,
     as_json: bool,
     backend: str = "native",
+    dashboard: DashboardFactory | None = None,
 ) -> int:
     """Run the demo; returns the exit status (0 when every peer finished and trained)."""
     console = Console(stderr=as_json)
+    node = None
     threads = max(1, (os.cpu_count() or 1) // num_peers)
     async with AsyncExitStack() as stack:
         if backend == "hivemind":
@@ -134,7 +148,7 @@ async def run_demo(
 
         processes = [
             await asyncio.create_subprocess_exec(
-                *_peer_command(address, seconds, threads, target_batch_size, backend),
+                *_peer_command(address, seconds, threads, target_batch_size, backend, num_peers),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
             )
@@ -143,10 +157,14 @@ async def run_demo(
         outputs = [asyncio.create_task(process.communicate()) for process in processes]
         start = time.monotonic()
         try:
-            with Live(console=console, refresh_per_second=2) as live:
-                while not all(task.done() for task in outputs):
-                    live.update(_swarm_table(await rows(), num_peers, time.monotonic() - start))
-                    await asyncio.wait(outputs, timeout=REFRESH_S)
+            if dashboard is not None and node is not None:
+                await _watch_dashboard(dashboard, node, console, processes, outputs)
+            else:
+                with Live(console=console, refresh_per_second=2) as live:
+                    while not all(task.done() for task in outputs):
+                        elapsed_s = time.monotonic() - start
+                        live.update(_swarm_table(await rows(), num_peers, elapsed_s))
+                        await asyncio.wait(outputs, timeout=REFRESH_S)
         finally:
             for process in processes:
                 if process.returncode is None:
@@ -166,6 +184,27 @@ async def run_demo(
     console.print()
     seconds = max((s["seconds"] for s in summaries), default=time.monotonic() - start)
     return _report(console, summaries, num_peers, seconds, as_json)
+
+
+async def _watch_dashboard(
+    dashboard: DashboardFactory,
+    node: DHTNode,
+    console: Console,
+    processes: list[asyncio.subprocess.Process],
+    outputs: list[asyncio.Task],
+) -> None:
+    """Show the dashboard until every peer ended; q asks the peers to stop (they still report)."""
+    loop = asyncio.get_running_loop()
+    quit_requested = asyncio.Event()
+    with dashboard(node, loop, console, lambda: loop.call_soon_threadsafe(quit_requested.set)):
+        stopping = False
+        while not all(task.done() for task in outputs):
+            await asyncio.wait(outputs, timeout=REFRESH_S)
+            if quit_requested.is_set() and not stopping:
+                stopping = True
+                for process in processes:
+                    if process.returncode is None:
+                        process.send_signal(signal.SIGTERM)  # `peer join` stops and reports
 
 
 def _report(

@@ -10,6 +10,7 @@ stays light.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -29,6 +30,13 @@ ROUND_STATUSES = ("ok", "partial", "alone", "failed")
 MAX_REASON_CHARS = 120
 
 
+def group_name(members) -> str:
+    """A short name of a group, the same on every member: a digest of its sorted peer ids."""
+    if len(members) <= 1:
+        return ""
+    return hashlib.sha256(",".join(sorted(members)).encode()).hexdigest()[:8]
+
+
 def rounds_key(run_id: str) -> str:
     """The DHT key of a run's round records."""
     return f"{run_id}/{ROUNDS_KEY_SUFFIX}"
@@ -44,6 +52,7 @@ class RoundEntry:
         status: ``ok``, ``partial`` (some of the vector kept local values or a peer was
             dropped), ``alone`` (no group: stepped on local data) or ``failed``.
         group_size: peers in the group, this one included (1 when alone or failed).
+        group_id: a short name of the group, the same for all its members ("" when alone).
         duration_s: seconds spent in matchmaking and all-reduce.
         sent_bytes: tensor bytes this peer sent in the all-reduce.
         recv_bytes: tensor bytes it received.
@@ -58,6 +67,7 @@ class RoundEntry:
     end_time: float
     status: str
     group_size: int = 1
+    group_id: str = ""
     duration_s: float = 0.0
     sent_bytes: int = 0
     recv_bytes: int = 0
@@ -126,6 +136,7 @@ def _parse_entry(raw: object) -> RoundEntry | None:
             end_time=_number(raw["end_time"]),
             status=status if status in ROUND_STATUSES else "failed",
             group_size=max(1, _count(raw.get("group_size", 1))),
+            group_id=str(raw.get("group_id", ""))[:16],
             duration_s=_number(raw.get("duration_s", 0.0)),
             sent_bytes=_count(raw.get("sent_bytes", 0)),
             recv_bytes=_count(raw.get("recv_bytes", 0)),

@@ -15,6 +15,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -26,6 +28,8 @@ from peer.collaborative import CollaborativeOptimizer, averaged_buffers
 from peer.config import PeerConfig
 from peer.metrics_stream import MetricsStream
 from peer.profiler import Profiler, StepProgress
+from peer.prometheus import PeerMetrics
+from peer.run_reports import RunReports
 from peer.services import SwarmServices, open_services
 from peer.state_sync import StateSnapshot, StateSyncError, download_state, layout_of
 from peer.swarm_averager import SwarmAverager
@@ -74,12 +78,30 @@ def data_seed(config: PeerConfig, identity: PeerIdentity) -> int:
     return int.from_bytes(hashlib.sha256(identity.peer_id.encode()).digest()[:4], "little")
 
 
-class PeerRun:
-    """One peer's run; :meth:`run` blocks until it stops. See the module docstring."""
+# Something shown beside the training loop (``peer join --dashboard``): entered once the peer
+# has joined, exited when training ends, before the peer leaves the swarm.
+Companion = Callable[["PeerRun"], AbstractContextManager]
 
-    def __init__(self, config: PeerConfig, *, stop_event: threading.Event | None = None):
+
+class PeerRun:
+    """One peer's run; :meth:`run` blocks until it stops. See the module docstring.
+
+    Args:
+        config: the peer's settings.
+        stop_event: set (by a signal handler, a dashboard) to stop training.
+        companion: entered beside the training loop once the peer has joined (a dashboard).
+    """
+
+    def __init__(
+        self,
+        config: PeerConfig,
+        *,
+        stop_event: threading.Event | None = None,
+        companion: Companion | None = None,
+    ):
         self.config = config
         self.stop_event = stop_event or threading.Event()
+        self.companion = companion
         if config.torch_threads is not None:
             # peers sharing a machine must not oversubscribe its cores: torch's spinning
             # threads then slow every step many times over
@@ -118,6 +140,13 @@ class PeerRun:
             maxlen=max(1, math.ceil(FINAL_LOSS_SAMPLES / self.task.batch_size))
         )
         self.metrics: MetricsStream | None = None
+        self.reports = RunReports(
+            peer_id=self.identity.peer_id,
+            run_id=config.run_id,
+            target_batch_size=config.target_batch_size,
+            publish_interval_s=config.publish_interval,
+            metrics=self.prometheus_metrics,
+        )
 
     @property
     def address(self) -> str | None:
@@ -129,6 +158,8 @@ class PeerRun:
         self.loop_thread = EventLoopThread(name=f"vp-{short_id(self.identity.peer_id)}")
 
         def make_averager(transport, node):
+            # called before the transport serves: the moment to add plain GET routes
+            self.reports.install(transport)
             return DecentralizedAverager(
                 self.buffers,
                 transport=transport,
@@ -193,6 +224,36 @@ class PeerRun:
             peer_id=self.identity.peer_id,
             timeout_s=START_TIMEOUT_S,
         )
+        self.reports.start(
+            self.loop_thread, self.services.node, epoch=epoch, timeout_s=START_TIMEOUT_S
+        )
+
+    def prometheus_metrics(self) -> PeerMetrics | None:
+        """This peer's numbers for a ``/metrics`` scrape (None while it starts); quick, no I/O."""
+        hook, services = self.hook, self.services
+        if hook is None or services is None:
+            return None
+        record, stats = self.profiler.last_record, hook.stats
+        return PeerMetrics(
+            epoch=hook.epoch,
+            num_steps=self.trainer.step,
+            num_samples=self.trainer.total_samples,
+            samples_per_s=record.samples_per_s if record is not None else 0.0,
+            phase_s=self.clock.snapshot().seconds,
+            sent_bytes=services.transport.counters.sent,
+            recv_bytes=services.transport.counters.recv,
+            num_rounds=stats.num_rounds,
+            num_failed_rounds=stats.num_failed_rounds,
+            num_swarm_peers=services.tracker.current().num_peers,
+            loss=record.loss if record is not None else None,
+        )
+
+    def _recent_loss(self) -> float | None:
+        recent = list(self._recent_losses)
+        return float(torch.stack(recent).float().mean()) if recent else None
+
+    def _log_rounds(self) -> None:
+        self.reports.log_rounds(self.hook.stats, epoch=self.hook.epoch, loss=self._recent_loss)
 
     def _wait_for_peers(self) -> None:
         """Block until ``wait_for_peers`` peers (this one included) publish progress, so that
@@ -297,6 +358,7 @@ class PeerRun:
                 samples=report.samples,
                 loss=report.loss_tensor,
             )
+        self._log_rounds()
         state_server = self.services.state_server
         if state_server.snapshot_requested:
             state_server.update(self._snapshot(self.hook.epoch))
@@ -304,6 +366,7 @@ class PeerRun:
     def _on_epoch(self, epoch: int) -> None:
         self.profiler.on_epoch(epoch)
         self.services.state_server.current_epoch = epoch
+        self.reports.set_epoch(epoch)
         if self.config.max_epochs is not None and epoch >= self.config.max_epochs:
             self.stop_event.set()
         now = time.monotonic()
@@ -325,13 +388,15 @@ class PeerRun:
         start = time.monotonic()
         try:
             self.start()
-            result = self.trainer.run(
-                max_steps=self.config.max_steps,
-                max_time_s=self.config.max_time,
-                stop_event=self.stop_event,
-                on_step=self._on_step,
-            )
-            self.hook.flush()  # a delayed update still in flight
+            with self.companion(self) if self.companion else nullcontext():
+                result = self.trainer.run(
+                    max_steps=self.config.max_steps,
+                    max_time_s=self.config.max_time,
+                    stop_event=self.stop_event,
+                    on_step=self._on_step,
+                )
+                self.hook.flush()  # a delayed update still in flight
+                self._log_rounds()
             eval_loss = evaluate(self.task, self.model)
             if self.checkpoints is not None:
                 self._save_checkpoint(self.hook.epoch)
@@ -345,7 +410,6 @@ class PeerRun:
             self.close()
         seconds = time.monotonic() - start
         stats = self.hook.stats
-        recent = list(self._recent_losses)
         return PeerSummary(
             peer_id=self.identity.peer_id,
             address=None,
@@ -354,7 +418,7 @@ class PeerRun:
             num_samples=self.trainer.total_samples,
             seconds=seconds,
             samples_per_s=self.trainer.total_samples / max(result.elapsed_s, 1e-9),
-            final_loss=float(torch.stack(recent).float().mean()) if recent else None,
+            final_loss=self._recent_loss(),
             num_rounds=stats.num_rounds,
             num_failed_rounds=stats.num_failed_rounds,
             stopped_by=stopped_by,
@@ -366,6 +430,8 @@ class PeerRun:
     def close(self) -> None:
         """Leave the swarm and stop the loop thread; safe to call twice."""
         self.profiler.close()  # stops publishing before the DHT node closes
+        if self.loop_thread is not None:
+            self.reports.close(self.loop_thread, timeout_s=START_TIMEOUT_S)
         if self.services is not None and self.loop_thread is not None:
             services, self.services = self.services, None
             self.loop_thread.run(services.close(), timeout_s=START_TIMEOUT_S)

@@ -10,7 +10,7 @@ from peer.progress import PeerProgress
 from peer.round_log import RoundEntry, RoundLogRecord, group_name
 
 NOW = 1_700_000_000.0
-TARGET = 2048
+TARGET = 4096
 # peer id -> (address, epoch, samples, samples/s, age s, fractions of data/compute/comm/idle)
 PEERS = {
     "a1" * 32: ("http://127.0.0.1:40001", 7, 400, 900.0, 0.5, (0.1, 0.6, 0.2, 0.1)),

@@ -72,8 +72,11 @@ def test_80x24_fits_and_shows_peers_progress_bars_rounds_and_alerts(view):
     text = "\n".join(lines)
     # header: run, epoch, peers, progress toward the target batch size
     assert "run demo" in lines[0] and "epoch 7" in lines[0] and "4 peers (1 client)" in lines[0]
-    assert f"{expected_samples():,}/{sample.TARGET:,} samples" in lines[1]
     rate = sum(rate for _, _, _, rate, _, _ in sample.PEERS.values())
+    eta_s = (sample.TARGET - expected_samples()) / rate
+    percent = 100 * expected_samples() / sample.TARGET
+    progress = f"{expected_samples():,}/{sample.TARGET:,} samples {percent:.0f}% · ETA {eta_s:.2f}s"
+    assert progress in lines[1]
     assert f"{rate / 1000:.1f}k samples/s" in lines[0]
     # every peer, its address or "client", and its phase bar (10 cells at 80 columns)
     for peer_id, (address, _, _, _, _, shares) in sample.PEERS.items():
@@ -162,6 +165,13 @@ def test_a_big_swarm_still_fits_and_says_how_many_are_hidden(size):
     assert 1 <= shown < 40
     assert f"+{40 - shown} more peers" in "\n".join(lines)
     assert "40 peers" in lines[0]
+
+
+def test_samples_past_the_target_show_a_full_bar_and_no_wait():
+    builder = ViewBuilder(MonitorConfig(run_id="due", target_batch_size=1000))
+    view = builder.build(progress=sample.progress(), profiles=[], rounds=[], now=sample.NOW)
+    assert expected_samples() > 1000
+    assert "1,000/1,000 samples 100% · ETA 0.00s" in screen(view, 80, 24)[1]
 
 
 def test_without_records_the_screen_says_what_is_missing():

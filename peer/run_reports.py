@@ -1,0 +1,109 @@
+"""What a native peer reports about its run besides its progress: its last rounds on the DHT
+(``{run}/rounds``, :mod:`peer.round_log`) and its counters on ``GET /metrics``
+(:mod:`peer.prometheus`). The dashboard (``peer monitor``) reads the first, Prometheus the second.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from dht.config import get_dht_time
+from dht.node import DHTNode
+from dht.runtime import EventLoopThread
+from peer.collaborative import EpochStats, RoundOutcome
+from peer.prometheus import PeerMetrics, PrometheusExporter
+from peer.round_log import RoundEntry, RoundLog, RoundLogConfig, group_name
+
+logger = logging.getLogger(__name__)
+
+
+def round_entry(outcome: RoundOutcome, *, epoch: int, loss: float | None) -> RoundEntry:
+    """The round record's entry for one round the optimizer finished (``epoch``: the epoch it
+    closed, when the outcome does not say)."""
+    status = outcome.status or ("ok" if outcome.ok else "failed")
+    return RoundEntry(
+        epoch=outcome.epoch if outcome.epoch >= 0 else epoch,
+        end_time=get_dht_time(),
+        status=status,
+        group_size=max(1, outcome.num_peers),
+        group_id=group_name(outcome.members),
+        duration_s=outcome.matchmaking_s + outcome.allreduce_s,
+        sent_bytes=outcome.sent_bytes,
+        recv_bytes=outcome.recv_bytes,
+        num_dropped=outcome.num_dropped,
+        averaged_fraction=outcome.averaged_fraction,
+        loss=loss,
+        reason="" if status == "ok" else outcome.reason,
+    )
+
+
+class RunReports:
+    """The round record and the ``/metrics`` endpoint of one peer.
+
+    Args:
+        peer_id: the peer's id.
+        run_id: the run (DHT key prefix, a label on ``/metrics``).
+        target_batch_size: samples per swarm epoch (published, so that readers know it).
+        publish_interval_s: how often the round record is checked for news, in seconds.
+        metrics: the peer's numbers for a scrape (None while it starts); runs on the event loop,
+            so it must be quick.
+    """
+
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        run_id: str,
+        target_batch_size: int,
+        publish_interval_s: float,
+        metrics: Callable[[], PeerMetrics | None],
+    ):
+        self.run_id = run_id
+        self.exporter = PrometheusExporter(metrics, peer_id=peer_id, run_id=run_id)
+        self.round_config = RoundLogConfig(
+            target_batch_size=target_batch_size,
+            publish_interval_s=publish_interval_s,
+            record_ttl_s=max(10 * publish_interval_s, 60.0),
+        )
+        self.round_log: RoundLog | None = None
+        self._num_rounds_logged = 0
+
+    def install(self, transport) -> None:
+        """Serve ``/metrics`` on ``transport`` (before it starts serving)."""
+        self.exporter.install(transport)
+
+    def start(
+        self, loop_thread: EventLoopThread, node: DHTNode, *, epoch: int, timeout_s: float
+    ) -> None:
+        """Start publishing the round record through ``node``."""
+        self.round_log = RoundLog(dht=node, prefix=self.run_id, config=self.round_config)
+        self.round_log.set_epoch(epoch)
+        loop_thread.run(self.round_log.__aenter__(), timeout_s=timeout_s)
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.round_log is not None:
+            self.round_log.set_epoch(epoch)
+
+    def log_rounds(
+        self, stats: EpochStats, *, epoch: int, loss: Callable[[], float | None]
+    ) -> None:
+        """Add the rounds ``stats`` counted since the last call (``loss``: the recent training
+        loss, asked only when there is news). Call at least every 100 rounds."""
+        num_new = stats.num_rounds - self._num_rounds_logged
+        if self.round_log is None or num_new <= 0:
+            return
+        self._num_rounds_logged = stats.num_rounds
+        recent_loss = loss()
+        for outcome in stats.history[-num_new:]:
+            self.round_log.add(round_entry(outcome, epoch=epoch - 1, loss=recent_loss))
+
+    def close(self, loop_thread: EventLoopThread, *, timeout_s: float) -> None:
+        """Stop publishing (before the DHT node closes); safe to call twice."""
+        round_log, self.round_log = self.round_log, None
+        if round_log is None:
+            return
+        try:
+            loop_thread.run(round_log.close(), timeout_s=timeout_s)
+        except Exception:  # auxiliary: its failure must not keep the peer from leaving
+            logger.exception("the round record publisher failed")
