@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import os
 import select
 import sys
@@ -32,6 +33,8 @@ from monitor.state import SwarmView
 ViewReader = Callable[[], "concurrent.futures.Future[SwarmView] | None"]
 # Keys polled this often, in seconds (also the granularity of noticing a stop).
 KEY_POLL_S = 0.1
+# Without news the screen is redrawn this often, in seconds (the footer's clock).
+FOOTER_TICK_S = 1.0
 QUIT_KEYS = frozenset("qQ")
 MAX_HELD_LOG_RECORDS = 200
 
@@ -140,6 +143,7 @@ class LiveApp:
         self._next_read_s = 0.0
         self._read_at_s: float | None = None
         self._held: _HeldLogs | None = None
+        self.num_frames = 0  # live redraws so far
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -217,6 +221,7 @@ class LiveApp:
 
     def _run_live(self) -> None:
         dashboard = Dashboard(lambda: self.view, self._footer)
+        min_gap_s = 1.0 / self.config.refresh_per_s
         with (
             hold_logs() as held,
             _Keyboard() as keyboard,
@@ -224,15 +229,22 @@ class LiveApp:
                 dashboard,
                 console=self.console,
                 screen=True,
-                auto_refresh=True,
-                refresh_per_second=self.config.refresh_per_s,
+                auto_refresh=False,  # redrawn when there is news, not on a timer
                 redirect_stdout=False,
                 redirect_stderr=False,
-            ),
+            ) as live,
         ):
             self._held = held
+            drawn_s, drawn_size, dirty = -math.inf, None, True
             while not self.stop_event.is_set():
-                self._poll()
+                dirty = self._poll() or dirty
+                now, size = time.monotonic(), self.console.size
+                # news, a resize, or the footer's "read Ns ago" ticking; never above the cap
+                due = dirty or size != drawn_size or now - drawn_s >= FOOTER_TICK_S
+                if due and now - drawn_s >= min_gap_s:
+                    live.refresh()
+                    self.num_frames += 1
+                    drawn_s, drawn_size, dirty = now, size, False
                 if set(keyboard.read(KEY_POLL_S)) & QUIT_KEYS:
                     self._quit()
                     return

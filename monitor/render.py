@@ -18,41 +18,18 @@ from rich.table import Table
 from rich.text import Text
 
 from monitor.layout import plan
-from monitor.state import Alert, PeerView, RoundRow, SwarmView
-from monitor.widgets import (
-    bar_legend,
-    column_chart,
-    fmt_bytes,
-    fmt_count,
-    fmt_seconds,
-    phase_bar,
-    resample,
-    sparkline,
+from monitor.panels import (
+    render_local_lines,
+    render_local_panel,
+    render_loss_chart,
+    render_loss_line,
 )
-from peer.profile_record import PROFILE_PHASES
+from monitor.state import Alert, PeerView, RoundRow, SwarmView
+from monitor.widgets import bar_legend, fit_line, fmt_bytes, fmt_count, fmt_seconds, phase_bar
 
 HEAD = "bold reverse"
 _STATUS_STYLE = {"ok": "green", "partial": "yellow", "alone": "cyan", "failed": "bold red"}
 _ALERT_STYLE = {"info": ("•", "cyan"), "warning": ("▲", "yellow"), "error": ("✖", "bold red")}
-_PHASE_ABBREV = {
-    "data": "data",
-    "h2d": "h2d",
-    "forward": "fwd",
-    "backward": "bwd",
-    "optimizer": "opt",
-    "matchmaking": "mm",
-    "allreduce": "ar",
-    "state_sync": "sync",
-    "idle": "idle",
-    "other": "other",
-}
-
-
-def _line(text: Text | str, width: int) -> Text:
-    line = text if isinstance(text, Text) else Text(text)
-    line.no_wrap, line.overflow = True, "ellipsis"
-    line.truncate(width, overflow="ellipsis")
-    return line
 
 
 def _address(peer: PeerView) -> str:
@@ -78,11 +55,11 @@ def render_header(view: SwarmView, width: int, *, wide: bool) -> RenderableType:
         title.append(f" · loss {view.loss:.3f}")
     fraction = view.progress_fraction
     if fraction is None:
-        progress = _line(
+        progress = fit_line(
             f"epoch {view.epoch}: {view.samples_accumulated:,} samples (target not published yet)",
             width,
         )
-        return Group(_line(title, width), progress)
+        return Group(fit_line(title, width), progress)
     target = view.target_batch_size or 0
     status = (
         f" {view.samples_accumulated:,}/{target:,} samples {fraction:.0%} · "
@@ -96,7 +73,7 @@ def render_header(view: SwarmView, width: int, *, wide: bool) -> RenderableType:
         ProgressBar(total=target, completed=view.samples_accumulated, width=bar_width),
         Text(status),
     )
-    return Group(_line(title, width), grid)
+    return Group(fit_line(title, width), grid)
 
 
 # ---- peers -------------------------------------------------------------------------------------
@@ -223,56 +200,11 @@ def _round_cells(row: RoundRow, view: SwarmView, wide: bool) -> list:
 # ---- loss, verdict, alerts ---------------------------------------------------------------------
 
 
-def _loss_range(view: SwarmView) -> tuple[list[float | None], float, float, float] | None:
-    points = view.loss_history
-    if not points:
-        return None
-    values = [v for _, v in points]
-    return values, min(values), max(values), points[-1][0] - points[0][0]
-
-
-def render_loss_line(view: SwarmView, width: int) -> Text:
-    """One line: the loss now and a sparkline of it over time."""
-    found = _loss_range(view)
-    if found is None:
-        return _line(Text("loss: no reports yet", style="dim"), width)
-    _, low, high, span_s = found
-    first, last = view.loss_history[0][1], view.loss_history[-1][1]
-    prefix = f"loss {last:.3f} "
-    suffix = f" {first:.3g}→{last:.3g} in {fmt_seconds(span_s)}"
-    spark_width = max(1, width - len(prefix) - len(suffix))
-    line = Text(prefix, style="bold")
-    line.append(sparkline(resample(view.loss_history, spark_width), low, high), style="cyan")
-    line.append(suffix)
-    return _line(line, width)
-
-
-def render_loss_chart(view: SwarmView, width: int, rows: int) -> RenderableType:
-    """A title line, ``rows`` chart lines with the range on the left, and a time line."""
-    found = _loss_range(view)
-    if found is None:
-        return Text("loss: no reports yet", style="dim")
-    _, low, high, span_s = found
-    label_width = max(len(f"{high:.3g}"), len(f"{low:.3g}")) + 1
-    chart_width = max(4, width - label_width)
-    values = resample(view.loss_history, chart_width)
-    lines = column_chart(values, low, high, rows)
-    out = [Text(f"loss over time (now {view.loss_history[-1][1]:.4g})", style="bold")]
-    for index, chart_line in enumerate(lines):
-        label = f"{high:.3g}" if index == 0 else f"{low:.3g}" if index == rows - 1 else ""
-        line = Text(label.rjust(label_width - 1) + " ", style="dim")
-        line.append(chart_line, style="cyan")
-        out.append(_line(line, width))
-    footer = f"-{fmt_seconds(span_s)}".ljust(chart_width - 3) + "now"
-    out.append(_line(Text(" " * label_width + footer, style="dim"), width))
-    return Group(*out)
-
-
 def render_verdict(view: SwarmView, width: int) -> Text:
     """One line: the swarm's bottleneck, the peers agreeing, the mean group shares."""
     verdict = view.verdict
     if verdict is None:
-        return _line(Text("bottleneck: no profile records yet", style="dim"), width)
+        return fit_line(Text("bottleneck: no profile records yet", style="dim"), width)
     line = Text("bottleneck ", style="bold")
     line.append(verdict.bottleneck, style="bold magenta")
     line.append(f" ({verdict.num_agree}/{verdict.num_profiled} peers) ")
@@ -281,7 +213,7 @@ def render_verdict(view: SwarmView, width: int) -> Text:
     line.append(f" {shares}")
     if verdict.example:
         line.append(f" · {verdict.example}", style="dim")
-    return _line(line, width)
+    return fit_line(line, width)
 
 
 def render_alerts(alerts: tuple[Alert, ...], width: int, max_rows: int | None) -> Group:
@@ -289,58 +221,10 @@ def render_alerts(alerts: tuple[Alert, ...], width: int, max_rows: int | None) -
     lines = []
     for alert in shown:
         glyph, style = _ALERT_STYLE.get(alert.level, ("•", ""))
-        lines.append(_line(Text(f"{glyph} {alert.text}", style=style), width))
+        lines.append(fit_line(Text(f"{glyph} {alert.text}", style=style), width))
     if len(shown) < len(alerts) and lines:
         more = Text(f"  +{len(alerts) - len(shown) + 1} more alerts", style="dim")
-        lines[-1] = _line(more, width)
-    return Group(*lines)
-
-
-# ---- this peer (peer join --dashboard) ---------------------------------------------------------
-
-
-def render_local_lines(view: SwarmView, width: int) -> Group:
-    """Two lines about the local peer: its numbers, and its ten phases in percent."""
-    peer = view.peer(view.local_peer_id)
-    if peer is None:
-        return Group(_line(Text("this peer: not in the progress records yet", style="dim"), width))
-    log = peer.rounds
-    head = Text(f"this peer {peer.short_id}", style="bold")
-    head.append(f" · epoch {peer.epoch} · {fmt_count(peer.samples_per_s)} samples/s")
-    if log is not None:
-        head.append(
-            f" · rounds {log.num_rounds} ({log.num_failed_rounds} failed, "
-            f"{log.num_local_steps} local)"
-        )
-    if peer.profile is not None and peer.profile.loss is not None:
-        head.append(f" · loss {peer.profile.loss:.3f}")
-    if peer.profile is None:
-        phases = Text("phases: waiting for this peer's first profile record", style="dim")
-    else:
-        phases = Text("phases ")
-        fractions = peer.profile.fractions
-        phases.append(
-            " ".join(f"{_PHASE_ABBREV[p]} {fractions.get(p, 0.0):.0%}" for p in PROFILE_PHASES)
-        )
-    return Group(_line(head, width), _line(phases, width))
-
-
-def render_local_panel(view: SwarmView, width: int) -> Group:
-    """The local peer's phase breakdown, one bar per phase (12 lines)."""
-    peer = view.peer(view.local_peer_id)
-    lines = [render_local_lines(view, width).renderables[0]]
-    fractions = peer.profile.fractions if peer is not None and peer.profile else {}
-    bar_width = max(5, width - 20)
-    for phase in PROFILE_PHASES:
-        share = fractions.get(phase, 0.0)
-        cells = round(min(1.0, share) * bar_width)
-        line = Text(f"{phase:<12}")
-        line.append("█" * cells, style="green")
-        line.append("·" * (bar_width - cells), style="bright_black")
-        line.append(f" {share:4.0%}")
-        lines.append(_line(line, width))
-    if peer is not None and peer.profile is not None and peer.profile.verdict:
-        lines.append(_line(Text(peer.profile.verdict, style="dim"), width))
+        lines[-1] = fit_line(more, width)
     return Group(*lines)
 
 
@@ -398,10 +282,10 @@ def _side_by_side(left: RenderableType, right: RenderableType, left_width: int) 
 
 def _footer(view: SwarmView, width: int, footer: str) -> Text:
     if view.error:
-        return _line(Text(f"DHT read failed: {view.error} (retrying)", style="bold red"), width)
+        return fit_line(Text(f"DHT read failed: {view.error} (retrying)", style="bold red"), width)
     legend = bar_legend()
     legend.append(f" {footer}", style="dim")
-    return _line(legend, width)
+    return fit_line(legend, width)
 
 
 class Dashboard:

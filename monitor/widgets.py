@@ -145,3 +145,11 @@ def column_chart(values: Sequence[float | None], low: float, high: float, rows: 
             line.append(_EIGHTHS[filled])
         lines.append("".join(line))
     return lines
+
+
+def fit_line(text: Text | str, width: int) -> Text:
+    """``text`` as one line of at most ``width`` cells (an ellipsis where it is cut)."""
+    line = text if isinstance(text, Text) else Text(text)
+    line.no_wrap, line.overflow = True, "ellipsis"
+    line.truncate(width, overflow="ellipsis")
+    return line

@@ -75,6 +75,7 @@ def test_on_a_terminal_it_draws_on_the_alternate_screen_and_restores_it():
     )
     try:
         thread = threading.Thread(target=app.run)
+        started = time.monotonic()
         thread.start()
         time.sleep(0.5)
         logging.getLogger("monitor.test").warning("a warning while the screen is live")
@@ -84,9 +85,14 @@ def test_on_a_terminal_it_draws_on_the_alternate_screen_and_restores_it():
         thread.join(timeout=10)
         assert not thread.is_alive()
         assert handler in root.handlers  # given back
+        elapsed_s = time.monotonic() - started
     finally:
         root.removeHandler(handler)
+    # a new view every 0.2 s, but never more than 4 redraws a second
+    assert 2 <= app.num_frames <= 4 * elapsed_s + 1
     screen = out.getvalue()
+    # each redraw is one whole frame (the first draw, before any view, says it is reading)
+    assert app.num_frames <= screen.count("run demo") <= app.num_frames + 1
     assert screen.startswith(ENTER_ALT_SCREEN) or ENTER_ALT_SCREEN in screen[:50]
     assert screen.rstrip().endswith(LEAVE_ALT_SCREEN) or LEAVE_ALT_SCREEN in screen[-50:]
     for peer_id in sample.PEERS:
