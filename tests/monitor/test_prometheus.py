@@ -30,8 +30,6 @@ def test_a_scrape_reports_the_snapshot_of_that_moment():
     assert content_type.startswith("text/plain")
     info = {"peer_id": "ab" * 32, "run_id": "r", "backend": "native"}
     assert parse(body) == {"vp_peer_info": info}  # nothing else while the peer starts
-        "vp_peer_info": {"peer_id": "ab" * 32, "run_id": "r", "backend": "native"}
-    }
     snapshots.append(
         PeerMetrics(
             epoch=12,
