@@ -183,3 +183,15 @@ def test_without_records_the_screen_says_what_is_missing():
     assert "target not published yet" in text
     assert "rounds: none reported yet" in text
     assert "DHT read failed: no answer within 10 s" in text
+
+
+@pytest.mark.parametrize("local", [None, "a1" * 32])
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (119, 40), (120, 30), (132, 43), (220, 60)])
+def test_every_terminal_size_fits(size, local):
+    width, height = size
+    view = sample.sample_view(
+        local_peer_id=local, previous_peers={**sample.PEERS, LEFT: sample.PEERS["a1" * 32]}
+    )
+    lines = screen(view, width, height)
+    assert len(lines) <= height and max(map(len, lines)) <= width
+    assert all(peer_id[:8] in "\n".join(lines) for peer_id in sample.PEERS)
