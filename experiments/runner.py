@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from experiments.analysis import STATUS_FILE, loss_curve, read_json
+from experiments.analysis import STATUS_FILE, CurvePoint, loss_curve, read_json
 from experiments.launch_base import LaunchError, ProcessPlan, Session
 from experiments.spec import ExperimentSpec, RunConfig, cpu_split
 from peer.metrics_reader import read_metrics
@@ -134,16 +135,24 @@ def baseline_plan(spec: ExperimentSpec, config: RunConfig) -> ProcessPlan:
     return ProcessPlan(name="baseline", args=args, cpus=cpus, env=env, listens=False)
 
 
-def _swarm_loss(session: Session, names: list[str]) -> float | None:
+def _latest(session: Session, names: list[str]) -> CurvePoint | None:
     for name in names:
         session.refresh(name)
     paths = [session.run_dir / f"{name}.jsonl" for name in names]
     curve = loss_curve(read_metrics([p for p in paths if p.exists()]).peers)
-    return curve[-1].loss if curve else None
+    return curve[-1] if curve else None
 
 
-def watch(spec: ExperimentSpec, session: Session, plans: list[ProcessPlan]) -> Outcome:
-    """Wait until the processes end or a stopping rule fires; stops them in the latter case."""
+def watch(
+    spec: ExperimentSpec,
+    session: Session,
+    plans: list[ProcessPlan],
+    on_update: Callable[[str], None] | None = None,
+) -> Outcome:
+    """Wait until the processes end or a stopping rule fires; stops them in the latter case.
+
+    ``on_update`` (when given) gets a one-line status of the run every few seconds.
+    """
     handles = [h for h in session.handles if h.name in {p.name for p in plans}]
     start = time.monotonic()
     next_check_s = start + LOSS_CHECK_INTERVAL_S
@@ -154,10 +163,16 @@ def watch(spec: ExperimentSpec, session: Session, plans: list[ProcessPlan]) -> O
             outcome.stopped_by = "timeout_s"
             session.stop_all()
             break
-        if spec.stop.target_loss is not None and now >= next_check_s:
+        if (spec.stop.target_loss is not None or on_update) and now >= next_check_s:
             next_check_s = now + LOSS_CHECK_INTERVAL_S
-            loss = _swarm_loss(session, [p.name for p in plans])
-            if loss is not None and loss <= spec.stop.target_loss:
+            point = _latest(session, [p.name for p in plans])
+            loss = None if point is None else point.loss
+            if on_update is not None:
+                running = sum(h.poll() is None for h in handles)
+                text = "starting" if point is None else f"loss {loss:.4f}, {point.samples} samples"
+                on_update(f"{running} running, {now - start:.0f} s, {text}")
+            target = spec.stop.target_loss
+            if loss is not None and target is not None and loss <= target:
                 outcome.stopped_by = "target_loss"
                 for handle in handles:
                     handle.terminate()
@@ -174,8 +189,16 @@ def watch(spec: ExperimentSpec, session: Session, plans: list[ProcessPlan]) -> O
     return outcome
 
 
-def run_config(spec: ExperimentSpec, config: RunConfig, session: Session) -> Outcome:
-    """Run one configuration in ``session``; never raises for the configuration's own failure."""
+def run_config(
+    spec: ExperimentSpec,
+    config: RunConfig,
+    session: Session,
+    on_update: Callable[[str], None] | None = None,
+) -> Outcome:
+    """Run one configuration in ``session``; never raises for the configuration's own failure.
+
+    ``on_update``: see :func:`watch`.
+    """
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     start = time.monotonic()
     try:
@@ -187,7 +210,7 @@ def run_config(spec: ExperimentSpec, config: RunConfig, session: Session) -> Out
             plans = [dataclasses.replace(p, args=[*p.args, "--initial-peers", url]) for p in plans]
         for plan in plans:
             session.start(plan)
-        outcome = watch(spec, session, plans)
+        outcome = watch(spec, session, plans, on_update)
     except LaunchError as e:
         outcome = Outcome(status="failed", reason=str(e))
     finally:

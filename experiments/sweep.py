@@ -14,7 +14,7 @@ import json
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -60,6 +60,7 @@ def _progress(console: Console) -> Progress:
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
         console=console,
         disable=not console.is_terminal,
     )
@@ -86,10 +87,17 @@ def run_sweep(
     launcher = make_launcher(spec)
     launcher.check()
     with sigterm_as_interrupt(), launcher, _progress(console) as progress:
-        bar = progress.add_task(spec.name, total=len(configs))
+        bar = progress.add_task(spec.name, total=len(configs), status="")
         for config in configs:
-            progress.update(bar, description=f"{spec.name}: {config.name}")
-            outcomes[config.name] = _one(spec, config, out_dir, launcher, force, console)
+            progress.update(bar, description=f"{spec.name}: {config.name}", status="")
+
+            def on_update(text: str) -> None:
+                progress.update(bar, status=text)
+
+            on_update_or_none = on_update if console.is_terminal else None
+            outcomes[config.name] = _one(
+                spec, config, out_dir, launcher, force, console, on_update_or_none
+            )
             progress.advance(bar)
     return outcomes
 
@@ -101,6 +109,7 @@ def _one(
     launcher: Launcher,
     force: bool,
     console: Console,
+    on_update: Callable[[str], None] | None,
 ) -> Outcome | None:
     config_dir = out_dir / config.name
     if not force and is_finished(config_dir, config):
@@ -112,10 +121,11 @@ def _one(
     (config_dir / "config.json").write_text(json.dumps(config.describe(), indent=2) + "\n")
     num_peers = 0 if config.baseline else config.train.peers
     with launcher.open_session(config_dir, num_peers) as session:
-        outcome = run_config(spec, config, session)
+        outcome = run_config(spec, config, session, on_update)
     write_status(config_dir, outcome)
     if outcome.status == "done":
-        console.print(f"{config.name}: done in {outcome.seconds:.0f} s ({outcome.stopped_by})")
+        text = f"{config.name}: done in {outcome.seconds:.0f} s ({outcome.stopped_by})"
+        console.print(text, highlight=False)
     else:
         console.print(f"[red]{config.name}: failed[/red]: {outcome.reason}")
     sys.stderr.flush()
