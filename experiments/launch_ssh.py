@@ -12,6 +12,7 @@ volunteer-peer installed for ``python`` (a venv path) and ``taskset`` for CPU pi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import shutil
@@ -133,6 +134,10 @@ class SshSession(Session):
 
     def start(self, plan: ProcessPlan) -> SshHandle:
         client = self.client_of(plan)
+        if plan.cpus is not None and plan.index is not None:
+            # CPU ids are the host's: the peers sharing a host take consecutive blocks of it
+            size, local = len(plan.cpus), plan.index // len(self.clients)
+            plan = dataclasses.replace(plan, cpus=list(range(local * size, (local + 1) * size)))
         handle = SshHandle(plan, client, self.remote_dir[id(client)], self.run_dir)
         self.handles.append(handle)
         return handle

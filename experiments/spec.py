@@ -16,7 +16,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class SpecError(ValueError):
@@ -138,6 +145,11 @@ class HostSpec(_Strict):
     workdir: str = Field("volunteer-peer-runs", description="remote directory for runs")
     listen_host: str = Field("0.0.0.0", description="interface peers listen on")
     ssh_options: list[str] = Field(default_factory=list, description="extra -o options")
+
+    @field_validator("key")
+    @classmethod
+    def _home(cls, key: Path | None) -> Path | None:
+        return None if key is None else key.expanduser()
 
 
 class SshSpec(_Strict):

@@ -122,3 +122,24 @@ def test_cli_refuses_a_bad_spec_before_starting_anything(tmp_path: Path):
                        timeout_s=30)  # fmt: skip
     assert missing.returncode == 2 and "cannot read" in missing.stderr
     assert peer_cli("experiment", "report", str(tmp_path), timeout_s=30).returncode == 2
+
+
+PRESETS = Path(__file__).resolve().parents[2] / "experiments" / "presets"
+
+
+@pytest.mark.parametrize("name", ["smoke", "study", "wan", "vms"])
+def test_presets_are_valid(name: str, tmp_path: Path):
+    for path in PRESETS.glob("*.toml"):
+        (tmp_path / path.name).write_text(path.read_text())
+    (tmp_path / "hosts.toml").write_text((PRESETS / "hosts.example.toml").read_text())
+    data = tomllib.loads((tmp_path / f"{name}.toml").read_text())
+    if data["resources"].get("total_cpus", 0) > (os.cpu_count() or 1):
+        data["resources"]["pin_cpus"] = False  # a smaller machine than the preset's
+    spec = parse_spec(data, base_dir=tmp_path)
+    configs = expand(spec)
+    assert configs and all(c.train.peers <= spec.resources.total_cpus for c in configs)
+    if name == "smoke":
+        assert [c.baseline for c in configs] == [True, False, False]
+        assert spec.launcher == "local"
+    if name == "vms":
+        assert len(spec.ssh.hosts) == 2 and spec.ssh.hosts[0].key.is_absolute()
