@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from experiments.launch_base import Launcher
+from experiments.launch_base import Launcher, LaunchError
 from experiments.runner import Outcome, is_finished, run_config, write_status
 from experiments.spec import ExperimentSpec, RunConfig, expand
 
@@ -81,11 +81,11 @@ def run_sweep(
     """
     console = console or Console(stderr=True)
     configs = expand(spec)
+    launcher = make_launcher(spec)
+    launcher.check()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "spec.toml").write_text(spec_text, encoding="utf-8")
     outcomes: dict[str, Outcome | None] = {}
-    launcher = make_launcher(spec)
-    launcher.check()
     with sigterm_as_interrupt(), launcher, _progress(console) as progress:
         bar = progress.add_task(spec.name, total=len(configs), status="")
         for config in configs:
@@ -120,8 +120,11 @@ def _one(
     config_dir.mkdir(parents=True)
     (config_dir / "config.json").write_text(json.dumps(config.describe(), indent=2) + "\n")
     num_peers = 0 if config.baseline else config.train.peers
-    with launcher.open_session(config_dir, num_peers) as session:
-        outcome = run_config(spec, config, session, on_update)
+    try:
+        with launcher.open_session(config_dir, num_peers) as session:
+            outcome = run_config(spec, config, session, on_update)
+    except LaunchError as e:  # the session could not be set up: this configuration fails
+        outcome = Outcome(status="failed", reason=str(e))
     write_status(config_dir, outcome)
     if outcome.status == "done":
         text = f"{config.name}: done in {outcome.seconds:.0f} s ({outcome.stopped_by})"
