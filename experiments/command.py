@@ -89,8 +89,17 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _cleanup(args: argparse.Namespace) -> int:
+    import os
+    import shutil
+
     from experiments.launch_netns import cleanup_all
 
+    if shutil.which("ip") is None:
+        sys.stderr.write("peer: error: `ip` (iproute2) is missing: no namespaces to clean up\n")
+        return 1
+    if os.geteuid() != 0:
+        sys.stderr.write("peer: error: deleting network namespaces needs root\n")
+        return 1
     removed = cleanup_all()
     print(f"removed {len(removed)} namespace(s)" + (f": {', '.join(removed)}" if removed else ""))
     return 0
