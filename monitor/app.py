@@ -30,6 +30,7 @@ from monitor.config import MonitorConfig
 from monitor.render import Dashboard, plain_line, render_dashboard
 from monitor.state import SwarmView
 
+logger = logging.getLogger(__name__)
 ViewReader = Callable[[], "concurrent.futures.Future[SwarmView] | None"]
 # Keys polled this often, in seconds (also the granularity of noticing a stop).
 KEY_POLL_S = 0.1
@@ -163,7 +164,10 @@ class LiveApp:
         self._next_read_s = now + self.config.interval_s
         try:
             self.view = future.result()
-        except (concurrent.futures.CancelledError, RuntimeError):
+        except (concurrent.futures.CancelledError, RuntimeError):  # the owner is closing
+            return False
+        except Exception as e:  # a bad read must not take the screen (or the peer) down
+            logger.warning("reading the swarm failed: %s", e or type(e).__name__)
             return False
         self._read_at_s = now
         return True

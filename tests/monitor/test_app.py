@@ -114,3 +114,27 @@ def test_quit_key_handler_and_refresh_bound():
     )
     app._quit()
     assert quits == [True]
+
+
+def test_a_failed_read_is_logged_and_the_next_one_shows(caplog):
+    calls = []
+
+    def flaky() -> concurrent.futures.Future:
+        calls.append(1)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if len(calls) == 1:
+            future.set_exception(ValueError("a malformed answer"))
+        else:
+            future.set_result(sample.sample_view())
+        return future
+
+    out = io.StringIO()
+    app = LiveApp(
+        flaky,
+        config=MonitorConfig(run_id="demo", interval_s=0.1),
+        console=Console(file=out, force_terminal=False, width=300),
+    )
+    with caplog.at_level(logging.WARNING, logger="monitor.app"):
+        run_for(app, 0.8)
+    assert "reading the swarm failed: a malformed answer" in caplog.text
+    assert "run=demo epoch=7" in out.getvalue()
