@@ -152,3 +152,17 @@ def test_cleanup_command_removes_left_namespaces(namespaces_cleaned):
     assert result.returncode == 0, result.stderr
     assert f"{prefix}-hub" in result.stdout
     assert list_namespaces(prefix) == []
+
+
+def test_latency_needs_netem_and_says_so(namespaces_cleaned):
+    from experiments.launch_base import LaunchError
+    from experiments.launch_netns import NetnsLauncher, netem_available
+
+    launcher = NetnsLauncher(NetworkSpec(latency_ms=10))
+    if netem_available():
+        launcher.check()
+    else:
+        with pytest.raises(LaunchError, match="sch_netem"):
+            launcher.check()
+    NetnsLauncher(NetworkSpec(bandwidth_mbit=10)).check()  # tbf alone needs no netem
+    assert set(list_namespaces()) == namespaces_cleaned
