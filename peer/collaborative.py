@@ -48,8 +48,6 @@ class CollaborativeConfig:
     Attributes:
         mode: ``grad``, ``params`` or ``diloco`` (see the module docstring).
         target_batch_size: samples the swarm gathers per epoch.
-        matchmaking_lead_s: start a round when the swarm's ETA to the target is this close, in
-            seconds, so that matchmaking overlaps the last local steps.
         averaging_timeout_s: bound on one round (matchmaking and all-reduce), in seconds.
         outer_lr: learning rate of the outer optimizer (``diloco``).
         outer_momentum: Nesterov momentum of the outer optimizer (``diloco``).
@@ -63,7 +61,6 @@ class CollaborativeConfig:
 
     mode: Mode = "grad"
     target_batch_size: int
-    matchmaking_lead_s: float = 0.05
     averaging_timeout_s: float = 30.0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -77,7 +74,7 @@ class CollaborativeConfig:
             raise ConfigError(f"mode must be grad, params or diloco, got {self.mode!r}")
         if self.target_batch_size < 1:
             raise ConfigError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
-        for name in ("matchmaking_lead_s", "averaging_timeout_s", "outer_lr", "outer_momentum"):
+        for name in ("averaging_timeout_s", "outer_lr", "outer_momentum"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -292,7 +289,7 @@ class CollaborativeOptimizer:
         swarm = self.progress.current()
         if swarm.epoch > self.epoch and self.on_behind is not None:
             self._catch_up(swarm.epoch)
-        elif self._swarm_ready(swarm):
+        elif self._swarm_ready(swarm, context.batch_samples):
             self.finish_epoch(context)
 
     def _catch_up(self, swarm_epoch: int) -> None:
@@ -316,16 +313,20 @@ class CollaborativeOptimizer:
                 accumulator.add_(param.grad, alpha=batch_samples)
                 param.grad = None
 
-    def _swarm_ready(self, swarm: GlobalProgress) -> bool:
+    def _swarm_ready(self, swarm: GlobalProgress, batch_samples: int = 0) -> bool:
+        """Whether to end the epoch now: the swarm reached its target, or will be nearer to it
+        now than after this peer's next local step (half a step's worth of the swarm's samples
+        is missing at most), so that epochs hold the target on average."""
         # nobody else at this epoch: a round would only wait out matchmaking for a group of one
         self._num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
         self._alone = self._num_at_epoch <= 1
         if swarm.epoch > self.epoch:
             return True  # the swarm moved on: average what we have, or fall back and resync
-        if self._alone:
-            return swarm.ready  # no matchmaking to overlap with the last steps
-        lead = self.config.matchmaking_lead_s
-        return swarm.ready or (swarm.eta_next_epoch_s <= lead and self.samples > 0)
+        if swarm.ready or self._alone or self.samples == 0:
+            return swarm.ready
+        own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
+        step_s = batch_samples / own_rate if own_rate > 0 else 0.0
+        return swarm.eta_next_epoch_s <= 0.5 * step_s
 
     # ---- epoch boundary ----------------------------------------------------------------------
 

@@ -209,7 +209,10 @@ class ProgressTracker:
         now = time.monotonic()
         if self._last_report is not None:
             last_time, last_epoch, last_samples = self._last_report
-            new_samples = samples if epoch != last_epoch else samples - last_samples
+            # The rate is how fast samples accumulate within an epoch: others extrapolate this
+            # peer's count with it. A report across an epoch change spans the round, when
+            # nothing accumulates; counting it would make the swarm overshoot every target.
+            new_samples = samples - last_samples if epoch == last_epoch else -1
             elapsed_s = now - last_time
             if elapsed_s > 0 and new_samples >= 0:
                 instant = new_samples / elapsed_s

@@ -101,10 +101,13 @@ def test_two_peers_in_grad_mode_equal_one_process_over_the_union_of_their_batche
     for epoch in range(3):  # each epoch gathered at least the target across the swarm
         assert sum(samples[epoch] for samples in epoch_samples) >= 256
     expected = reference_params(seeds, epoch_samples, lr=1e-3)
+    # relative difference ||got - want|| / ||want|| per tensor: Adam divides each gradient by
+    # its own magnitude, so an element whose per-sample gradients cancel out (float32 sums keep
+    # little of it) can differ far more than the tensor as a whole
     for run in runs:
         for got, want in zip(run.model.parameters(), expected, strict=True):
-            scale = want.abs().max().item()
-            assert (got.detach() - want).abs().max().item() <= 1e-5 * scale
+            difference = torch.linalg.vector_norm(got.detach().double() - want.double())
+            assert difference <= 1e-5 * torch.linalg.vector_norm(want.double())
 
 
 def train_in_thread(run: PeerRun) -> threading.Thread:
@@ -155,3 +158,24 @@ def test_a_newcomer_downloads_the_state_and_joins_the_next_round():
         if newcomer is not None:
             stop(newcomer, newcomer_thread)
         stop(first, first_thread)
+
+
+def test_fast_epochs_hold_the_target_batch_size_on_average():
+    """Epochs of a few tens of milliseconds (far shorter than the publishing interval): the
+    swarm's estimate must neither end epochs early nor let them run long."""
+    target = 1024
+    runs = start_swarm([config(seed=seed, target_batch_size=target) for seed in (1, 2)])
+    timers = [threading.Timer(4.0, run.stop_event.set) for run in runs]
+    for timer in timers:
+        timer.start()
+    results = train_together(runs)
+    assert all(result is not None for result in results)
+    (_, epoch_a, stats_a), (_, epoch_b, stats_b) = results
+    assert epoch_a == epoch_b >= 10
+    assert stats_a.num_failed_rounds == stats_b.num_failed_rounds == 0
+    # both peers took part in every round: per-epoch samples line up; skip the start-up epochs
+    swarm_samples = [
+        a + b for a, b in zip(stats_a.epoch_samples, stats_b.epoch_samples, strict=True)
+    ][2:]
+    mean = sum(swarm_samples) / len(swarm_samples)
+    assert 0.9 * target <= mean <= 1.3 * target, swarm_samples
