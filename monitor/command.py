@@ -1,7 +1,8 @@
 """``peer monitor``: the live dashboard of a swarm, from a DHT client node.
 
 Registered by :mod:`peer.cli` through :func:`add_monitor_command`. This module imports only
-argparse at import time (``peer --help`` stays fast); the rest comes when the command runs.
+argparse and :mod:`peer.cli_args` at import time (``peer --help`` stays fast); the rest comes
+when the command runs.
 """
 
 from __future__ import annotations
@@ -10,28 +11,10 @@ import argparse
 import sys
 from contextlib import AsyncExitStack
 
+from peer.cli_args import positive_float, positive_int
+
 # Bound on the one read of ``--once``, in seconds (start-up and bootstrap come on top).
 ONCE_TIMEOUT_S = 30.0
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_monitor_command(sub) -> None:
@@ -56,14 +39,14 @@ def add_monitor_command(sub) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         metavar="S",
         help="seconds between reads of the DHT (default: 1)",
     )
     parser.add_argument(
         "--target-batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="samples per swarm epoch (default: as the peers publish it)",

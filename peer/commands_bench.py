@@ -6,11 +6,11 @@ import argparse
 import json
 
 from dht.errors import ConfigError
-from peer.commands_dht import _positive_int
+from peer.cli_args import positive_float, positive_int
 
 
 def _group_size(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value < 2:
         raise argparse.ArgumentTypeError("an all-reduce needs at least 2 peers")
     return value
@@ -28,7 +28,7 @@ def add_bench_allreduce_command(bench_sub) -> None:
     parser.add_argument("--peers", type=_group_size, default=2, help="peers, >= 2 (default: 2)")
     parser.add_argument(
         "--size",
-        type=_positive_int,
+        type=positive_int,
         default=1_000_000,
         help="float32 values per peer (default: 1000000)",
     )
@@ -40,7 +40,7 @@ def add_bench_allreduce_command(bench_sub) -> None:
     )
     parser.add_argument(
         "--rounds",
-        type=_positive_int,
+        type=positive_int,
         default=5,
         help="measured rounds after one warm-up (default: 5)",
     )
@@ -73,15 +73,6 @@ def run_bench_allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
 
 def add_bench_train_command(bench_sub) -> None:
     parser = bench_sub.add_parser(
@@ -92,33 +83,33 @@ def add_bench_train_command(bench_sub) -> None:
         "same cores, each for --seconds. The defaults are the benchmark contract. The last line "
         "of stdout is one JSON object.",
     )
-    parser.add_argument("--peers", type=_positive_int, default=2, help="peers (default: 2)")
+    parser.add_argument("--peers", type=positive_int, default=2, help="peers (default: 2)")
     parser.add_argument("--task", default="synthetic", help="task (default: synthetic)")
     parser.add_argument(
         "--task-option", action="append", default=[], help="task option KEY=VALUE (repeatable)"
     )
     parser.add_argument(
-        "--seconds", type=_positive_float, default=20.0, help="training seconds (default: 20)"
+        "--seconds", type=positive_float, default=20.0, help="training seconds (default: 20)"
     )
     parser.add_argument(
-        "--batch-size", type=_positive_int, default=None, help="samples per local step"
+        "--batch-size", type=positive_int, default=None, help="samples per local step"
     )
     parser.add_argument(
         "--target-batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=2048,
         help="samples per optimizer step (default: 2048)",
     )
-    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam lr (default: 1e-3)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="Adam lr (default: 1e-3)")
     parser.add_argument(
         "--mode", choices=["grad", "params", "diloco"], default="grad", help="default: grad"
     )
     parser.add_argument(
-        "--threads", type=_positive_int, default=None, help="cores to use (default: all)"
+        "--threads", type=positive_int, default=None, help="cores to use (default: all)"
     )
     parser.add_argument(
         "--epochs",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="train this many optimizer steps instead of --seconds (statistical efficiency)",
     )

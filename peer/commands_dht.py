@@ -11,6 +11,7 @@ import sys
 from dht.errors import ConfigError
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity, short_id
+from peer.cli_args import positive_int
 from peer.config import peer_url, read_swarm_key
 
 
@@ -135,11 +136,11 @@ def add_bench_dht_command(bench_sub) -> None:
         "one JSON object.",
     )
     parser.add_argument(
-        "--nodes", type=_positive_int, default=32, help="number of nodes (default: 32)"
+        "--nodes", type=positive_int, default=32, help="number of nodes (default: 32)"
     )
     parser.add_argument(
         "--keys",
-        type=_positive_int,
+        type=positive_int,
         default=200,
         help="values stored, each read back once (default: 200)",
     )
@@ -152,16 +153,6 @@ def add_bench_dht_command(bench_sub) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(run=run_bench_dht)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def run_bench_dht(args: argparse.Namespace) -> int:
@@ -192,13 +183,13 @@ def add_demo_command(sub) -> None:
         description="Start a bootstrap node and N `peer join` processes on 127.0.0.1, show the "
         "swarm live, and print a summary (with --json, one contract JSON line).",
     )
-    parser.add_argument("--peers", type=_positive_int, default=3, help="peers (default: 3)")
+    parser.add_argument("--peers", type=positive_int, default=3, help="peers (default: 3)")
     parser.add_argument(
         "--seconds", type=float, default=60.0, help="how long the peers train (default: 60)"
     )
     parser.add_argument(
         "--target-batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=2048,
         help="samples per swarm epoch (default: 2048)",
     )

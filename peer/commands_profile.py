@@ -7,7 +7,7 @@ import json
 import sys
 
 from dht.errors import ConfigError
-from peer.commands_dht import _positive_int
+from peer.cli_args import positive_int
 
 
 def add_profile_command(sub) -> None:
@@ -108,12 +108,12 @@ def add_bench_profiler_command(bench_sub) -> None:
         "time / plain block time). The last line of stdout is one JSON object.",
     )
     parser.add_argument(
-        "--repetitions", type=_positive_int, default=30, help="block pairs (default: 30)"
+        "--repetitions", type=positive_int, default=30, help="block pairs (default: 30)"
     )
     parser.add_argument(
-        "--steps", type=_positive_int, default=20, help="steps per block (default: 20)"
+        "--steps", type=positive_int, default=20, help="steps per block (default: 20)"
     )
-    parser.add_argument("--threads", type=_positive_int, default=1, help="torch threads (1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (1)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(run=run_bench_profiler)
