@@ -11,7 +11,9 @@ baseline_samples_per_s, final_loss, baseline_final_loss, rounds``. Extra fields:
 (samples_per_s / baseline_samples_per_s), ``samples`` and ``baseline_samples`` (samples seen),
 ``baseline_loss_at_samples`` (the baseline's loss when it had seen as many samples as the swarm:
 loss per sample seen), ``failed_rounds`` and ``round_overhead_s`` (mean seconds per round spent
-outside the all-reduce transfer: matchmaking and waiting for the group).
+outside the all-reduce transfer: matchmaking and waiting for the group), ``peak_rss_mb_per_peer``
+and ``peak_pss_mb_per_peer`` (each peer's process tree, hivemind's processes and its p2pd
+included, sampled every second; the mean over peers of each one's peak).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import signal
 import sys
 from contextlib import AsyncExitStack
 
+import psutil
+
 from dht.config import DHTConfig
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
@@ -36,6 +40,8 @@ RUN_ID = "bench-train"
 START_GRACE_S = 120.0
 # Seconds a peer gets to leave the swarm after SIGTERM before it is killed.
 STOP_GRACE_S = 20.0
+# Seconds between two samples of the peers' resident memory.
+MEMORY_SAMPLE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,11 +151,15 @@ async def _run_peers(config: TrainBenchConfig) -> list[dict]:
             )
             for index in range(config.num_peers)
         ]
+        peaks = [[0, 0] for _ in processes]
+        sampler = asyncio.create_task(_sample_memory(processes, peaks))
         try:
             bound_s = config.seconds if config.epochs is None else config.timeout_s
             async with asyncio.timeout(bound_s + START_GRACE_S):
                 outputs = await asyncio.gather(*(p.communicate() for p in processes))
         finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
             await asyncio.gather(*(stop_process_group(p) for p in processes))
     summaries = []
     for process, (stdout, stderr) in zip(processes, outputs, strict=True):
@@ -158,7 +168,42 @@ async def _run_peers(config: TrainBenchConfig) -> list[dict]:
             tail = stderr.decode().strip().splitlines()[-3:]
             raise RuntimeError(f"a peer failed (exit {process.returncode}): {tail}")
         summaries.append(json.loads(lines[-1]))
+    for summary, (rss, pss) in zip(summaries, peaks, strict=True):
+        summary["peak_rss_bytes"], summary["peak_pss_bytes"] = rss, pss
     return summaries
+
+
+def tree_memory_bytes(process: psutil.Process) -> tuple[int, int]:
+    """Resident and proportional (PSS) bytes of ``process`` and all its descendants.
+
+    RSS counts the pages forked processes share once per process; PSS splits each shared page
+    among its sharers, so the PSS of a process tree is what it really occupies. Processes that
+    are gone, or whose PSS cannot be read, count 0 (PSS falls back to RSS).
+    """
+    rss = pss = 0
+    try:
+        members = [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return 0, 0
+    for member in members:
+        try:
+            info = member.memory_full_info()
+        except psutil.Error:
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return rss, pss
+
+
+async def _sample_memory(processes: list, peaks: list[list[int]]) -> None:
+    """Every ``MEMORY_SAMPLE_S``, each peer's process tree (hivemind's processes and p2pd
+    included): the peak RSS and PSS go into ``peaks``."""
+    trees = [psutil.Process(p.pid) for p in processes]
+    while True:
+        for tree, peak in zip(trees, peaks, strict=True):
+            rss, pss = await asyncio.to_thread(tree_memory_bytes, tree)
+            peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
+        await asyncio.sleep(MEMORY_SAMPLE_S)
 
 
 async def stop_process_group(process: asyncio.subprocess.Process) -> None:
@@ -209,6 +254,8 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
         "round_overhead_s": round(overhead_s / num_rounds, 4) if num_rounds else None,
         "eval_loss": round(sum(eval_losses) / len(eval_losses), 4) if eval_losses else None,
         "baseline_eval_loss": None,
+        "peak_rss_mb_per_peer": _mean_mb(s["peak_rss_bytes"] for s in summaries),
+        "peak_pss_mb_per_peer": _mean_mb(s["peak_pss_bytes"] for s in summaries),
     }
     if baseline is not None:
         at_samples = baseline.loss_at(samples)
@@ -223,6 +270,11 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
             else round(baseline.eval_loss, 4),
         }
     return result
+
+
+def _mean_mb(values) -> float:
+    values = list(values)
+    return round(sum(values) / len(values) / 2**20, 1) if values else 0.0
 
 
 def _baseline(config: TrainBenchConfig):

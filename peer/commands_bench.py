@@ -73,7 +73,6 @@ def run_bench_allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_bench_train_command(bench_sub) -> None:
     parser = bench_sub.add_parser(
         "train",
@@ -157,4 +156,119 @@ def run_bench_train(args: argparse.Namespace) -> int:
         for name, value in result.items():
             print(f"{name:>26}: {value}")
     print(json.dumps(result))
+    return 0
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``1000000,10000000`` -> (1000000, 10000000); ``none`` -> ()."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 2,4") from None
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def _name_list(choices: tuple[str, ...] | None = None):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part.strip() for part in text.split(",") if part.strip())
+        bad = [n for n in names if choices is not None and n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices or ())}")
+        return names
+
+    return parse
+
+
+def add_bench_compare_command(bench_sub) -> None:
+    from peer.bench_compare import PARTS, CompareConfig
+
+    full = CompareConfig()
+    parser = bench_sub.add_parser(
+        "compare",
+        help="the same workloads on native and hivemind in one run; Markdown tables",
+        description="Run peer bench allreduce, train and dht on both backends, one after "
+        "another in this run, and print Markdown tables (for docs/BENCHMARKS.md) with the "
+        "exact command of every cell and the native/hivemind ratios. The defaults are the "
+        "full sweep (long: an hour or more on 2 cores); --quick is a smoke run of a minute.",
+    )
+    parser.add_argument(
+        "--parts", type=_name_list(PARTS), default=full.parts, help="default: allreduce,train,dht"
+    )
+    parser.add_argument("--sizes", type=_int_list, default=full.sizes, help="all-reduce sizes")
+    parser.add_argument(
+        "--allreduce-peers", type=_int_list, default=full.allreduce_peers, help="default: 2,4"
+    )
+    parser.add_argument(
+        "--compressions",
+        type=_name_list(("none", "fp16", "uint8")),
+        default=full.compressions,
+        help="default: none,fp16,uint8",
+    )
+    parser.add_argument("--rounds", type=positive_int, default=full.rounds, help="default: 3")
+    parser.add_argument(
+        "--train-peers", type=_int_list, default=full.train_peers, help="default: 1,2,4"
+    )
+    parser.add_argument(
+        "--tasks", type=_name_list(), default=full.tasks, help="default: synthetic,charlm"
+    )
+    parser.add_argument(
+        "--train-seconds", type=positive_float, default=full.train_seconds, help="default: 20"
+    )
+    parser.add_argument("--threads", type=positive_int, default=None, help="default: all cores")
+    parser.add_argument("--dht-nodes", type=positive_int, default=full.dht_nodes)
+    parser.add_argument("--dht-keys", type=positive_int, default=full.dht_keys)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: all-reduce of 10000 values, 2 peers, no compression, 1 round; "
+        "DHT of 3 nodes; no training (overrides those options)",
+    )
+    parser.add_argument("--out", default=None, help="also write the Markdown to this file")
+    parser.add_argument("--json", action="store_true", help="last line: the results as JSON")
+    parser.set_defaults(run=run_bench_compare)
+
+
+def run_bench_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from peer.bench_compare import CompareConfig, render_markdown, run_compare
+
+    options = {
+        "parts": args.parts,
+        "sizes": args.sizes,
+        "allreduce_peers": args.allreduce_peers,
+        "compressions": args.compressions,
+        "rounds": args.rounds,
+        "train_peers": args.train_peers,
+        "tasks": args.tasks,
+        "train_seconds": args.train_seconds,
+        "threads": args.threads,
+        "dht_nodes": args.dht_nodes,
+        "dht_keys": args.dht_keys,
+    }
+    if args.quick:
+        options |= {
+            "parts": tuple(p for p in args.parts if p != "train"),
+            "sizes": (10_000,),
+            "allreduce_peers": (2,),
+            "compressions": ("none",),
+            "rounds": 1,
+            "dht_nodes": 3,
+            "dht_keys": 5,
+        }
+    try:
+        config = CompareConfig(**options)
+    except ValueError as e:
+        raise ConfigError(f"peer bench compare: {e}") from None
+    report = run_compare(config)
+    markdown = render_markdown(report)
+    if args.out:
+        Path(args.out).write_text(markdown, encoding="utf-8")
+    print(markdown)
+    if args.json:
+        print(json.dumps(report))
     return 0

@@ -28,6 +28,7 @@ import numpy as np
 import psutil
 
 from averaging.bench import _exact_mean, _values
+from peer.bench_train import tree_memory_bytes
 from peer.hivemind_hook import BYTES_PER_VALUE, AllreduceWatch, hivemind_compression
 from peer.hivemind_hook import import_hivemind as _import_hivemind
 
@@ -213,24 +214,6 @@ def _summary(rounds, num_peers: int, size: int, compression: str) -> dict[str, A
         "bytes_sent_per_peer": bytes_sent,
         "gbit_per_s": round(bytes_sent * 8 / allreduce_s / 1e9, 3) if allreduce_s else 0.0,
     }
-
-
-def tree_memory_bytes(process: psutil.Process) -> tuple[int, int]:
-    """Resident and proportional (PSS) bytes of ``process`` and all its descendants.
-
-    RSS counts the pages forked processes share once per process; PSS splits each shared page
-    among its sharers, so the PSS of a process tree is what it really occupies. Processes that
-    are gone, or whose PSS cannot be read, count 0 (PSS falls back to RSS).
-    """
-    rss = pss = 0
-    for member in [process, *process.children(recursive=True)]:
-        try:
-            info = member.memory_full_info()
-        except psutil.Error:
-            continue
-        rss += info.rss
-        pss += getattr(info, "pss", info.rss)
-    return rss, pss
 
 
 def _percentile_ms(samples_s: list[float], fraction: float) -> float:
