@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands_dht.add_bench_dht_command(bench_sub)
     commands_bench.add_bench_allreduce_command(bench_sub)
     commands_bench.add_bench_train_command(bench_sub)
+    commands_bench.add_bench_compare_command(bench_sub)
     commands_profile.add_bench_profiler_command(bench_sub)
     return parser
 
