@@ -29,6 +29,14 @@ format: $(BIN)/.installed
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The native and hivemind backends side by side (an hour or more on 2 cores); Markdown tables for
+# docs/BENCHMARKS.md go to $(BENCH_OUT). BENCH_ARGS narrows the sweep (see peer bench compare -h).
+BENCH_OUT ?= bench-results.md
+BENCH_ARGS ?=
+.PHONY: bench
+bench: $(BIN)/.installed
+	$(BIN)/peer bench compare --out $(BENCH_OUT) $(BENCH_ARGS)
+
 bench-dht: $(BIN)/.installed
 	$(BIN)/peer bench dht --nodes 64 --json
 
