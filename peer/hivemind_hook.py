@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from dht.errors import ConfigError
 from peer.phases import PhaseClock
 from peer.trainer import StepContext
@@ -48,8 +50,18 @@ def hivemind_compression(name: str) -> Any:
 
     ``uint8`` maps to ``Uniform8BitQuantization`` (one 256-value codebook per tensor part,
     +-3 sigma): hivemind's blockwise 8-bit format needs bitsandbytes, which the extra leaves out.
+
+    Raises:
+        ConfigError: an unknown name, or ``uint8`` where hivemind cannot decode it (NumPy 2).
     """
     compression = import_hivemind().compression
+    if name == "uint8" and int(np.__version__.split(".")[0]) >= 2:
+        # its decoder calls int() on a 1-element array, which NumPy 2 refuses: every received
+        # part would be dropped and the "averaged" tensors would stay mostly local
+        raise ConfigError(
+            "--compression uint8: hivemind 1.1.12's 8-bit decoder fails under NumPy "
+            f"{np.__version__} (needs NumPy 1.x); use fp16 or none with --backend hivemind"
+        )
     table = {
         "none": compression.NoCompression,
         "fp16": compression.Float16Compression,

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -178,13 +179,30 @@ def test_bench_allreduce_hivemind_prints_the_contract_json():
     assert result["round_s_p50"] >= result["allreduce_s_p50"] > 0
 
 
-def test_join_refuses_an_option_hivemind_cannot_honour():
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["join", "--backend", "hivemind", "--mode", "diloco"], "diloco"),
+        (["join", "--backend", "hivemind", "--initial-peers", "http://127.0.0.1:1"], "multiaddr"),
+    ],
+)
+def test_join_refuses_an_option_hivemind_cannot_honour(args, named):
     done = subprocess.run(
-        [sys.executable, "-m", "peer", "join", "--backend", "hivemind", "--mode", "diloco"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [sys.executable, "-m", "peer", *args], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2
-    assert "diloco" in done.stderr
+    assert named in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(
+    int(np.__version__.split(".")[0]) < 2, reason="hivemind's 8-bit decoder works on NumPy 1.x"
+)
+def test_uint8_is_refused_where_hivemind_cannot_decode_it():
+    done = subprocess.run(
+        [sys.executable, "-m", "peer", "bench", "allreduce", "--backend", "hivemind",
+         "--compression", "uint8", "--size", "1000"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "NumPy" in done.stderr and "Traceback" not in done.stderr
