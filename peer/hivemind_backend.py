@@ -222,23 +222,30 @@ class HivemindPeerRun:
 
         key = f"{self.config.run_id}_vp_joined"
         expiration_s = get_dht_time() + timeout_s + JOINED_TTL_S
-        self.dht.store(key, True, expiration_s, subkey=self.peer_id, return_future=True).result(
-            timeout=READ_TIMEOUT_S
-        )
         deadline = time.monotonic() + timeout_s
         while not self.stop_event.is_set():
-            num_peers = len(joined_peers(self.dht, key))
-            if num_peers >= wanted:
+            joined = joined_peers(self.dht, key)
+            if self.peer_id not in joined:
+                # (again) until it is seen: a store that timed out on a loaded machine is retried
+                self._announce(key, expiration_s)
+            if len(joined) >= wanted:
                 return
             if time.monotonic() >= deadline:
                 logger.warning(
                     "only %d of %d peers after %.0f s; training anyway",
-                    num_peers,
+                    len(joined),
                     wanted,
                     timeout_s,
                 )
                 return
             self.stop_event.wait(0.5)
+
+    def _announce(self, key: str, expiration_s: float) -> None:
+        future = self.dht.store(key, True, expiration_s, subkey=self.peer_id, return_future=True)
+        try:
+            future.result(timeout=READ_TIMEOUT_S)
+        except Exception as e:  # the next poll stores again
+            logger.debug("could not store %s: %r", key, e)
 
     def _on_step(self, report: StepReport) -> None:
         self._last_loss = report.loss_tensor

@@ -72,7 +72,7 @@ def _group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
-def _left_behind(pgid: int, grace_s: float = 30.0) -> list[str]:
+def _left_behind(pgid: int, grace_s: float = 60.0) -> list[str]:
     """What is still running in ``pgid`` after ``grace_s`` (then killed)."""
     deadline = time.monotonic() + grace_s
     while (members := _group_members(pgid)) and time.monotonic() < deadline:
@@ -141,7 +141,7 @@ def test_two_hivemind_peers_lower_the_eval_loss_and_profile_every_second(tmp_pat
     for summary in summaries:
         # the same fixed evaluation set as `initial`: every peer ends well below where it began
         assert summary["eval_loss"] < initial - 0.1, (initial, summary)
-        assert summary["epoch"] >= 2
+        assert summary["epoch"] >= 2, summaries
     # hivemind drops a round that finds no group (the peer then steps alone); the loaded machine
     # makes that happen now and then, but the swarm as a whole did average
     num_ok_rounds = sum(s["num_rounds"] - s["num_failed_rounds"] for s in summaries)
@@ -154,7 +154,8 @@ def test_two_hivemind_peers_lower_the_eval_loss_and_profile_every_second(tmp_pat
         for before, after in itertools.pairwise(records):
             # every second of the interval is in exactly one phase
             interval_s = after["t"] - before["t"]
-            assert sum(after["phases"].values()) == pytest.approx(interval_s, rel=0.05, abs=0.1)
+            phases_s = sum(after["phases"].values())
+            assert phases_s == pytest.approx(interval_s, rel=0.05, abs=0.2), (before, after)
         allreduce_s += sum(r["phases"]["allreduce"] + r["phases"]["matchmaking"] for r in records)
     assert allreduce_s > 0  # hivemind's rounds are charged to communication, not hidden
 
