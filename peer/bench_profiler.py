@@ -1,29 +1,41 @@
 """``peer bench profiler``: what profiling costs a training step.
 
 One process, one model, one optimizer, the same pre-drawn batches of the synthetic task, in
-blocks of steps that alternate (plain, profiled, profiled, plain, ...) so that a machine whose
-load drifts affects both sides alike:
+short blocks of steps of three kinds that take turns (plain, off, on, on, off, plain, ...) so that
+a machine whose load drifts affects every kind alike:
 
-* plain: a hand-written PyTorch step (to device, forward, loss, backward, ``optimizer.step``,
-  ``zero_grad``), no clock at all;
-* profiled: :meth:`peer.trainer.Trainer.train_step` with a :class:`peer.profiler.Profiler`'s
-  clock, a trace file, the metrics stream and a rolling summary every ``sample_interval_s``:
-  everything a peer with ``--trace`` and ``--metrics-file`` does per step (the DHT record is
-  built from the same rolling summary on the event loop, off the training thread).
+* ``on``: :meth:`peer.trainer.Trainer.run`, as a peer trains, with a
+  :class:`peer.profiler.Profiler`'s clock, a trace file, the metrics stream and a rolling summary
+  every ``sample_interval_s``: everything a peer with ``--trace`` and ``--metrics-file`` does per
+  step (the DHT record is built from the same rolling summary on the event loop, off the
+  training thread);
+* ``off``: the same trainer with profiling off (:class:`peer.phases.NullClock`, no trace, no
+  metrics stream, no summaries);
+* ``plain``: a hand-written PyTorch step (forward, loss, backward, ``optimizer.step``,
+  ``zero_grad``), the floor for any training loop.
 
-``overhead_ratio`` is the median over repetitions of (profiled block time / plain block time);
-the median of paired ratios shrugs off the blocks that another process's burst slowed down.
-Mixed precision is off on both sides, and a GPU is synchronized at block ends only.
+``overhead_ratio`` (what profiling costs) is the median over repetitions of (on block time / off
+block time); ``vs_pytorch_ratio`` is the same for on / plain (profiling plus everything the
+trainer's loop adds: stop checks, the step hook, reports). Medians of paired ratios shrug off the
+blocks that another process's burst slowed down; short blocks pair them closely in time. Mixed
+precision is off on every side, and a GPU is synchronized at block ends only.
 
-Result fields: ``overhead_ratio, step_ms_plain, step_ms_profiled, fractions {phase: share of the
-profiled blocks' wall time}, repetitions, steps_per_block, threads, device, task, trace_bytes,
-trace_events``.
+glibc's malloc returns the step's large tensors to the kernel and faults them back in (about a
+thousand page faults per step here), at thresholds it keeps adapting to the process's history;
+that noise swamps a one-percent difference. The benchmark therefore fixes those thresholds for
+its own process (``mallopt``; every kind of block runs under the same allocator).
+
+Result fields: ``overhead_ratio, vs_pytorch_ratio, step_ms_plain, step_ms_off, step_ms_profiled,
+fractions {phase: share of the profiled blocks' wall time}, repetitions, steps_per_block,
+threads, device, task, trace_bytes, trace_events``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
+import platform
 import statistics
 import tempfile
 import time
@@ -34,10 +46,10 @@ import torch
 from dht.transport import ByteCounters
 from peer.device import select_device
 from peer.metrics_stream import MetricsStream
-from peer.phases import PHASES
+from peer.phases import PHASES, NullClock
 from peer.profiler import Profiler, ProfilerConfig, StepProgress
 from peer.tasks import DataShard, load_task
-from peer.trainer import Trainer, TrainerConfig
+from peer.trainer import StepReport, Trainer, TrainerConfig
 
 TASK = "synthetic"
 
@@ -57,8 +69,8 @@ class ProfilerBenchConfig:
         metrics_interval_s: seconds between metrics lines in profiled blocks.
     """
 
-    repetitions: int = 30
-    steps_per_block: int = 20
+    repetitions: int = 200
+    steps_per_block: int = 5
     warmup_steps: int = 20
     num_threads: int = 1
     device: str = "cpu"
@@ -101,6 +113,7 @@ class _Bench:
             clock=self.clock,
         )
         self.model = self.trainer.model
+        self.null_clock = NullClock()
         self.profiler.attach(
             progress=lambda: StepProgress(0, self.trainer.total_samples),
             device=str(self.device),
@@ -138,22 +151,26 @@ class _Bench:
         self._sync()
         return time.perf_counter() - start
 
+    def off(self, num_steps: int) -> float:
+        """Seconds for ``num_steps`` steps of :meth:`Trainer.run` with profiling off."""
+        trainer = self.trainer
+        trainer.clock = self.null_clock
+        try:
+            self._sync()
+            start = time.perf_counter()
+            trainer.run(max_steps=trainer.step + num_steps, batches=self.batches)
+            self._sync()
+            return time.perf_counter() - start
+        finally:
+            trainer.clock = self.clock
+
     def profiled(self, num_steps: int) -> float:
-        """Seconds for ``num_steps`` steps through the trainer with everything profiling on."""
-        clock, trainer, metrics, batches = self.clock, self.trainer, self.metrics, self.batches
+        """Seconds for ``num_steps`` steps of :meth:`Trainer.run` with everything profiling on."""
+        clock, trainer = self.clock, self.trainer
         before = clock.snapshot().seconds
         self._sync()
         start = time.perf_counter()
-        for _ in range(num_steps):
-            with clock.phase("data"):
-                batch = next(batches)
-            report = trainer.train_step(batch)
-            metrics.maybe_report(
-                epoch=0, step=report.step, samples=report.samples, loss=report.loss_tensor
-            )
-            if time.perf_counter() >= self._next_sample_s:
-                self.profiler.sample()
-                self._next_sample_s += self.config.sample_interval_s
+        trainer.run(max_steps=trainer.step + num_steps, on_step=self._on_step, batches=self.batches)
         self._sync()
         elapsed_s = time.perf_counter() - start
         after = clock.snapshot().seconds
@@ -161,45 +178,72 @@ class _Bench:
             self.profiled_seconds[phase] += after[phase] - before[phase]
         return elapsed_s
 
+    def _on_step(self, report: StepReport) -> None:
+        # what a peer does per step for its profiler: the metrics stream and rolling summaries
+        self.metrics.maybe_report(
+            epoch=0, step=report.step, samples=report.samples, loss=report.loss_tensor
+        )
+        if time.perf_counter() >= self._next_sample_s:
+            self.profiler.sample()
+            self._next_sample_s += self.config.sample_interval_s
+
     def close(self) -> None:
         self.metrics.close()
         self.profiler.close()
         self.trainer.close()
 
 
+def _steady_allocator() -> None:
+    """Keep freed tensor memory in glibc's heap (see the module docstring); no-op elsewhere."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    libc.mallopt(m_mmap_threshold, 256 * 2**20)
+    libc.mallopt(m_trim_threshold, 512 * 2**20)
+
+
 def run_profiler_bench(config: ProfilerBenchConfig | None = None) -> dict:
     """Run the benchmark; returns the result fields (see the module docstring)."""
     config = config or ProfilerBenchConfig()
+    _steady_allocator()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(config.num_threads)
     try:
         with tempfile.TemporaryDirectory(prefix="vp-bench-profiler-") as directory:
             bench = _Bench(config, Path(directory))
+            kinds = {"plain": bench.plain, "off": bench.off, "on": bench.profiled}
             try:
-                bench.plain(config.warmup_steps)
-                bench.profiled(config.warmup_steps)
+                for run_block in kinds.values():
+                    run_block(config.warmup_steps)
                 bench.profiled_seconds = dict.fromkeys(PHASES, 0.0)
-                plain_s, profiled_s = [], []
+                block_s: dict[str, list[float]] = {kind: [] for kind in kinds}
                 for repetition in range(config.repetitions):
-                    if repetition % 2 == 0:
-                        plain_s.append(bench.plain(config.steps_per_block))
-                        profiled_s.append(bench.profiled(config.steps_per_block))
-                    else:
-                        profiled_s.append(bench.profiled(config.steps_per_block))
-                        plain_s.append(bench.plain(config.steps_per_block))
+                    order = list(kinds) if repetition % 2 == 0 else list(reversed(kinds))
+                    for kind in order:
+                        block_s[kind].append(kinds[kind](config.steps_per_block))
             finally:
                 bench.close()
             trace = bench.profiler.trace
             trace_bytes, trace_events = trace.num_bytes, trace.num_events
     finally:
         torch.set_num_threads(previous_threads)
-    ratios = [p / q for p, q in zip(profiled_s, plain_s, strict=True)]
     wall_s = sum(bench.profiled_seconds.values())
     steps = config.steps_per_block
+
+    def median_ratio(kind: str, baseline: str) -> float:
+        pairs = zip(block_s[kind], block_s[baseline], strict=True)
+        return round(statistics.median(a / b for a, b in pairs), 4)
+
+    def step_ms(kind: str) -> float:
+        return round(1e3 * statistics.median(block_s[kind]) / steps, 4)
+
     return {
-        "overhead_ratio": round(statistics.median(ratios), 4),
-        "step_ms_plain": round(1e3 * statistics.median(plain_s) / steps, 4),
-        "step_ms_profiled": round(1e3 * statistics.median(profiled_s) / steps, 4),
+        "overhead_ratio": median_ratio("on", "off"),
+        "vs_pytorch_ratio": median_ratio("on", "plain"),
+        "step_ms_plain": step_ms("plain"),
+        "step_ms_off": step_ms("off"),
+        "step_ms_profiled": step_ms("on"),
         "fractions": {p: round(s / wall_s, 4) for p, s in bench.profiled_seconds.items()},
         "repetitions": config.repetitions,
         "steps_per_block": steps,

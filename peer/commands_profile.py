@@ -101,17 +101,18 @@ def add_bench_profiler_command(bench_sub) -> None:
     parser = bench_sub.add_parser(
         "profiler",
         help="the profiler's overhead: step time with profiling on / off",
-        description="Train the synthetic task in this process, alternating blocks of plain "
-        "PyTorch steps and blocks of steps through the trainer with the whole profiler on "
-        "(phase clock, trace file, metrics stream, rolling summaries), on the same model and "
-        "the same batches. overhead_ratio is the median over repetitions of (profiled block "
-        "time / plain block time). The last line of stdout is one JSON object.",
+        description="Train the synthetic task in this process in short blocks of three kinds "
+        "taking turns, on the same model and batches: the trainer with the whole profiler on "
+        "(phase clock, trace file, metrics stream, rolling summaries), the same trainer with "
+        "profiling off, and a hand-written PyTorch loop. overhead_ratio is the median over "
+        "repetitions of (on block time / off block time), vs_pytorch_ratio that of on / "
+        "hand-written. The last line of stdout is one JSON object.",
     )
     parser.add_argument(
-        "--repetitions", type=positive_int, default=30, help="block pairs (default: 30)"
+        "--repetitions", type=positive_int, default=200, help="block pairs (default: 200)"
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=20, help="steps per block (default: 20)"
+        "--steps", type=positive_int, default=5, help="steps per block (default: 5)"
     )
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (1)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")

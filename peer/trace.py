@@ -26,6 +26,7 @@ its per-epoch breakdown. Timestamps are microseconds since the clock's first str
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
@@ -40,6 +41,8 @@ DEFAULT_MIN_OTHER_S = 200e-6
 # Events are collected and written in batches of about this many bytes, each in one write call,
 # so the file ends at an event boundary whenever the process dies.
 WRITE_BATCH_BYTES = 1 << 16
+# Phase stretches are queued and turned into events this many at a time (see ``segment``).
+PENDING_SEGMENTS = 256
 
 
 class TraceWriter:
@@ -73,6 +76,7 @@ class TraceWriter:
         self._pid = os.getpid() if pid is None else pid
         self._lock = threading.Lock()
         self._file: BinaryIO | None = self.path.open("wb", buffering=0)
+        self._pending: collections.deque[tuple[str, float, float]] = collections.deque()
         self._batch: list[str] = []
         self._batch_bytes = 0
         self._origin_s: float | None = None
@@ -88,21 +92,23 @@ class TraceWriter:
     # ---- feeding -------------------------------------------------------------------------------
 
     def segment(self, phase: str, start_s: float, end_s: float) -> None:
-        """One closed stretch of ``phase`` (the :class:`~peer.phases.PhaseClock` listener)."""
-        with self._lock:
-            if self._origin_s is None:
-                self._origin_s = start_s
-            held = self._held
-            if held is not None and held[0] == phase and held[2] == start_s:
-                held[2] = end_s
-                return
-            self._release_held()
-            self._held = [phase, start_s, end_s]
+        """One closed stretch of ``phase`` (the :class:`~peer.phases.PhaseClock` listener).
+
+        Only queued here: this runs on the training thread at every phase boundary, right after
+        the step's kernels have evicted this code's caches, where formatting one event costs
+        several microseconds; a batch of them formatted together costs a fraction of that.
+        """
+        pending = self._pending
+        pending.append((phase, start_s, end_s))
+        if len(pending) >= PENDING_SEGMENTS:
+            with self._lock:
+                self._drain()
 
     def transfer(self, seconds: float, source: str, target: str) -> None:
         """The clock moved ``seconds`` of ``source`` to ``target``: relabel the held stretch's
         tail (only the averager's matchmaking -> allreduce split is shown; others are ignored)."""
         with self._lock:
+            self._drain()
             held = self._held
             if held is None or held[0] != source or seconds <= 0:
                 return
@@ -115,11 +121,13 @@ class TraceWriter:
     def epoch(self, epoch: int, start_s: float, end_s: float, args: dict[str, Any]) -> None:
         """A slice on the epochs track for ``epoch``, which ran from ``start_s`` to ``end_s``."""
         with self._lock:
+            self._drain()
             self._span(f"epoch {epoch}", EPOCHS_TID, start_s, end_s, {"epoch": epoch, **args})
 
     def counter(self, name: str, t_s: float, values: dict[str, float]) -> None:
         """A counter sample (a Perfetto counter track per name and key)."""
         with self._lock:
+            self._drain()
             if self._origin_s is None or not self._room(phase=False):
                 return
             self._event({"name": name, "ph": "C", "ts": self._ts(t_s), "args": values})
@@ -127,6 +135,7 @@ class TraceWriter:
     def flush(self) -> None:
         """Write the events collected so far (a killed peer loses less)."""
         with self._lock:
+            self._drain()
             self._write_batch()
 
     def close(self) -> None:
@@ -134,6 +143,7 @@ class TraceWriter:
         with self._lock:
             if self._file is None:
                 return
+            self._drain()
             self._release_held()
             self._release_round()
             self._write_raw("\n]\n")
@@ -142,6 +152,23 @@ class TraceWriter:
             self._file = None
 
     # ---- internals (the caller holds the lock) ---------------------------------------------
+
+    def _drain(self) -> None:
+        # popleft, not a swap of lists: a segment appended by another thread while this runs
+        # is either taken here or stays queued for the next drain, never lost
+        pending = self._pending
+        while pending:
+            self._add_segment(*pending.popleft())
+
+    def _add_segment(self, phase: str, start_s: float, end_s: float) -> None:
+        if self._origin_s is None:
+            self._origin_s = start_s
+        held = self._held
+        if held is not None and held[0] == phase and held[2] == start_s:
+            held[2] = end_s
+            return
+        self._release_held()
+        self._held = [phase, start_s, end_s]
 
     def _release_held(self) -> None:
         held, self._held = self._held, None

@@ -1,6 +1,7 @@
 """The local training loop of a peer: data, forward, backward, then a pluggable step.
 
-Each local step draws a batch (phase ``data``), copies it to the device (``h2d``), runs the
+Each local step draws a batch (phase ``data``), copies it to the device (``h2d``; on CPU there is
+no copy and no ``h2d`` boundary), runs the
 forward pass and loss under autocast (``forward``), back-propagates the (scaled) loss
 (``backward``), unscales and optionally clips the gradients, and hands them to a
 :class:`StepHook` (``optimizer``). The default hook, :class:`LocalStep`, is a plain
@@ -8,9 +9,10 @@ forward pass and loss under autocast (``forward``), back-propagates the (scaled)
 and steps when the swarm has reached its target batch size, marking its own ``matchmaking`` /
 ``allreduce`` phases on the same clock (nested phases take the time).
 
-The loop adds only a handful of microseconds per step to a hand-written PyTorch loop: no
-device synchronization, no ``.item()`` (reports carry the loss as a tensor and convert on
-demand).
+The phases of a step form one :meth:`~peer.phases.PhaseClock.sequence` (one clock boundary
+between two phases). The loop adds a few tens of microseconds per step to a hand-written PyTorch
+loop (``peer bench profiler`` measures it): no device synchronization, no ``.item()`` (reports
+carry the loss as a tensor and convert on demand).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from peer.device import Amp, select_device, to_device, use_pinned_memory
-from peer.phases import PhaseClock
+from peer.phases import PhaseClock, PhaseSequence
 from peer.tasks.base import Batch, DataShard, Task
 
 logger = logging.getLogger(__name__)
@@ -201,6 +203,7 @@ class Trainer:
         self.step = 0
         self.total_samples = 0
         self._parameters = [p for p in model.parameters() if p.requires_grad]
+        self._copies_to_device = self.device.type != "cpu"
         self._batches: Iterator[Batch] | None = None
 
     @property
@@ -248,6 +251,7 @@ class Trainer:
         max_time_s: float | None = None,
         stop_event: threading.Event | None = None,
         on_step: Callable[[StepReport], None] | None = None,
+        batches: Iterator[Batch] | None = None,
     ) -> RunResult:
         """Train until a stop condition holds (checked before each step).
 
@@ -256,10 +260,13 @@ class Trainer:
             max_time_s: stop after this many monotonic seconds of this call.
             stop_event: stop when set (e.g. by the caller's Ctrl-C handler or the hook).
             on_step: called after every step with a :class:`StepReport`.
+            batches: the batches to train on instead of the task's loader.
         """
-        self.start_data()
-        assert self._batches is not None
-        batches, clock = self._batches, self.clock
+        if batches is None:
+            self.start_data()
+            assert self._batches is not None
+            batches = self._batches
+        clock = self.clock
         start = time.monotonic()
         deadline = None if max_time_s is None else start + max_time_s
         first_step, first_samples = self.step, self.total_samples
@@ -269,12 +276,12 @@ class Trainer:
             stopped_by = self._stop_reason(max_steps, deadline, stop_event)
             if stopped_by is not None:
                 break
-            with clock.phase("data"):
+            with clock.sequence("data") as phase:
                 batch = next(batches, None)
-            if batch is None:
-                stopped_by = "data_exhausted"
-                break
-            report = self.train_step(batch)
+                if batch is None:
+                    stopped_by = "data_exhausted"
+                    break
+                report = self._step(batch, phase)
             loss = report.loss_tensor
             if on_step is not None:
                 on_step(report)
@@ -299,29 +306,36 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> StepReport:
         """One local step on ``batch`` (already drawn): h2d, forward, backward, hook."""
-        clock = self.clock
-        with clock.phase("h2d"):
-            inputs, targets = to_device(batch, self.device)
-        with clock.phase("forward"), self.amp.autocast():
+        with self.clock.sequence("h2d") as phase:
+            return self._step(batch, phase)
+
+    def _step(self, batch: Batch, phase: PhaseSequence) -> StepReport:
+        # The phases follow each other in one sequence: a single clock boundary between two.
+        # On CPU there is no copy to time (to_device returns the batch): no h2d boundary.
+        if self._copies_to_device:
+            phase.switch("h2d")
+        inputs, targets = to_device(batch, self.device)
+        phase.switch("forward")
+        with self.amp.autocast():
             loss = self.task.loss_fn(self.model(inputs), targets)
         samples = len(targets)
-        with clock.phase("backward"):
-            if self._weighted:
-                weight = self._hook.backward_weight(samples)
-                self.amp.scale(loss * weight if weight != 1.0 else loss).backward()
-            else:
-                self.amp.scale(loss).backward()
+        phase.switch("backward")
+        if self._weighted:
+            weight = self._hook.backward_weight(samples)
+            self.amp.scale(loss * weight if weight != 1.0 else loss).backward()
+        else:
+            self.amp.scale(loss).backward()
         self.step += 1
         self.total_samples += samples
         loss = loss.detach()
-        with clock.phase("optimizer"):
-            self.amp.unscale_(self.optimizer)
-            if self.config.max_grad_norm is not None:
-                nn.utils.clip_grad_norm_(self._parameters, self.config.max_grad_norm)
-            context = StepContext(
-                self.step, samples, loss, self.model, self.optimizer, self.amp, clock
-            )
-            self._hook.on_step(context)
+        phase.switch("optimizer")
+        self.amp.unscale_(self.optimizer)
+        if self.config.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self._parameters, self.config.max_grad_norm)
+        context = StepContext(
+            self.step, samples, loss, self.model, self.optimizer, self.amp, self.clock
+        )
+        self._hook.on_step(context)
         return StepReport(self.step, samples, self.total_samples, loss)
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from peer.phases import PHASES, PhaseClock
+from peer.phases import PHASES, NullClock, PhaseClock
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -201,3 +201,52 @@ def test_threads_marking_phases_keep_the_sum_exact():
     assert clock.current == "other"
     snapshot = clock.snapshot()
     assert sum(snapshot.seconds.values()) == pytest.approx(snapshot.wall_s, rel=1e-9)
+
+
+def test_a_sequence_charges_each_phase_with_one_boundary_between():
+    fake = FakeTime()
+    segments: list[tuple[str, float, float]] = []
+    clock = PhaseClock(now=fake, listener=lambda *segment: segments.append(segment))
+    with clock.sequence("data") as phase:
+        fake.advance(1.0)
+        phase.switch("forward")
+        fake.advance(2.0)
+        phase.switch("optimizer")
+        fake.advance(0.125)
+        with clock.phase("allreduce"):  # nested inside a sequence: takes the time
+            fake.advance(4.0)
+        fake.advance(0.5)
+    fake.advance(0.25)
+    snapshot = clock.snapshot()
+    assert snapshot.seconds == expected(
+        data=1.0, forward=2.0, optimizer=0.625, allreduce=4.0, other=0.25
+    )
+    assert [name for name, _, _ in segments] == [
+        "data",
+        "forward",
+        "optimizer",
+        "allreduce",
+        "optimizer",
+        "other",
+    ]
+    assert clock.current == "other"
+
+
+def test_a_sequence_refuses_an_unknown_phase():
+    clock = PhaseClock()
+    with pytest.raises(ValueError, match="unknown phase 'compute'"):
+        clock.sequence("compute")
+    with clock.sequence("data") as phase, pytest.raises(ValueError, match="unknown phase"):
+        phase.switch("compute")
+    assert clock.current == "other"
+
+
+def test_the_null_clock_measures_nothing():
+    fake = FakeTime()
+    clock = NullClock(now=fake)
+    with clock.sequence("data") as phase:
+        fake.advance(1.0)
+        phase.switch("forward")
+        with clock.phase("backward"):
+            fake.advance(2.0)
+    assert clock.snapshot().seconds == expected(other=3.0)

@@ -6,6 +6,8 @@ window on a fake clock."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -286,3 +288,20 @@ def test_a_slowed_allreduce_is_communication_bound_and_phases_add_up(monkeypatch
     for record in by_peer.values():
         assert sum(record.fractions.values()) == pytest.approx(1.0, abs=0.01)
         assert record.fractions["allreduce"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_profiler_prints_the_contract_json():
+    command = [sys.executable, "-m", "peer", "bench", "profiler"]
+    command += ["--repetitions", "4", "--steps", "3", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=100, check=True)
+    fields = json.loads(result.stdout.strip().splitlines()[-1])
+    assert fields["overhead_ratio"] > 0 and fields["vs_pytorch_ratio"] > 0
+    assert fields["step_ms_off"] > 0 and fields["step_ms_profiled"] > 0
+    fractions = fields["fractions"]
+    assert set(fractions) == set(PHASES)
+    assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-3)
+    # a local step's phases are all there; nothing of a swarm's
+    assert all(fractions[phase] > 0 for phase in ("data", "forward", "backward", "optimizer"))
+    assert fractions["allreduce"] == fractions["matchmaking"] == 0
+    assert fields["trace_events"] > 4 * 3 * 3  # at least the phase slices of the profiled steps

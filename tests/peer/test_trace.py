@@ -183,5 +183,6 @@ def test_a_killed_peer_leaves_a_trace_that_parses(tmp_path):
     assert text.startswith("[") and not text.rstrip().endswith("]")
     events = json.loads(text + "\n]")
     names = {name for name, _, _ in slices(events, PHASES_TID)}
-    assert {"data", "h2d", "forward", "backward", "optimizer"} <= names
+    # on CPU nothing is copied to a device, so there is no h2d phase to show
+    assert {"data", "forward", "backward", "optimizer"} <= names
     assert any(e["tid"] == EPOCHS_TID for e in events if e["ph"] == "X")
