@@ -234,6 +234,10 @@ class CollaborativeOptimizer:
         self._start_params: list[torch.Tensor] | None = None
         self._outer: torch.optim.Optimizer | None = None
         self._in_grad = config.mode == "grad" and config.accumulate_in_grad
+        # The accumulated gradients hold sum(batch_samples * mean gradient) / _sample_unit
+        # (the first batch's size with autograd accumulating, else 1).
+        self._sample_unit = 1.0
+        self._unit_fixed = not self._in_grad
         # with delayed updates the averager's buffers are busy during the next epoch, so
         # gradients accumulate elsewhere
         self._accumulators = (
@@ -269,8 +273,14 @@ class CollaborativeOptimizer:
             param.grad = accumulator
 
     def backward_weight(self, batch_samples: int) -> float:
-        """Weight each loss by its batch size when autograd accumulates into the buffers."""
-        return float(batch_samples) if self._in_grad else 1.0
+        """Weight each loss by its batch size, in units of the first batch's size, when
+        autograd accumulates into the buffers: batches of the usual size get weight 1, which
+        costs no extra multiplication in the graph (the trainer skips it)."""
+        if not self._in_grad:
+            return 1.0
+        if not self._unit_fixed:
+            self._sample_unit, self._unit_fixed = float(batch_samples), True
+        return batch_samples / self._sample_unit
 
     def on_step(self, context: StepContext) -> None:
         if self._in_grad:
@@ -396,13 +406,14 @@ class CollaborativeOptimizer:
         """Fill the averaged buffers with this peer's contribution to the round."""
         mode = self.config.mode
         if mode == "grad" and self.samples:
+            units = self.samples / self._sample_unit
             if self._accumulators is not self.buffers:
                 for buffer, accumulator in zip(self.buffers, self._accumulators, strict=True):
-                    torch.div(accumulator, self.samples, out=buffer)
+                    torch.div(accumulator, units, out=buffer)
                     accumulator.zero_()
             else:
                 for accumulator in self.buffers:
-                    accumulator.div_(self.samples)
+                    accumulator.div_(units)
         elif mode == "diloco":
             assert self._start_params is not None
             with torch.no_grad():
