@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
-def add_experiment_command(sub) -> None:
-    """Add ``peer experiment`` (run, report, cleanup) to the ``peer`` command's subparsers."""
+def add_experiment_command(sub, *, watch: Callable | None = None) -> None:
+    """Add ``peer experiment`` (run, report, cleanup) to the ``peer`` command's subparsers.
+
+    Args:
+        sub: the subparsers.
+        watch: the live dashboard of a running swarm configuration (an
+            :data:`experiments.watching.Watch`), shown when stdout is a terminal unless
+            ``--no-dashboard``; None: the progress bar only.
+    """
     parser = sub.add_parser(
         "experiment",
         help="controlled multi-peer experiments and reports",
@@ -31,7 +39,13 @@ def add_experiment_command(sub) -> None:
     run.add_argument("spec", metavar="SPEC.toml", type=Path, help="the experiment file")
     run.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
     run.add_argument("--force", action="store_true", help="rerun finished configurations")
-    run.set_defaults(run=_run)
+    run.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="no live dashboard of the running configuration, the progress bar only "
+        "(default: shown when stdout is a terminal; q closes it, Ctrl-C stops the sweep)",
+    )
+    run.set_defaults(run=_run, watch=watch)
     report = commands.add_parser(
         "report",
         help="write DIR/report.md, plots and CSV tables from a sweep's metrics",
@@ -63,8 +77,9 @@ def _run(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
     except SpecError as e:
         raise ConfigError(str(e)) from None
+    watch = None if args.no_dashboard or not sys.stdout.isatty() else args.watch
     try:
-        outcomes = run_sweep(spec, args.spec.read_text(), args.out, force=args.force)
+        outcomes = run_sweep(spec, args.spec.read_text(), args.out, force=args.force, watch=watch)
     except LaunchError as e:
         sys.stderr.write(f"peer: error: {e}\n")
         return 1

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -104,6 +105,12 @@ class Session(abc.ABC):
                 raise LaunchError(f"the bootstrap node exited ({handle.poll()}): {self.tail(plan)}")
             time.sleep(POLL_S)
         raise LaunchError(f"the bootstrap node printed no address in {BOOTSTRAP_TIMEOUT_S:.0f} s")
+
+    def network_entry(self) -> Callable[[], None] | None:
+        """A function that moves the calling thread into the network the processes live in (a
+        dashboard's thread, whose sockets must reach the peers); None: the host's network
+        reaches them (or nothing here can)."""
+        return None
 
     def refresh(self, name: str, kind: str = "jsonl") -> None:  # noqa: B027 (optional hook)
         """Bring ``<name>.<kind>`` up to date in the run directory (remote sessions copy it)."""

@@ -15,11 +15,14 @@ deletes every namespace whose name starts with :data:`PREFIX`. Needs root, ``ip`
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from experiments.launch_base import (
@@ -39,6 +42,7 @@ PREFIX_LEN = 16
 COMMAND_TIMEOUT_S = 20.0
 # Bytes the rate limiter may send at once: 10 ms at the link's rate, at least 32 KiB.
 MIN_BURST_BYTES = 32 * 1024
+CLONE_NEWNET = 0x40000000
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -82,6 +86,26 @@ def cleanup_all(prefix: str = PREFIX) -> list[str]:
     for name in names:
         delete_namespace(name)
     return names
+
+
+def enter_namespace(name: str) -> None:
+    """Move the calling thread (only it) into network namespace ``name``; sockets it opens
+    afterwards live there. Needs root.
+
+    Raises:
+        OSError: the namespace does not exist or setns(2) refused.
+    """
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12+
+            os.setns(fd, CLONE_NEWNET)
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
 
 
 def address_of(index: int) -> str:
@@ -145,6 +169,11 @@ class NetnsSession(Session):
                 _run(["ip", "netns", "exec", name, "tc", *args])
             for args in shaping_commands(f"v{index}", link):
                 _run(["ip", "netns", "exec", self.hub, "tc", *args])
+
+    def network_entry(self) -> Callable[[], None] | None:
+        """Into the hub namespace, where the bootstrap listens and every peer is on the bridge
+        (the host has no route there: its own network is left alone)."""
+        return functools.partial(enter_namespace, self.hub) if self.namespaces else None
 
     def namespace_of(self, plan: ProcessPlan) -> str | None:
         if plan.index is not None:

@@ -10,6 +10,7 @@ and write a last line). ``status.json`` records the outcome; a configuration who
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -23,6 +24,8 @@ from experiments.spec import ExperimentSpec, RunConfig, cpu_split
 from peer.metrics_reader import read_metrics
 
 WATCH_INTERVAL_S = 0.5
+# (bootstrap URL, session) -> a context manager showing the swarm while it is open.
+Dashboard = Callable[[str, Session], contextlib.AbstractContextManager[object]]
 # How often the target-loss rule reads the metrics files (remote sessions copy them first).
 LOSS_CHECK_INTERVAL_S = 2.0
 
@@ -37,6 +40,11 @@ class Outcome:
     exit_codes: dict[str, int | None] = dataclasses.field(default_factory=dict)
     started_at: str = ""
     seconds: float = 0.0
+
+
+def run_id(spec: ExperimentSpec, config: RunConfig) -> str:
+    """The DHT run id of a configuration's peers (and the baseline's metrics)."""
+    return f"{spec.name}-{config.name}"
 
 
 def _task_args(spec: ExperimentSpec, config: RunConfig) -> list[str]:
@@ -76,7 +84,7 @@ def peer_plans(spec: ExperimentSpec, config: RunConfig) -> list[ProcessPlan]:
         env, device_args = _gpu_env(spec, index)
         args = [
             "-m", "peer", "--log-level", "INFO", "join",
-            "--run-id", f"{spec.name}-{config.name}",
+            "--run-id", run_id(spec, config),
             "--backend", train.backend,
             "--target-batch-size", str(train.target_batch_size),
             "--lr", str(train.lr),
@@ -122,7 +130,7 @@ def baseline_plan(spec: ExperimentSpec, config: RunConfig) -> ProcessPlan:
     env, device_args = _gpu_env(spec, 0)
     args = [
         "-m", "peer.baseline_run",
-        "--run-id", f"{spec.name}-{config.name}",
+        "--run-id", run_id(spec, config),
         "--target-batch-size", str(train.target_batch_size),
         "--lr", str(train.lr),
         "--optimizer", train.optimizer,
@@ -194,23 +202,29 @@ def run_config(
     config: RunConfig,
     session: Session,
     on_update: Callable[[str], None] | None = None,
+    dashboard: Dashboard | None = None,
 ) -> Outcome:
     """Run one configuration in ``session``; never raises for the configuration's own failure.
 
-    ``on_update``: see :func:`watch`.
+    ``on_update``: see :func:`watch`. ``dashboard``: shows a swarm configuration while its peers
+    run (given the bootstrap's URL); closed before the processes are stopped, also on Ctrl-C.
     """
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     start = time.monotonic()
     try:
+        view: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if config.baseline:
             plans = [baseline_plan(spec, config)]
         else:
             url = session.start_bootstrap(bootstrap_plan(config))
             plans = peer_plans(spec, config)
             plans = [dataclasses.replace(p, args=[*p.args, "--initial-peers", url]) for p in plans]
+            if dashboard is not None:
+                view = dashboard(url, session)
         for plan in plans:
             session.start(plan)
-        outcome = watch(spec, session, plans, on_update)
+        with view:
+            outcome = watch(spec, session, plans, on_update)
     except LaunchError as e:
         outcome = Outcome(status="failed", reason=str(e))
     finally:

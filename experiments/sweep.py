@@ -14,15 +14,15 @@ import json
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from experiments.launch_base import Launcher, LaunchError
-from experiments.runner import Outcome, is_finished, run_config, write_status
+from experiments.launch_base import Launcher, LaunchError, Session
+from experiments.runner import Outcome, is_finished, run_config, run_id, write_status
 from experiments.spec import ExperimentSpec, RunConfig, expand
+from experiments.watching import SweepScreen, Watch, WatchTarget
 
 
 def make_launcher(spec: ExperimentSpec) -> Launcher:
@@ -54,18 +54,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"),
-        console=console,
-        disable=not console.is_terminal,
-    )
-
-
 def run_sweep(
     spec: ExperimentSpec,
     spec_text: str,
@@ -73,8 +61,12 @@ def run_sweep(
     *,
     force: bool = False,
     console: Console | None = None,
+    watch: Watch | None = None,
 ) -> dict[str, Outcome | None]:
     """Run the sweep; returns config name -> outcome (None: skipped as already finished).
+
+    ``watch``: the live dashboard of each swarm configuration (see
+    :mod:`experiments.watching`); None shows the progress bar only.
 
     Raises:
         experiments.launch_base.LaunchError: the launcher cannot run here (nothing started).
@@ -86,50 +78,70 @@ def run_sweep(
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "spec.toml").write_text(spec_text, encoding="utf-8")
     outcomes: dict[str, Outcome | None] = {}
-    with sigterm_as_interrupt(), launcher, _progress(console) as progress:
-        bar = progress.add_task(spec.name, total=len(configs), status="")
-        for config in configs:
-            progress.update(bar, description=f"{spec.name}: {config.name}", status="")
-
-            def on_update(text: str) -> None:
-                progress.update(bar, status=text)
-
-            on_update_or_none = on_update if console.is_terminal else None
-            outcomes[config.name] = _one(
-                spec, config, out_dir, launcher, force, console, on_update_or_none
-            )
-            progress.advance(bar)
+    screen = SweepScreen(console, spec.name, len(configs), watch)
+    sweep = _Sweep(spec, out_dir, launcher, force, screen, len(configs))
+    with sigterm_as_interrupt(), launcher, screen:
+        for position, config in enumerate(configs, start=1):
+            screen.begin(config.name)
+            outcomes[config.name] = sweep.one(config, position)
+            screen.end()
     return outcomes
 
 
-def _one(
-    spec: ExperimentSpec,
-    config: RunConfig,
-    out_dir: Path,
-    launcher: Launcher,
-    force: bool,
-    console: Console,
-    on_update: Callable[[str], None] | None,
-) -> Outcome | None:
-    config_dir = out_dir / config.name
-    if not force and is_finished(config_dir, config):
-        console.print(f"{config.name}: finished before, skipped (--force reruns it)")
-        return None
-    if config_dir.exists():
-        shutil.rmtree(config_dir)
-    config_dir.mkdir(parents=True)
-    (config_dir / "config.json").write_text(json.dumps(config.describe(), indent=2) + "\n")
-    num_peers = 0 if config.baseline else config.train.peers
-    try:
-        with launcher.open_session(config_dir, num_peers) as session:
-            outcome = run_config(spec, config, session, on_update)
-    except LaunchError as e:  # the session could not be set up: this configuration fails
-        outcome = Outcome(status="failed", reason=str(e))
-    write_status(config_dir, outcome)
-    if outcome.status == "done":
-        text = f"{config.name}: done in {outcome.seconds:.0f} s ({outcome.stopped_by})"
-        console.print(text, highlight=False)
-    else:
-        console.print(f"[red]{config.name}: failed[/red]: {outcome.reason}")
-    sys.stderr.flush()
-    return outcome
+class _Sweep:
+    """What every configuration of a sweep shares."""
+
+    def __init__(
+        self,
+        spec: ExperimentSpec,
+        out_dir: Path,
+        launcher: Launcher,
+        force: bool,
+        screen: SweepScreen,
+        num_configs: int,
+    ):
+        self.spec, self.out_dir, self.launcher, self.force = spec, out_dir, launcher, force
+        self.screen, self.console, self.num_configs = screen, screen.console, num_configs
+
+    def one(self, config: RunConfig, position: int) -> Outcome | None:
+        """Run ``config`` (the ``position``-th, from 1) unless finished before."""
+        spec, console = self.spec, self.console
+        config_dir = self.out_dir / config.name
+        if not self.force and is_finished(config_dir, config):
+            console.print(f"{config.name}: finished before, skipped (--force reruns it)")
+            return None
+        if config_dir.exists():
+            shutil.rmtree(config_dir)
+        config_dir.mkdir(parents=True)
+        (config_dir / "config.json").write_text(json.dumps(config.describe(), indent=2) + "\n")
+        num_peers = 0 if config.baseline else config.train.peers
+
+        def dashboard(url: str, session: Session) -> contextlib.AbstractContextManager[object]:
+            target = WatchTarget(
+                run_id=run_id(spec, config),
+                bootstrap_url=url,
+                config_name=config.name,
+                position=position,
+                num_configs=self.num_configs,
+                num_peers=config.train.peers,
+                target_batch_size=config.train.target_batch_size,
+                backend=config.train.backend,
+                launcher=spec.launcher,
+                enter_network=session.network_entry(),
+            )
+            return self.screen.dashboard(target)
+
+        on_update = self.screen.on_update if self.screen.live else None
+        try:
+            with self.launcher.open_session(config_dir, num_peers) as session:
+                outcome = run_config(spec, config, session, on_update, dashboard)
+        except LaunchError as e:  # the session could not be set up: this configuration fails
+            outcome = Outcome(status="failed", reason=str(e))
+        write_status(config_dir, outcome)
+        if outcome.status == "done":
+            text = f"{config.name}: done in {outcome.seconds:.0f} s ({outcome.stopped_by})"
+            console.print(text, highlight=False)
+        else:
+            console.print(f"[red]{config.name}: failed[/red]: {outcome.reason}")
+        sys.stderr.flush()
+        return outcome

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from dht.errors import ConfigError, DHTError, IdentityError
 from experiments.command import add_experiment_command
 from monitor.command import add_monitor_command
-from peer import commands_bench, commands_dht, commands_join, commands_profile
+from peer import (
+    commands_bench,
+    commands_dht,
+    commands_experiment,
+    commands_join,
+    commands_profile,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands_dht.add_demo_command(sub)
     commands_profile.add_profile_command(sub)
     add_monitor_command(sub)
-    add_experiment_command(sub)
+    add_experiment_command(sub, watch=commands_experiment.watch_configuration)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
     bench_sub = bench.add_subparsers(
         dest="bench", required=True, parser_class=_Parser, metavar="BENCH"
