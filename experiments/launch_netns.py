@@ -11,6 +11,9 @@ Cleanup is always done: closing a session kills what runs in its namespaces and 
 (the veths go with them); the launcher also starts a guard process that deletes the sweep's
 namespaces if this process dies without cleaning up (SIGKILL); ``peer experiment cleanup``
 deletes every namespace whose name starts with :data:`PREFIX`. Needs root, ``ip`` and ``tc``.
+
+The host has no route into the emulated network; a sweep's dashboard reaches the swarm by moving
+its own thread into the hub namespace (:meth:`NetnsSession.network_entry`).
 """
 
 from __future__ import annotations
