@@ -1,24 +1,35 @@
 """``peer monitor``: the live dashboard of a swarm, from a DHT client node.
 
-Registered by :mod:`peer.cli` through :func:`add_monitor_command`. This module imports only
-argparse and :mod:`peer.cli_args` at import time (``peer --help`` stays fast); the rest comes
-when the command runs.
+Registered by :mod:`peer.cli` through :func:`add_monitor_command`, which also hands in the
+readers of other backends' swarms (``--backend hivemind``): the monitor reads our DHT itself and
+never imports another backend. This module imports only argparse and :mod:`peer.cli_args` at
+import time (``peer --help`` stays fast); the rest comes when the command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import AsyncExitStack
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, AsyncExitStack
 
 from peer.cli_args import positive_float, positive_int
 
 # Bound on the one read of ``--once``, in seconds (start-up and bootstrap come on top).
 ONCE_TIMEOUT_S = 30.0
+# (initial peers, run id) -> a context manager whose value is a monitor.records.RecordSource
+OpenRecords = Callable[[list[str], str], AbstractContextManager]
 
 
-def add_monitor_command(sub) -> None:
-    """Add ``peer monitor`` to the ``peer`` command's subparsers."""
+def add_monitor_command(sub, *, backends: Mapping[str, OpenRecords] | None = None) -> None:
+    """Add ``peer monitor`` to the ``peer`` command's subparsers.
+
+    Args:
+        sub: the subparsers.
+        backends: readers of other backends' swarms by ``--backend`` name (the native DHT is
+            always there).
+    """
+    backends = dict(backends or {})
     parser = sub.add_parser(
         "monitor",
         help="watch a swarm live in the terminal (q quits)",
@@ -30,8 +41,15 @@ def add_monitor_command(sub) -> None:
         "--initial-peers",
         nargs="+",
         required=True,
-        metavar="URL",
-        help="URLs of nodes in the swarm (http://host:port)",
+        metavar="ADDR",
+        help="URLs of nodes in the swarm (http://host:port); with --backend hivemind, libp2p "
+        "multiaddrs (/ip4/HOST/tcp/PORT/p2p/ID)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["native", *backends],
+        default="native",
+        help="the swarm's networking backend (default: native)",
     )
     parser.add_argument("--run-id", default="vp-run", help="the run to watch (default: vp-run)")
     parser.add_argument(
@@ -60,23 +78,55 @@ def add_monitor_command(sub) -> None:
     parser.add_argument(
         "--tls-ca", default=None, metavar="FILE", help="CA bundle to verify HTTPS nodes"
     )
-    parser.set_defaults(run=run_monitor)
+    parser.set_defaults(run=lambda args: run_monitor(args, backends))
 
 
-def run_monitor(args: argparse.Namespace) -> int:
+def run_monitor(args: argparse.Namespace, backends: Mapping[str, OpenRecords]) -> int:
     from dht.errors import ConfigError
     from monitor.config import MonitorConfig
     from peer.config import peer_url, read_swarm_key
 
+    config = MonitorConfig(
+        run_id=args.run_id, interval_s=args.interval, target_batch_size=args.target_batch_size
+    )
+    if args.backend != "native":
+        for flag, value in (("--swarm-key-file", args.swarm_key_file), ("--tls-ca", args.tls_ca)):
+            if value is not None:
+                raise ConfigError(f"{flag}: the {args.backend} backend has no such option")
+        opened = backends[args.backend](list(args.initial_peers), args.run_id)
+        return watch_from_records(opened, config, once=args.once)
     try:
         urls = [peer_url(url) for url in args.initial_peers]
     except ValueError as e:
         raise ConfigError(f"--initial-peers: {e}") from None
-    config = MonitorConfig(
-        run_id=args.run_id, interval_s=args.interval, target_batch_size=args.target_batch_size
-    )
     swarm_key = read_swarm_key(args.swarm_key_file)
     return watch_from_client(urls, config, once=args.once, swarm_key=swarm_key, tls_ca=args.tls_ca)
+
+
+def _show(app, *, once: bool) -> int:
+    """One frame (``--once``; 1 if the read failed) or the live view until q."""
+    if not once:
+        app.run()
+        return 0
+    view = app.print_once(ONCE_TIMEOUT_S)
+    if view.error:
+        sys.stderr.write(f"peer: error: reading the swarm failed: {view.error}\n")
+        return 1
+    return 0
+
+
+def watch_from_records(opened: AbstractContextManager, config, *, once: bool) -> int:
+    """Watch through another backend's reader: ``opened`` enters into a
+    :class:`monitor.records.RecordSource` (e.g. a hivemind DHT client) and closes it on exit."""
+    from monitor.app import LiveApp
+    from monitor.records import ThreadedSwarmReader
+
+    with opened as records:
+        reader = ThreadedSwarmReader(records, config)
+        try:
+            return _show(LiveApp(reader.submit, config=config, source=records.source), once=once)
+        finally:
+            reader.close()
 
 
 def watch_from_client(
@@ -108,15 +158,8 @@ def watch_from_client(
                 config=config,
                 source=f"via {urls[0]}",
             )
-            if once:
-                view = app.print_once(ONCE_TIMEOUT_S)
-                if view.error:
-                    sys.stderr.write(f"peer: error: reading the swarm failed: {view.error}\n")
-                    return 1
-            else:
-                app.run()
+            return _show(app, once=once)
         finally:
             loop_thread.run(stack.aclose(), timeout_s=ONCE_TIMEOUT_S)
     finally:
         loop_thread.close()
-    return 0

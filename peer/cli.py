@@ -18,6 +18,7 @@ from peer import (
     commands_bench,
     commands_dht,
     commands_experiment,
+    commands_hivemind,
     commands_join,
     commands_profile,
 )
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands_dht.add_dht_command(sub)
     commands_dht.add_demo_command(sub)
     commands_profile.add_profile_command(sub)
-    add_monitor_command(sub)
+    add_monitor_command(sub, backends={"hivemind": commands_hivemind.open_monitor_records})
     add_experiment_command(sub, watch=commands_experiment.watch_configuration)
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object")
     bench_sub = bench.add_subparsers(

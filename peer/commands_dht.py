@@ -203,13 +203,17 @@ def add_demo_command(sub) -> None:
     parser.set_defaults(run=run_demo)
 
 
-def demo_dashboard(target_batch_size: int):
+def demo_dashboard(target_batch_size: int, backend: str = "native"):
     """The monitor's dashboard for ``peer demo`` (see :data:`peer.demo.DashboardFactory`)."""
     from monitor.config import MonitorConfig
     from monitor.embed import swarm_dashboard
     from peer.demo import REFRESH_S, RUN_ID
 
     config = MonitorConfig(run_id=RUN_ID, interval_s=REFRESH_S, target_batch_size=target_batch_size)
+    if backend == "hivemind":
+        from peer.commands_hivemind import demo_dashboard as hivemind_dashboard
+
+        return hivemind_dashboard(config)
 
     def factory(node, loop, console, on_quit):
         return swarm_dashboard(loop, node, config=config, on_quit=on_quit, console=console)
@@ -227,6 +231,6 @@ def run_demo(args: argparse.Namespace) -> int:
             target_batch_size=args.target_batch_size,
             as_json=args.json,
             backend=args.backend,
-            dashboard=demo_dashboard(args.target_batch_size) if args.backend == "native" else None,
+            dashboard=demo_dashboard(args.target_batch_size, args.backend),
         )
     )

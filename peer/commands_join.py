@@ -36,6 +36,10 @@ def dashboard_companion(config, stop: threading.Event):
         interval_s=max(0.5, config.publish_interval),
         target_batch_size=config.target_batch_size,
     )
+    if config.backend == "hivemind":
+        from peer.commands_hivemind import join_companion
+
+        return join_companion(monitor_config, stop)
 
     def companion(run):
         return peer_dashboard(
@@ -50,13 +54,10 @@ def dashboard_companion(config, stop: threading.Event):
 
 
 def run_join(args: argparse.Namespace) -> int:
-    from dht.errors import ConfigError
     from peer.backend import make_peer_run
     from peer.tasks import TaskError
 
     config = load_config(args)
-    if config.dashboard and config.backend != "native":
-        raise ConfigError("--dashboard needs --backend native (it reads our DHT's records)")
     stop = threading.Event()
     try:
         run = make_peer_run(config, stop_event=stop)

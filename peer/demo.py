@@ -1,10 +1,10 @@
 """``peer demo``: a bootstrap node and N training peers on loopback, watched live.
 
 The peers are real ``peer join`` processes (torch threads split so that together they use the
-machine's cores once); this process runs the bootstrap DHT node and reads the peers' progress
-records from it: the monitor's dashboard when the command line hands one in (``dashboard``),
-a small table otherwise (and with the hivemind backend). q on the dashboard stops the peers
-early. At the end every peer's summary is collected.
+machine's cores once); this process runs the bootstrap DHT node (ours, or a hivemind.DHT with
+``--backend hivemind``) and reads the peers' records through it: the monitor's dashboard when the
+command line hands one in (``dashboard``), a small progress table otherwise. q on the dashboard
+stops the peers early. At the end every peer's summary is collected.
 """
 
 from __future__ import annotations
@@ -15,26 +15,31 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, AsyncExitStack
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from dht.config import DHTConfig
+from dht.errors import DHTError
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity, short_id
 from dht.launch import open_node
 from dht.node import DHTNode
-from peer.progress import parse_record
+from peer.progress import PeerProgress, parse_record
 
 RUN_ID = "demo"
 REFRESH_S = 0.5
-# (bootstrap node, its event loop, console, on_quit) -> a context manager showing the swarm
-# while it is open; the monitor provides it (this package may not import the monitor).
+# Bound on one read of the hivemind bootstrap's records for the table, in seconds.
+HIVEMIND_READ_TIMEOUT_S = 10.0
+# (bootstrap, its event loop, console, on_quit) -> a context manager showing the swarm while it
+# is open; the monitor provides it (this package may not import the monitor). The bootstrap is
+# our DHTNode, served on that loop, or with the hivemind backend the HivemindBootstrap.
 DashboardFactory = Callable[
-    [DHTNode, asyncio.AbstractEventLoop, Console, Callable[[], None]], AbstractContextManager
+    [Any, asyncio.AbstractEventLoop, Console, Callable[[], None]], AbstractContextManager
 ]
 
 
@@ -67,18 +72,11 @@ def _peer_command(
     ]
 
 
-async def _native_rows(node: DHTNode) -> list[tuple[str, ...]]:
-    found = await node.get(f"{RUN_ID}/progress", latest=True)
-    records = []
-    if found is not None and isinstance(found.value, dict):
-        for subkey, item in found.value.items():
-            record = parse_record(subkey, item.value, 1e9)
-            if record is not None:
-                records.append(record)
+def _rows(records: list[PeerProgress]) -> list[tuple[str, ...]]:
     return [
         (
             short_id(r.peer_id),
-            r.address or "client",
+            r.address or ("client" if r.client_mode else "-"),
             str(r.epoch),
             str(r.samples),
             f"{r.samples_per_s:.0f}",
@@ -87,21 +85,22 @@ async def _native_rows(node: DHTNode) -> list[tuple[str, ...]]:
     ]
 
 
-def _hivemind_rows(bootstrap) -> list[tuple[str, ...]]:
-    rows = []
-    for record in bootstrap.records(RUN_ID):
-        peer_id = record.get("peer_id")
-        name = peer_id.hex()[-8:] if isinstance(peer_id, bytes) else str(peer_id)[:8]
-        rows.append(
-            (
-                name,
-                "client" if record.get("client_mode") else "libp2p",
-                str(record.get("epoch")),
-                str(record.get("samples_accumulated")),
-                f"{float(record.get('samples_per_second', 0.0)):.0f}",
-            )
-        )
-    return sorted(rows)
+async def _native_progress(node: DHTNode) -> list[PeerProgress]:
+    found = await node.get(f"{RUN_ID}/progress", latest=True)
+    records = []
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            record = parse_record(subkey, item.value, 1e9)
+            if record is not None:
+                records.append(record)
+    return records
+
+
+def _hivemind_progress(records) -> list[PeerProgress]:
+    try:
+        return records.fetch(HIVEMIND_READ_TIMEOUT_S)["progress"]
+    except (TimeoutError, DHTError):  # an empty table this time; the next refresh reads again
+        return []
 
 
 def _swarm_table(rows: list[tuple[str, ...]], num_peers: int, elapsed_s: float) -> Table:
@@ -126,25 +125,9 @@ async def run_demo(
 ) -> int:
     """Run the demo; returns the exit status (0 when every peer finished and trained)."""
     console = Console(stderr=as_json)
-    node = None
     threads = max(1, (os.cpu_count() or 1) // num_peers)
     async with AsyncExitStack() as stack:
-        if backend == "hivemind":
-            from peer.hivemind_backend import HivemindBootstrap
-
-            bootstrap = stack.enter_context(HivemindBootstrap())
-            address = bootstrap.address
-
-            async def rows() -> list[tuple[str, ...]]:
-                return await asyncio.to_thread(_hivemind_rows, bootstrap)
-        else:
-            node = await stack.enter_async_context(
-                open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
-            )
-            address = node.address
-
-            async def rows() -> list[tuple[str, ...]]:
-                return await _native_rows(node)
+        bootstrap, address, progress = await _open_bootstrap(stack, backend, table=not dashboard)
 
         processes = [
             await asyncio.create_subprocess_exec(
@@ -157,13 +140,14 @@ async def run_demo(
         outputs = [asyncio.create_task(process.communicate()) for process in processes]
         start = time.monotonic()
         try:
-            if dashboard is not None and node is not None:
-                await _watch_dashboard(dashboard, node, console, processes, outputs)
+            if dashboard is not None:
+                await _watch_dashboard(dashboard, bootstrap, console, processes, outputs)
             else:
                 with Live(console=console, refresh_per_second=2) as live:
                     while not all(task.done() for task in outputs):
                         elapsed_s = time.monotonic() - start
-                        live.update(_swarm_table(await rows(), num_peers, elapsed_s))
+                        rows = _rows(await progress())
+                        live.update(_swarm_table(rows, num_peers, elapsed_s))
                         await asyncio.wait(outputs, timeout=REFRESH_S)
         finally:
             for process in processes:
@@ -186,9 +170,38 @@ async def run_demo(
     return _report(console, summaries, num_peers, seconds, as_json)
 
 
+async def _open_bootstrap(
+    stack: AsyncExitStack, backend: str, *, table: bool
+) -> tuple[Any, str, Callable[[], Awaitable[list[PeerProgress]]]]:
+    """The bootstrap node (closed with ``stack``), its address, and a reader of the peers'
+    progress records for the table (``table``: the table needs it)."""
+    if backend == "hivemind":
+        from peer.hivemind_backend import HivemindBootstrap
+
+        bootstrap = stack.enter_context(HivemindBootstrap())
+        records = None
+        if table:
+            from peer.hivemind_records import HivemindSwarmRecords
+
+            records = HivemindSwarmRecords(bootstrap.dht, RUN_ID, source=bootstrap.address)
+
+        async def hivemind_progress() -> list[PeerProgress]:
+            return await asyncio.to_thread(_hivemind_progress, records)
+
+        return bootstrap, bootstrap.address, hivemind_progress
+    node = await stack.enter_async_context(
+        open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
+    )
+
+    async def native_progress() -> list[PeerProgress]:
+        return await _native_progress(node)
+
+    return node, node.address, native_progress
+
+
 async def _watch_dashboard(
     dashboard: DashboardFactory,
-    node: DHTNode,
+    node: Any,
     console: Console,
     processes: list[asyncio.subprocess.Process],
     outputs: list[asyncio.Task],

@@ -26,11 +26,14 @@ the metrics stream's ``net`` counts the butterfly all-reduce's payload per round
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import os
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -40,15 +43,16 @@ from peer.backend import RunSummary
 from peer.checkpoint import CheckpointDir, Progress
 from peer.config import PeerConfig
 from peer.hivemind_hook import (
-    READ_TIMEOUT_S,
     EstimatedCounters,
     HivemindBootstrap,
     HivemindHook,
     hivemind_compression,
     import_hivemind,
-    joined_peers,
     listen_maddrs,
+    swarm_peer_id,
+    wait_for_peers,
 )
+from peer.hivemind_records import HivemindRecordPublisher
 
 __all__ = ["HivemindBootstrap", "HivemindPeerRun", "check_config", "listen_maddrs"]
 from peer.metrics_stream import MetricsStream
@@ -59,8 +63,8 @@ from peer.trainer import StepReport, Trainer, evaluate
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
 FINAL_LOSS_SAMPLES = 2048
-# How long a peer's "joined" record outlives its wait for the others, in seconds.
-JOINED_TTL_S = 60.0
+# Something shown beside the training loop (``peer join --dashboard``), as ``PeerRun`` has it.
+Companion = Callable[["HivemindPeerRun"], AbstractContextManager]
 
 
 def check_config(config: PeerConfig) -> None:
@@ -89,13 +93,29 @@ def _make_optimizer(config: PeerConfig, model: torch.nn.Module) -> torch.optim.O
 
 
 class HivemindPeerRun:
-    """One peer's run on hivemind; :meth:`run` blocks until it stops (like ``PeerRun``)."""
+    """One peer's run on hivemind; :meth:`run` blocks until it stops (like ``PeerRun``).
 
-    def __init__(self, config: PeerConfig, *, stop_event: threading.Event | None = None):
+    Besides hivemind's own progress record, the peer publishes its profile and round records
+    (:mod:`peer.hivemind_records`), so the dashboard shows a hivemind swarm as it shows ours.
+
+    Args:
+        config: the peer's settings.
+        stop_event: set (by a signal handler, a dashboard) to stop training.
+        companion: entered beside the training loop once the peer has joined (a dashboard).
+    """
+
+    def __init__(
+        self,
+        config: PeerConfig,
+        *,
+        stop_event: threading.Event | None = None,
+        companion: Companion | None = None,
+    ):
         check_config(config)
         import_hivemind()
         self.config = config
         self.stop_event = stop_event or threading.Event()
+        self.companion = companion
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         self.task = load_task(config.task, config.task_options())
@@ -118,6 +138,7 @@ class HivemindPeerRun:
         self.dht: Any = None
         self.opt: Any = None
         self.hook: HivemindHook | None = None
+        self.records: HivemindRecordPublisher | None = None
         self.metrics: MetricsStream | None = None
         self._recent_losses: collections.deque[torch.Tensor] = collections.deque(
             maxlen=max(1, math.ceil(FINAL_LOSS_SAMPLES / self.task.batch_size))
@@ -172,15 +193,40 @@ class HivemindPeerRun:
             verbose=False,
         )
         self.opt.state_averager.local_epoch = epoch
+        self.records = HivemindRecordPublisher(
+            self.dht,
+            run_id=config.run_id,
+            peer_id=self.swarm_peer_id,
+            make_profile=lambda time_s: self.profiler.make_record(
+                peer_id=self.swarm_peer_id, time_s=time_s
+            ),
+            epoch=lambda: self.opt.local_epoch if self.opt is not None else epoch,
+            target_batch_size=config.target_batch_size,
+            address=self.address,
+            profile_interval_s=config.profile_interval,
+            rounds_interval_s=config.publish_interval,
+        )
         self.hook = HivemindHook(
-            self.opt, self.clock, compression=config.compression, counters=self.counters
+            self.opt,
+            self.clock,
+            compression=config.compression,
+            counters=self.counters,
+            on_round=self._on_round,
         )
         self.trainer.hook = self.hook
         logger.info(
-            "hivemind peer %s joined run %r on %s", self.peer_id, config.run_id, self.address
+            "hivemind peer %s (dashboard id %s) joined run %r on %s",
+            *(self.peer_id, self.swarm_peer_id[:8], config.run_id, self.address),
         )
         if getattr(config, "wait_for_peers", 1) > 1:
-            self._wait_for_peers(config.wait_for_peers, config.wait_for_peers_timeout)
+            wait_for_peers(
+                self.dht,
+                f"{config.run_id}_vp_joined",
+                peer_id=self.peer_id,
+                wanted=config.wait_for_peers,
+                timeout_s=config.wait_for_peers_timeout,
+                stop_event=self.stop_event,
+            )
         self._profiled_epoch = epoch
         self.profiler.attach(
             progress=lambda: StepProgress(
@@ -189,6 +235,7 @@ class HivemindPeerRun:
             counters=self.counters,
             device=str(self.trainer.device),
         )
+        self.records.start()
         if config.metrics_file is not None:
             self.metrics = MetricsStream(
                 config.metrics_file,
@@ -203,6 +250,21 @@ class HivemindPeerRun:
     def peer_id(self) -> str:
         return self.dht.peer_id.to_base58() if self.dht is not None else "?"
 
+    @property
+    def swarm_peer_id(self) -> str:
+        """This peer's name in the dashboard's records (:func:`swarm_peer_id`)."""
+        return swarm_peer_id(self.dht.peer_id) if self.dht is not None else "?"
+
+    def _recent_loss(self) -> float | None:
+        """The mean training loss over the last FINAL_LOSS_SAMPLES samples, or None."""
+        recent = list(self._recent_losses)
+        return float(torch.stack(recent).float().mean()) if recent else None
+
+    def _on_round(self, entry: Any) -> None:
+        loss = self._recent_loss()
+        finite = loss is not None and math.isfinite(loss)
+        self.records.add_round(dataclasses.replace(entry, loss=loss if finite else None))
+
     def _resume(self) -> int:
         if self.checkpoints is None:
             return 0
@@ -211,41 +273,6 @@ class HivemindPeerRun:
             return 0
         logger.info("resumed from %s at epoch %d", loaded.path, loaded.progress.epoch)
         return loaded.progress.epoch
-
-    def _wait_for_peers(self, wanted: int, timeout_s: float) -> None:
-        """Block until ``wanted`` peers (this one included) have joined the run.
-
-        hivemind publishes a peer's progress only once it has accumulated samples, so the peers
-        announce themselves under a key of their own (``{run_id}_vp_joined``, one subkey each).
-        """
-        from hivemind.utils import get_dht_time
-
-        key = f"{self.config.run_id}_vp_joined"
-        expiration_s = get_dht_time() + timeout_s + JOINED_TTL_S
-        deadline = time.monotonic() + timeout_s
-        while not self.stop_event.is_set():
-            joined = joined_peers(self.dht, key)
-            if self.peer_id not in joined:
-                # (again) until it is seen: a store that timed out on a loaded machine is retried
-                self._announce(key, expiration_s)
-            if len(joined) >= wanted:
-                return
-            if time.monotonic() >= deadline:
-                logger.warning(
-                    "only %d of %d peers after %.0f s; training anyway",
-                    len(joined),
-                    wanted,
-                    timeout_s,
-                )
-                return
-            self.stop_event.wait(0.5)
-
-    def _announce(self, key: str, expiration_s: float) -> None:
-        future = self.dht.store(key, True, expiration_s, subkey=self.peer_id, return_future=True)
-        try:
-            future.result(timeout=READ_TIMEOUT_S)
-        except Exception as e:  # the next poll stores again
-            logger.debug("could not store %s: %r", key, e)
 
     def _on_step(self, report: StepReport) -> None:
         self._last_loss = report.loss_tensor
@@ -281,12 +308,13 @@ class HivemindPeerRun:
         start = time.monotonic()
         try:
             self.start()
-            result = self.trainer.run(
-                max_steps=self.config.max_steps,
-                max_time_s=self.config.max_time,
-                stop_event=self.stop_event,
-                on_step=self._on_step,
-            )
+            with self.companion(self) if self.companion else nullcontext():
+                result = self.trainer.run(
+                    max_steps=self.config.max_steps,
+                    max_time_s=self.config.max_time,
+                    stop_event=self.stop_event,
+                    on_step=self._on_step,
+                )
             eval_loss = evaluate(self.task, self.model)
             if self.checkpoints is not None:
                 self._save_checkpoint()
@@ -301,7 +329,7 @@ class HivemindPeerRun:
         return summary
 
     def _summary(self, result: Any, seconds: float, eval_loss: float | None) -> RunSummary:
-        stats, recent = self.hook.stats, list(self._recent_losses)
+        stats = self.hook.stats
         return RunSummary(
             peer_id=self.peer_id,
             address=self.address,
@@ -310,7 +338,7 @@ class HivemindPeerRun:
             num_samples=self.trainer.total_samples,
             seconds=seconds,
             samples_per_s=result.num_samples / max(result.elapsed_s, 1e-9),
-            final_loss=float(torch.stack(recent).float().mean()) if recent else None,
+            final_loss=self._recent_loss(),
             num_rounds=stats.num_rounds,
             num_failed_rounds=stats.num_failed_rounds,
             stopped_by=result.stopped_by,
@@ -322,6 +350,9 @@ class HivemindPeerRun:
     def close(self) -> None:
         """Leave the swarm (hivemind's goodbye), stop its processes; safe to call twice."""
         self.profiler.close()
+        records, self.records = self.records, None
+        if records is not None:
+            records.close()
         opt, self.opt = self.opt, None
         if opt is not None:
             opt.shutdown()

@@ -12,12 +12,14 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from dht.errors import ConfigError
 from peer.phases import PhaseClock
+from peer.round_log import RoundEntry, group_name
 from peer.trainer import StepContext
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,12 @@ HIVEMIND_MISSING = (
 # Seconds between two looks at a round's StepControl while the training thread waits for it.
 ALLREDUCE_POLL_S = 0.001
 BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "uint8": 1.0}
+# How long a peer's "joined" record outlives its wait for the others, in seconds.
+JOINED_TTL_S = 60.0
+# Seconds between two looks at the joined records while waiting for the others.
+JOIN_POLL_S = 0.5
+# Bytes of a libp2p peer id's tail that name the peer on the dashboard (see swarm_peer_id).
+PEER_ID_TAIL_BYTES = 32
 
 
 def import_hivemind() -> Any:
@@ -73,6 +81,30 @@ def hivemind_compression(name: str) -> Any:
         raise ConfigError(f"--compression: {name!r} is not one of {', '.join(table)}") from None
 
 
+def swarm_peer_id(peer_id: Any) -> str:
+    """The name of a hivemind peer in our records and on the dashboard.
+
+    ``peer_id`` is a libp2p ``PeerID`` or its bytes. Its base58 form always starts with the same
+    eight characters (``12D3KooW`` for Ed25519 keys), which is all a dashboard shows of an id, so
+    this is the hex of its last 32 bytes instead: for an Ed25519 id, the raw public key, the form
+    of a native peer id.
+    """
+    raw = peer_id if isinstance(peer_id, bytes) else peer_id.to_bytes()
+    return raw[-PEER_ID_TAIL_BYTES:].hex()
+
+
+def dht_time() -> float:
+    """hivemind's DHT time (the clock of its records' timestamps and expirations)."""
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time()
+
+
+def butterfly_bytes(num_values: int, num_peers: int, bytes_per_value: float) -> int:
+    """Bytes one peer sends (and receives) in a butterfly all-reduce of ``num_peers``."""
+    return int(2 * (num_peers - 1) / num_peers * num_values * bytes_per_value)
+
+
 class EstimatedCounters:
     """Byte counters for the metrics stream, estimated per all-reduce (see the module doc)."""
 
@@ -81,7 +113,7 @@ class EstimatedCounters:
         self.recv = 0
 
     def add_round(self, num_values: int, num_peers: int, bytes_per_value: float) -> None:
-        one_way = int(2 * (num_peers - 1) / num_peers * num_values * bytes_per_value)
+        one_way = butterfly_bytes(num_values, num_peers, bytes_per_value)
         self.sent += one_way
         self.recv += one_way
 
@@ -126,25 +158,34 @@ class HivemindHook:
         clock: the trainer's phase clock.
         compression: our name of the gradient wire format (for the byte estimate).
         counters: where the estimated bytes go.
+        on_round: called in the training thread with every epoch transition as a round entry
+            (``loss`` None: the caller knows it); see :meth:`_timed_update_epoch`.
     """
 
     def __init__(
-        self, opt: Any, clock: PhaseClock, *, compression: str, counters: EstimatedCounters
+        self,
+        opt: Any,
+        clock: PhaseClock,
+        *,
+        compression: str,
+        counters: EstimatedCounters,
+        on_round: Callable[[RoundEntry], None] | None = None,
     ):
         self.opt = opt
         self.clock = clock
         self.stats = RoundStats()
         self.counters = counters
+        self.on_round = on_round
         self._bytes_per_value = BYTES_PER_VALUE[compression]
         self._num_values = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        self._round: RoundEntry | None = None  # the gradient round of the epoch transition
         # hivemind calls these through ``self``: instance attributes take precedence
         self._average = opt._average_gradients_and_load_into_optimizer
         opt._average_gradients_and_load_into_optimizer = self._timed_average
         self._load_state = opt.load_state_from_peers
         opt.load_state_from_peers = self._timed_load_state
-        if opt.use_local_updates:
-            self._update_epoch = opt._update_global_epoch
-            opt._update_global_epoch = self._timed_update_epoch
+        self._update_epoch = opt._update_global_epoch
+        opt._update_global_epoch = self._timed_update_epoch
 
     @property
     def epoch(self) -> int:
@@ -170,17 +211,69 @@ class HivemindHook:
         self.stats.num_rounds += 1
         self.stats.matchmaking_s += end - start - allreduce_s
         self.stats.allreduce_s += allreduce_s
-        if control.done() and control.exception() is None:
-            self.counters.add_round(self._num_values, len(control.result()), self._bytes_per_value)
-        else:
+        self._round = self._gradient_round(control, end - start)
+        if self._round.status == "failed":
             self.stats.num_failed_rounds += 1
+        else:
+            self.counters.add_round(self._num_values, self._round.group_size, self._bytes_per_value)
+
+    def _gradient_round(self, control: Any, duration_s: float) -> RoundEntry:
+        epoch, end_time = self.opt.local_epoch, dht_time()
+        if not control.done():
+            reason = "no result within averaging_timeout"
+        elif control.exception() is not None:
+            reason = repr(control.exception())
+        else:
+            members = [swarm_peer_id(peer_id) for peer_id in control.result()]
+            one_way = butterfly_bytes(self._num_values, len(members), self._bytes_per_value)
+            return RoundEntry(
+                epoch=epoch,
+                end_time=end_time,
+                status="ok" if len(members) > 1 else "alone",
+                group_size=len(members),
+                group_id=group_name(members),
+                duration_s=duration_s,
+                sent_bytes=one_way,
+                recv_bytes=one_way,
+                averaged_fraction=1.0 if len(members) > 1 else 0.0,
+            )
+        return RoundEntry(
+            epoch=epoch, end_time=end_time, status="failed", duration_s=duration_s, reason=reason
+        )
 
     def _timed_update_epoch(self, *args: Any, **kwargs: Any) -> None:
-        start = time.perf_counter()
-        with self.clock.phase("matchmaking"):
+        """hivemind's epoch transition: one round entry for ``on_round``.
+
+        With gradient averaging, the entry of the round :meth:`_timed_average` saw, or ``alone``
+        when hivemind started none (no other peer, or it could not start one: it then steps on
+        the local gradients). With local updates, the whole parameter round is ``matchmaking``
+        and hivemind reports neither its group nor its outcome: the entry is ``ok`` with the
+        swarm's size as the group's when other peers were there.
+        """
+        epoch, start = self.opt.local_epoch, time.perf_counter()
+        num_peers = self.opt.tracker.global_progress.num_peers
+        self._round = None
+        if self.opt.use_local_updates:
+            with self.clock.phase("matchmaking"):
+                self._update_epoch(*args, **kwargs)
+            self.stats.num_rounds += 1
+            self.stats.matchmaking_s += time.perf_counter() - start
+        else:
             self._update_epoch(*args, **kwargs)
-        self.stats.num_rounds += 1
-        self.stats.matchmaking_s += time.perf_counter() - start
+        entry, self._round = self._round, None
+        if entry is None:
+            averaged = self.opt.use_local_updates and num_peers > 1
+            entry = RoundEntry(
+                epoch=epoch,
+                end_time=dht_time(),
+                status="ok" if averaged else "alone",
+                group_size=max(1, num_peers) if averaged else 1,
+                duration_s=time.perf_counter() - start if averaged else 0.0,
+                averaged_fraction=1.0 if averaged else 0.0,
+                reason="" if averaged else f"no round started ({num_peers} peers in its view)",
+            )
+        if self.on_round is not None:
+            self.on_round(entry)
 
     def _timed_load_state(self, **kwargs: Any) -> None:
         with self.clock.phase("state_sync"):
@@ -205,27 +298,40 @@ def joined_peers(dht: Any, key: str) -> list[str]:
     return [str(subkey) for subkey in found.value]
 
 
-def progress_records(dht: Any, run_id: str) -> list[dict[str, Any]]:
-    """The live progress records hivemind.Optimizer peers of ``run_id`` publish (blocking).
+def wait_for_peers(
+    dht: Any,
+    key: str,
+    *,
+    peer_id: str,
+    wanted: int,
+    timeout_s: float,
+    stop_event: threading.Event,
+) -> None:
+    """Block until ``wanted`` peers (this one included) have joined the run, ``timeout_s`` at
+    most (then a warning) or until ``stop_event``.
 
-    Each is a dict of hivemind's LocalTrainingProgress: ``peer_id`` (bytes), ``epoch``,
-    ``samples_accumulated``, ``samples_per_second``, ``time``, ``client_mode``.
+    hivemind publishes a peer's progress only once it has accumulated samples, so the peers
+    announce themselves under a key of their own (``{run_id}_vp_joined``, one subkey each).
     """
-    try:
-        found = dht.get(f"{run_id}_progress", latest=True, return_future=True).result(
-            timeout=READ_TIMEOUT_S
-        )
-    except Exception as e:  # a slow or failed read is an empty view, not a crash of the caller
-        logger.debug("could not read %s_progress: %r", run_id, e)
-        return []
-    if found is None or not isinstance(found.value, dict):
-        return []
-    records = []
-    for item in found.value.values():
-        value = getattr(item, "value", None)
-        if isinstance(value, dict) and "epoch" in value:  # a peer that left stores None
-            records.append(value)
-    return records
+    expiration_s = dht_time() + timeout_s + JOINED_TTL_S
+    deadline = time.monotonic() + timeout_s
+    while not stop_event.is_set():
+        joined = joined_peers(dht, key)
+        if peer_id not in joined:
+            # (again) until it is seen: a store that timed out on a loaded machine is retried
+            future = dht.store(key, True, expiration_s, subkey=peer_id, return_future=True)
+            try:
+                future.result(timeout=READ_TIMEOUT_S)
+            except Exception as e:  # the next poll stores again
+                logger.debug("could not store %s: %r", key, e)
+        if len(joined) >= wanted:
+            return
+        if time.monotonic() >= deadline:
+            logger.warning(
+                "only %d of %d peers after %.0f s; training anyway", len(joined), wanted, timeout_s
+            )
+            return
+        stop_event.wait(JOIN_POLL_S)
 
 
 class HivemindBootstrap:
@@ -238,27 +344,12 @@ class HivemindBootstrap:
     def __init__(self, host: str = "127.0.0.1"):
         self.dht = import_hivemind().DHT(host_maddrs=listen_maddrs(host, 0), start=True)
         self.address = str(self.dht.get_visible_maddrs()[0])
-        self._validated: set[str] = set()
 
     def __enter__(self) -> HivemindBootstrap:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def records(self, run_id: str) -> list[dict[str, Any]]:
-        """See :func:`progress_records`."""
-        if run_id not in self._validated:
-            # the records are signed and schema-checked: without hivemind.Optimizer's validators
-            # this node could not even decode them
-            from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
-            from hivemind.optim.progress_tracker import TrainingProgressSchema
-
-            self.dht.add_validators(
-                [RSASignatureValidator(), SchemaValidator(TrainingProgressSchema, prefix=run_id)]
-            )
-            self._validated.add(run_id)
-        return progress_records(self.dht, run_id)
 
     def close(self) -> None:
         """Stop the node; safe to call twice."""

@@ -10,6 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(90)
 PEER = [sys.executable, "-m", "peer"]
+HIVEMIND_MONITOR = ["monitor", "--backend", "hivemind", "--initial-peers"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -35,7 +36,8 @@ def test_help():
         (["monitor"], "--initial-peers"),
         (["monitor", "--initial-peers", "localhost"], "not a URL"),
         (["monitor", "--initial-peers", "http://127.0.0.1:1", "--interval", "0"], "--interval"),
-        (["join", "--dashboard", "--backend", "hivemind"], "--dashboard"),
+        ([*HIVEMIND_MONITOR, "http://127.0.0.1:1"], "multiaddr"),
+        ([*HIVEMIND_MONITOR, "/ip4/127.0.0.1/tcp/1", "--tls-ca", "ca.pem"], "--tls-ca"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, needle):
