@@ -25,8 +25,8 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (a terminal to draw on)"),
 ]
 COLUMNS, LINES = 100, 30
-# a peer's row: id, address, device, epoch (rendered by monitor/render.py)
-PEER_ROW = re.compile(r"^\*?[0-9a-f]{8} +127\.0\.0\.1:\d+ +cpu +(?P<epoch>\d+)", re.MULTILINE)
+# a peer's row: id, address, device (cpu, or cuda where a GPU is), epoch (monitor/render.py)
+PEER_ROW = re.compile(r"^\*?[0-9a-f]{8} +127\.0\.0\.1:\d+ +\S+ +(?P<epoch>\d+)", re.MULTILINE)
 CONFIG = "swarm_seed-0"
 
 
