@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from dht.errors import ConfigError
+from peer.newcomer_hold import NewcomerHold
 from peer.progress import GlobalProgress
 from peer.trainer import StepContext
 
@@ -198,6 +199,8 @@ class CollaborativeOptimizer:
             :func:`averaged_buffers`) to hand them to the averager.
         on_behind: called with the swarm's epoch when it is ahead of this peer's; loads the
             swarm's state and returns the epoch now reached (this peer's own if it failed).
+        newcomer_hold: when alone at its epoch, hold the boundary for a peer catching up
+            (:mod:`peer.newcomer_hold`); None never holds.
     """
 
     def __init__(
@@ -213,6 +216,7 @@ class CollaborativeOptimizer:
         epoch: int = 0,
         buffers: list[torch.Tensor] | None = None,
         on_behind: Callable[[int], int] | None = None,
+        newcomer_hold: NewcomerHold | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -225,6 +229,7 @@ class CollaborativeOptimizer:
         self.samples = 0
         self.stats = EpochStats()
         self.on_behind = on_behind
+        self.newcomer_hold = newcomer_hold
         self._alone = False
         self._num_at_epoch = 1
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -327,16 +332,21 @@ class CollaborativeOptimizer:
         """Whether to end the epoch now: the swarm reached its target, or will be nearer to it
         now than after this peer's next local step (half a step's worth of the swarm's samples
         is missing at most), so that epochs hold the target on average."""
-        # nobody else at this epoch: a round would only wait out matchmaking for a group of one
-        self._num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
-        self._alone = self._num_at_epoch <= 1
+        self._count_at_epoch(swarm)
         if swarm.epoch > self.epoch:
             return True  # the swarm moved on: average what we have, or fall back and resync
+        if swarm.ready and self._alone and self.newcomer_hold is not None:
+            return not self.newcomer_hold.should_hold(swarm, self.epoch)
         if swarm.ready or self._alone or self.samples == 0:
             return swarm.ready
         own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
         step_s = batch_samples / own_rate if own_rate > 0 else 0.0
         return swarm.eta_next_epoch_s <= 0.5 * step_s
+
+    def _count_at_epoch(self, swarm: GlobalProgress) -> None:
+        # nobody else at this epoch: a round would only wait out matchmaking for a group of one
+        self._num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
+        self._alone = self._num_at_epoch <= 1
 
     # ---- epoch boundary ----------------------------------------------------------------------
 
@@ -348,7 +358,7 @@ class CollaborativeOptimizer:
         self._clock = context.clock
         if self._pending is not None:  # at most one round in flight: apply the previous first
             self.flush()
-            self._swarm_ready(self.progress.current())  # who is at this epoch, after it
+            self._count_at_epoch(self.progress.current())  # who is at this epoch, after it
         tensors = self._round_tensors()
         if self.config.delay_update and not self._alone:
             self._pending = self.averager.start_average(
@@ -385,6 +395,8 @@ class CollaborativeOptimizer:
     def _next_epoch(self) -> None:
         self.epoch += 1
         self.samples = 0
+        if self.newcomer_hold is not None:
+            self.newcomer_hold.reset()
         self._apply_lr()
         self.progress.report_local_progress(self.epoch, 0)
         if self.on_epoch is not None:

@@ -34,6 +34,7 @@ from peer.schedules import LRSchedule, make_lr_schedule
 
 if TYPE_CHECKING:  # torch-importing modules: kept out of `peer dht` and `peer --help`
     from peer.collaborative import CollaborativeConfig
+    from peer.newcomer_hold import NewcomerHoldConfig
     from peer.profiler import ProfilerConfig
     from peer.state_sync import StateSyncConfig
     from peer.trainer import TrainerConfig
@@ -122,6 +123,9 @@ class PeerConfig(BaseModel):
     min_group_size: int = Field(2, ge=1, description="fewer peers than this is no group")
     matchmaking_time: float = Field(5.0, gt=0, description="seconds to look for a group")
     averaging_timeout: float = Field(30.0, gt=0, description="seconds for one whole round")
+    newcomer_wait: float = Field(
+        10.0, ge=0, description="seconds a peer alone at its epoch holds it for a peer catching up"
+    )
     state_compression: Literal["none", "bf16"] = Field(
         "none", description="state downloads: float32 tensors as bfloat16 (half the bytes)"
     )
@@ -225,6 +229,11 @@ class PeerConfig(BaseModel):
             allreduce_timeout_s=self.averaging_timeout,
             compression=self.compression,
         )
+
+    def newcomer_hold_config(self) -> NewcomerHoldConfig:
+        from peer.newcomer_hold import NewcomerHoldConfig
+
+        return NewcomerHoldConfig(wait_s=self.newcomer_wait)
 
     def collaborative_config(self) -> CollaborativeConfig:
         from peer.collaborative import CollaborativeConfig

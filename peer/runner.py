@@ -27,6 +27,7 @@ from peer.checkpoint import CheckpointDir, Progress, pack_state, unpack_state
 from peer.collaborative import CollaborativeOptimizer, averaged_buffers
 from peer.config import PeerConfig
 from peer.metrics_stream import MetricsStream
+from peer.newcomer_hold import NewcomerHold
 from peer.profiler import Profiler, StepProgress
 from peer.prometheus import PeerMetrics
 from peer.run_reports import RunReports
@@ -134,7 +135,7 @@ class PeerRun:
         self.services: SwarmServices | None = None
         self.hook: CollaborativeOptimizer | None = None
         self._last_checkpoint_s = time.monotonic()
-        self._last_sync_attempt_s = -float("inf")
+        self._last_failed_sync_s = -float("inf")
         self._last_loss: torch.Tensor | None = None
         self._recent_losses: collections.deque[torch.Tensor] = collections.deque(
             maxlen=max(1, math.ceil(FINAL_LOSS_SAMPLES / self.task.batch_size))
@@ -193,6 +194,7 @@ class PeerRun:
             lr_schedule=self.config.lr_schedule_fn(),
             epoch=epoch,
             buffers=self.buffers,
+            newcomer_hold=NewcomerHold(self.config.newcomer_hold_config()),
         )
         self.trainer.hook = self.hook
         self.services.tracker.report_local_progress(epoch, 0)
@@ -283,8 +285,10 @@ class PeerRun:
                 logger.info("resumed from %s at epoch %d", loaded.path, epoch)
         swarm = self.loop_thread.run(self.services.tracker.refresh(), timeout_s=START_TIMEOUT_S)
         if swarm.epoch > epoch:
-            self._last_sync_attempt_s = time.monotonic()
-            epoch = self._download_state(swarm.epoch, fallback=epoch)
+            reached = self._download_state(swarm.epoch, fallback=epoch)
+            if reached == epoch:
+                self._last_failed_sync_s = time.monotonic()
+            epoch = reached
         return epoch
 
     def _download_state(self, min_epoch: int, *, fallback: int) -> int:
@@ -327,16 +331,19 @@ class PeerRun:
         return progress.epoch
 
     def _catch_up(self, swarm_epoch: int) -> int:
-        now = time.monotonic()
-        if now - self._last_sync_attempt_s < RESYNC_COOLDOWN_S:
+        if time.monotonic() - self._last_failed_sync_s < RESYNC_COOLDOWN_S:
             return self.hook.epoch  # a recent attempt failed: train on, try again later
-        self._last_sync_attempt_s = now
         logger.info(
             "the swarm is at epoch %d, this peer at %d: downloading state",
             swarm_epoch,
             self.hook.epoch,
         )
-        return self._download_state(swarm_epoch, fallback=self.hook.epoch)
+        # A download that worked but landed behind again (epochs faster than a download) is
+        # retried at once: the lone peer ahead holds its epoch for this one (peer.newcomer_hold).
+        reached = self._download_state(swarm_epoch, fallback=self.hook.epoch)
+        if reached <= self.hook.epoch:
+            self._last_failed_sync_s = time.monotonic()
+        return reached
 
     def _snapshot(self, epoch: int) -> StateSnapshot:
         tensors, metadata = pack_state(

@@ -160,6 +160,38 @@ def test_a_newcomer_downloads_the_state_and_joins_the_next_round():
         stop(first, first_thread)
 
 
+def test_a_newcomer_catches_a_lone_peer_whose_epochs_are_faster_than_a_download():
+    """Epochs of ~20 ms alone: without the lone peer holding its boundary for the newcomer, the
+    newcomer's state is stale on arrival, it downloads again, and never averages."""
+    # a newcomer that takes a stale record for a partner waits out matchmaking alone first
+    quick = {"matchmaking_time": 2.0}
+    (first,) = start_swarm([config(seed=1, **quick)])
+    first_thread = train_in_thread(first)
+    newcomer, newcomer_thread = None, None
+    try:
+        wait_for(
+            lambda: first.services.tracker.global_progress.epoch >= 20,
+            "the first peer did not publish epoch 20",
+        )
+        newcomer = PeerRun(config(seed=2, initial_peers=[first.address], **quick))
+        newcomer.start()
+        newcomer_thread = train_in_thread(newcomer)
+        wait_for(
+            lambda: newcomer.hook.stats.last_group_size == 2,
+            "the newcomer never averaged with the first",
+            timeout_s=30,
+        )
+        assert first.hook.newcomer_hold.num_holds >= 1
+        # from then on they keep the same epoch and step together
+        wait_for(lambda: newcomer.hook.stats.num_rounds >= 10, "no further rounds")
+        assert newcomer.hook.stats.last_group_size == 2
+        assert abs(first.hook.epoch - newcomer.hook.epoch) <= 1
+    finally:
+        if newcomer is not None:
+            stop(newcomer, newcomer_thread)
+        stop(first, first_thread)
+
+
 def test_fast_epochs_hold_the_target_batch_size_on_average():
     """Epochs of a few tens of milliseconds (far shorter than the publishing interval): the
     swarm's estimate must neither end epochs early nor let them run long."""

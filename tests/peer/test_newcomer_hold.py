@@ -1,0 +1,72 @@
+"""The lone peer's hold at its epoch boundary for a peer catching up (pure, fake clocks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dht.errors import ConfigError
+from peer.newcomer_hold import NewcomerHold, NewcomerHoldConfig
+from peer.progress import GlobalProgress, PeerProgress
+
+pytestmark = pytest.mark.timeout(30)
+NOW = 1_000_000.0
+
+
+class Clocks:
+    def __init__(self) -> None:
+        self.monotonic_s = 50.0
+        self.dht_s = NOW
+
+    def advance(self, seconds: float) -> None:
+        self.monotonic_s += seconds
+        self.dht_s += seconds
+
+
+def swarm(*others: tuple[str, int, float]) -> GlobalProgress:
+    own = PeerProgress("me", 7, 300, 1000.0, NOW, None, False)
+    peers = [own] + [PeerProgress(p, e, 0, 1000.0, t, None, False) for p, e, t in others]
+    return GlobalProgress(7, 300, 256, 1000.0, 0.0, len(peers), 0, tuple(peers))
+
+
+def make(wait_s: float = 10.0) -> tuple[NewcomerHold, Clocks]:
+    clocks = Clocks()
+    hold = NewcomerHold(
+        NewcomerHoldConfig(wait_s=wait_s),
+        monotonic=lambda: clocks.monotonic_s,
+        dht_time=lambda: clocks.dht_s,
+    )
+    return hold, clocks
+
+
+def test_holds_for_a_fresh_peer_behind_until_it_arrives():
+    hold, clocks = make()
+    assert hold.should_hold(swarm(("new", 0, NOW - 1.0)), epoch=7)
+    clocks.advance(3.0)
+    assert hold.should_hold(swarm(("new", 6, NOW + 2.0)), epoch=7)
+    # it arrived at this epoch: nobody behind, no hold
+    assert not hold.should_hold(swarm(("new", 7, NOW + 3.0)), epoch=7)
+    assert hold.num_holds == 1
+
+
+def test_gives_up_after_the_wait_and_never_waits_for_that_peer_again():
+    hold, clocks = make(wait_s=10.0)
+    assert hold.should_hold(swarm(("slow", 3, NOW)), epoch=7)
+    clocks.advance(9.9)
+    assert hold.should_hold(swarm(("slow", 3, NOW + 9.0)), epoch=7)
+    clocks.advance(0.2)
+    assert not hold.should_hold(swarm(("slow", 3, NOW + 10.0)), epoch=7)
+    hold.reset()  # the epoch ended
+    clocks.advance(1.0)
+    assert not hold.should_hold(swarm(("slow", 4, NOW + 11.0)), epoch=8)
+    # another newcomer still gets its wait
+    assert hold.should_hold(swarm(("slow", 4, NOW + 11.0), ("other", 0, NOW + 11.0)), epoch=8)
+
+
+def test_ignores_stale_records_and_peers_ahead_and_can_be_off():
+    hold, _ = make(wait_s=10.0)
+    assert not hold.should_hold(swarm(("gone", 2, NOW - 10.5)), epoch=7)
+    assert not hold.should_hold(swarm(("ahead", 9, NOW)), epoch=7)
+    off, _ = make(wait_s=0.0)
+    assert not off.should_hold(swarm(("new", 0, NOW)), epoch=7)
+    with pytest.raises(ConfigError, match="newcomer wait"):
+        NewcomerHoldConfig(wait_s=-1.0)
