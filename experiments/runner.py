@@ -206,8 +206,9 @@ def run_config(
 ) -> Outcome:
     """Run one configuration in ``session``; never raises for the configuration's own failure.
 
-    ``on_update``: see :func:`watch`. ``dashboard``: shows a swarm configuration while its peers
-    run (given the bootstrap's URL); closed before the processes are stopped, also on Ctrl-C.
+    ``on_update``: see :func:`watch`. ``dashboard``: shows a swarm configuration (given the
+    bootstrap's URL); opened before the peers start (joining the swarm takes none of their time
+    nor delays the stopping rules) and closed before they are stopped, also on Ctrl-C.
     """
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     start = time.monotonic()
@@ -221,9 +222,9 @@ def run_config(
             plans = [dataclasses.replace(p, args=[*p.args, "--initial-peers", url]) for p in plans]
             if dashboard is not None:
                 view = dashboard(url, session)
-        for plan in plans:
-            session.start(plan)
         with view:
+            for plan in plans:
+                session.start(plan)
             outcome = watch(spec, session, plans, on_update)
     except LaunchError as e:
         outcome = Outcome(status="failed", reason=str(e))

@@ -14,7 +14,7 @@ from rich.console import Console
 from experiments import sweep
 from experiments.launch_base import Launcher, ProcessPlan, Session
 from experiments.spec import parse_spec
-from experiments.watching import WatchUnavailable
+from experiments.watching import WatchTarget, WatchUnavailable
 from tests.experiments.helpers import tiny_spec
 
 pytestmark = pytest.mark.timeout(30)
@@ -133,15 +133,15 @@ def test_each_swarm_configuration_gets_one_dashboard_and_the_baseline_none(tmp_p
     }
     assert recorder.targets[0].label == f"config 2/3: {swarm_names[0]}"
     assert recorder.targets[0].enter_network is None  # the host reaches loopback
-    # open once the peers run, closed before they are stopped
+    # open once the bootstrap is up, before the peers start; closed before they are stopped
     run_id = recorder.targets[0].run_id
     events = launcher.events
     start = events.index("start dht", events.index("stop_all"))  # after the baseline's stop
     assert events[start : start + 6] == [
         "start dht",
+        f"open {run_id}",
         "start peer-0",
         "start peer-1",
-        f"open {run_id}",
         f"close {run_id}",
         "stop_all",
     ]
@@ -169,12 +169,17 @@ def test_a_refusal_skips_one_configuration_and_an_error_the_rest(tmp_path, launc
     assert "live dashboard off for the rest of the sweep: unreachable" in text
 
 
-def test_the_peer_cli_refuses_hivemind_configurations(tmp_path, launcher):
+def test_the_peer_cli_has_no_hivemind_reader_inside_namespaces():
     from peer.commands_experiment import watch_configuration
 
-    outcomes, text = _run(tmp_path, watch_configuration, backends='["hivemind"]')
-    assert [o.status for o in outcomes.values()] == ["done", "done", "done"]
-    assert text.count("no live dashboard: the hivemind backend's records") == 2
+    target = WatchTarget(
+        run_id="w-x", bootstrap_url="/ip4/10.213.0.1/tcp/1/p2p/Qm", config_name="x",
+        position=1, num_configs=1, num_peers=2, target_batch_size=256, backend="hivemind",
+        launcher="netns", enter_network=lambda: None,
+    )  # fmt: skip
+    with pytest.raises(WatchUnavailable, match="hivemind swarm in network namespaces"):
+        with watch_configuration(target, lambda: None):
+            pass
 
 
 def test_without_a_factory_nothing_is_asked(tmp_path, launcher):
