@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dht.config import get_dht_time
 from dht.node import DHTNode
 from dht.runtime import EventLoopThread
-from peer.collaborative import EpochStats, RoundOutcome
 from peer.prometheus import PeerMetrics, PrometheusExporter
 from peer.round_log import RoundEntry, RoundLog, RoundLogConfig, group_name
+from peer.rounds import EpochStats, RoundOutcome
 
 logger = logging.getLogger(__name__)
 

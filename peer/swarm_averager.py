@@ -14,8 +14,8 @@ from averaging.averager import DecentralizedAverager
 from averaging.errors import AveragingError, translate
 from dht.errors import DHTError
 from dht.runtime import EventLoopThread
-from peer.collaborative import RoundOutcome
 from peer.phases import PhaseClock
+from peer.rounds import RoundOutcome
 
 # How much longer than the round's own bound the training thread waits for it.
 FACADE_SLACK_S = 5.0

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from peer.collaborative import CollaborativeConfig, CollaborativeOptimizer, RoundOutcome
+from peer.collaborative import CollaborativeConfig, CollaborativeOptimizer
 from peer.phases import PhaseClock
 from peer.progress import GlobalProgress, PeerProgress
+from peer.rounds import RoundOutcome
 from peer.schedules import make_lr_schedule
 from peer.trainer import StepContext
 
