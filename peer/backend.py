@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class RunSummary:
-    """How a peer's run went; the fields of ``peer join --json`` (``PeerSummary`` has them too).
+    """How a peer's run went, in either backend; the fields of ``peer join --json``.
 
     Attributes:
         peer_id: the peer's id in its backend's format.
@@ -58,7 +58,7 @@ class PeerRunner(Protocol):
 
     stop_event: threading.Event
 
-    def run(self): ...  # -> a summary with the fields of RunSummary
+    def run(self) -> RunSummary: ...
 
     def close(self) -> None: ...
 

@@ -216,10 +216,22 @@ class CollaborativeOptimizer:
             self.flush()
         self.progress.report_local_progress(self.epoch, self.samples)
         swarm = self.progress.current()
-        if swarm.epoch > self.epoch and self.on_behind is not None:
+        if self.on_behind is not None and self._behind(swarm):
             self._catch_up(swarm.epoch)
         elif self._swarm_ready(swarm, context.batch_samples):
             self.finish_epoch(context)
+
+    def _behind(self, swarm: GlobalProgress) -> bool:
+        """Whether to load the swarm's state: more than one epoch behind, or one behind with
+        nobody left at this epoch (its round is over; stepping alone would leave this peer's
+        parameters apart from everyone's for good in ``grad`` mode). One behind with others
+        here: finish the epoch with them (see ``_swarm_ready``)."""
+        if swarm.epoch <= self.epoch:
+            return False
+        if swarm.epoch > self.epoch + 1:
+            return True
+        self._count_at_epoch(swarm)
+        return self._alone
 
     def _catch_up(self, swarm_epoch: int) -> None:
         self.flush()

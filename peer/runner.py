@@ -23,7 +23,8 @@ import torch
 from averaging.averager import DecentralizedAverager
 from dht.identity import PeerIdentity, short_id
 from dht.runtime import EventLoopThread
-from peer.checkpoint import CheckpointDir, Progress, pack_state, unpack_state
+from peer.backend import RunSummary
+from peer.checkpoint import CheckpointDir, Progress
 from peer.collaborative import CollaborativeOptimizer, averaged_buffers
 from peer.config import PeerConfig
 from peer.metrics_stream import MetricsStream
@@ -32,38 +33,15 @@ from peer.profiler import Profiler, StepProgress
 from peer.prometheus import PeerMetrics
 from peer.run_reports import RunReports
 from peer.services import SwarmServices, open_services
-from peer.state_sync import StateSnapshot, StateSyncError, download_state, layout_of
+from peer.state_catch_up import StateCatchUp
 from peer.swarm_averager import SwarmAverager
 from peer.tasks import DataShard, load_task
 from peer.trainer import StepReport, Trainer, evaluate
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
-# After a failed catch-up download, train on this long before trying again (a donor may be busy).
-RESYNC_COOLDOWN_S = 2.0
-STATE_PREFIX_OPTIMIZER = "optim"
 # The summary's final loss is the mean over about this many of the last training samples.
 FINAL_LOSS_SAMPLES = 2048
-
-
-@dataclasses.dataclass(frozen=True)
-class PeerSummary:
-    """How a peer's run went (``peer join`` prints it; ``peer demo`` aggregates it)."""
-
-    peer_id: str
-    address: str | None
-    epoch: int
-    num_steps: int
-    num_samples: int
-    seconds: float
-    samples_per_s: float
-    final_loss: float | None
-    num_rounds: int
-    num_failed_rounds: int
-    stopped_by: str
-    matchmaking_s: float = 0.0
-    allreduce_s: float = 0.0
-    eval_loss: float | None = None
 
 
 def make_optimizer(config: PeerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -135,7 +113,6 @@ class PeerRun:
         self.services: SwarmServices | None = None
         self.hook: CollaborativeOptimizer | None = None
         self._last_checkpoint_s = time.monotonic()
-        self._last_failed_sync_s = -float("inf")
         self._last_loss: torch.Tensor | None = None
         self._recent_losses: collections.deque[torch.Tensor] = collections.deque(
             maxlen=max(1, math.ceil(FINAL_LOSS_SAMPLES / self.task.batch_size))
@@ -178,6 +155,14 @@ class PeerRun:
             self.config.run_id,
             self.address or "nothing (client mode)",
         )
+        self.state = StateCatchUp(
+            self.config,
+            trainer=self.trainer,
+            optimizer=self.optimizer,
+            services=self.services,
+            loop_thread=self.loop_thread,
+            clock=self.clock,
+        )
         epoch = self._resume()
         self.hook = CollaborativeOptimizer(
             model=self.model,
@@ -195,13 +180,14 @@ class PeerRun:
             epoch=epoch,
             buffers=self.buffers,
             newcomer_hold=NewcomerHold(self.config.newcomer_hold_config()),
+            on_behind=lambda swarm_epoch: self.state.catch_up(swarm_epoch, epoch=self.hook.epoch),
         )
         self.trainer.hook = self.hook
         self.services.tracker.report_local_progress(epoch, 0)
         if self.config.wait_for_peers > 1:
             self._wait_for_peers()
         self.services.state_server.current_epoch = epoch
-        self.services.state_server.update(self._snapshot(epoch))
+        self.services.state_server.update(self.state.snapshot(epoch))
         if self.config.metrics_file is not None:
             self.metrics = MetricsStream(
                 self.config.metrics_file,
@@ -285,75 +271,8 @@ class PeerRun:
                 logger.info("resumed from %s at epoch %d", loaded.path, epoch)
         swarm = self.loop_thread.run(self.services.tracker.refresh(), timeout_s=START_TIMEOUT_S)
         if swarm.epoch > epoch:
-            reached = self._download_state(swarm.epoch, fallback=epoch)
-            if reached == epoch:
-                self._last_failed_sync_s = time.monotonic()
-            epoch = reached
+            epoch = self.state.download(swarm.epoch, fallback=epoch)
         return epoch
-
-    def _download_state(self, min_epoch: int, *, fallback: int) -> int:
-        tensors, _ = pack_state(
-            model=self.model,
-            optimizer=self.optimizer,
-            progress=Progress(epoch=0, step=0, samples=0),
-        )
-        model_layout = {k: v for k, v in layout_of(tensors).items() if k.startswith("model/")}
-        model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        with self.clock.phase("state_sync"):
-            try:
-                snapshot = self.loop_thread.run(
-                    download_state(
-                        self.services.transport,
-                        self.services.node,
-                        self.config.run_id,
-                        min_epoch=min_epoch,
-                        expected=model_layout,
-                        config=self.config.state_sync_config(),
-                        extra_prefix=STATE_PREFIX_OPTIMIZER,
-                        max_extra_bytes=4 * model_bytes + 2**20,
-                    )
-                )
-                progress, _ = unpack_state(
-                    snapshot.tensors,
-                    snapshot.metadata,
-                    model=self.model,
-                    optimizer=self.optimizer,
-                    path="<downloaded state>",
-                )
-            except StateSyncError as e:
-                logger.warning(
-                    "could not download the swarm's state (%s); training on from epoch %d",
-                    e,
-                    fallback,
-                )
-                return fallback
-        logger.info("downloaded the swarm's state of epoch %d", progress.epoch)
-        return progress.epoch
-
-    def _catch_up(self, swarm_epoch: int) -> int:
-        if time.monotonic() - self._last_failed_sync_s < RESYNC_COOLDOWN_S:
-            return self.hook.epoch  # a recent attempt failed: train on, try again later
-        logger.info(
-            "the swarm is at epoch %d, this peer at %d: downloading state",
-            swarm_epoch,
-            self.hook.epoch,
-        )
-        # A download that worked but landed behind again (epochs faster than a download) is
-        # retried at once: the lone peer ahead holds its epoch for this one (peer.newcomer_hold).
-        reached = self._download_state(swarm_epoch, fallback=self.hook.epoch)
-        if reached <= self.hook.epoch:
-            self._last_failed_sync_s = time.monotonic()
-        return reached
-
-    def _snapshot(self, epoch: int) -> StateSnapshot:
-        tensors, metadata = pack_state(
-            model=self.model,
-            optimizer=self.optimizer,
-            progress=Progress(
-                epoch=epoch, step=self.trainer.step, samples=self.trainer.total_samples
-            ),
-        )
-        return StateSnapshot.capture(epoch, tensors, metadata)
 
     def _on_step(self, report: StepReport) -> None:
         self._last_loss = report.loss_tensor
@@ -368,7 +287,7 @@ class PeerRun:
         self._log_rounds()
         state_server = self.services.state_server
         if state_server.snapshot_requested:
-            state_server.update(self._snapshot(self.hook.epoch))
+            state_server.update(self.state.snapshot(self.hook.epoch))
 
     def _on_epoch(self, epoch: int) -> None:
         self.profiler.on_epoch(epoch)
@@ -390,7 +309,7 @@ class PeerRun:
             ),
         )
 
-    def run(self) -> PeerSummary:
+    def run(self) -> RunSummary:
         """Start, train until a stop condition, leave cleanly; returns the summary."""
         start = time.monotonic()
         try:
@@ -417,7 +336,7 @@ class PeerRun:
             self.close()
         seconds = time.monotonic() - start
         stats = self.hook.stats
-        return PeerSummary(
+        return RunSummary(
             peer_id=self.identity.peer_id,
             address=None,
             epoch=self.hook.epoch,
