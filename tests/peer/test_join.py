@@ -191,9 +191,7 @@ def test_a_newcomer_catches_a_lone_peer_whose_epochs_are_faster_than_a_download(
         assert first.hook.epoch == newcomer.hook.epoch == last_epoch
         assert newcomer.hook.stats.last_group_size == 2
         assert newcomer.hook.stats.num_failed_rounds == 0
-        for ours, theirs in zip(
-            first.model.parameters(), newcomer.model.parameters(), strict=True
-        ):
+        for ours, theirs in zip(first.model.parameters(), newcomer.model.parameters(), strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
     finally:
         if newcomer is not None:
