@@ -105,6 +105,15 @@ def _complete(view) -> bool:
     )
 
 
+def _output(process: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    """The peer's stdout once it exited (killed with its group after ``timeout_s``)."""
+    try:
+        return process.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.communicate()[0]
+
+
 def _wait_for_view(reader: ThreadedSwarmReader, processes, deadline_s: float):
     view = None
     while time.monotonic() < deadline_s:
@@ -163,7 +172,7 @@ def test_the_dashboard_shows_a_hivemind_swarm(tmp_path):
                 if process.poll() is None:
                     # the peer only (its group holds hivemind's processes, which it stops)
                     process.send_signal(signal.SIGTERM)  # `peer join` stops and reports
-            outputs = [process.communicate(timeout=120)[0] for process in processes]
+            outputs = [_output(process) for process in processes]
             leftovers = [name for p in processes for name in _left_behind(p.pid)]
     for process, log in zip(processes, logs, strict=True):
         assert process.returncode == 0, log.read_text()[-3000:]
