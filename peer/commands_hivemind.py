@@ -1,7 +1,7 @@
 """The dashboard of a hivemind swarm, wired (part of the composition root, as :mod:`peer.cli`).
 
 The monitor reads our DHT itself; a hivemind swarm it reads through
-:class:`peer.hivemind_records.HivemindSwarmRecords` (a ``monitor.records.RecordSource``), handed
+:class:`peer.hivemind_swarm.HivemindSwarmRecords` (a ``monitor.records.RecordSource``), handed
 in from here: ``peer monitor --backend hivemind``, ``peer join --backend hivemind --dashboard``
 and ``peer demo --backend hivemind``. hivemind and the monitor are imported only when one of
 them runs.
@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager, contextmanager
 @contextmanager
 def open_monitor_records(initial_peers: list[str], run_id: str):
     """``peer monitor --backend hivemind``: a client-mode hivemind.DHT reading ``run_id``."""
-    from peer.hivemind_records import open_swarm_records
+    from peer.hivemind_swarm import open_swarm_records
 
     with open_swarm_records(initial_peers, run_id) as records:
         yield records
@@ -29,7 +29,7 @@ def join_companion(monitor_config, stop: threading.Event) -> Callable[..., Abstr
 
     def companion(run) -> AbstractContextManager:
         from monitor.records import records_dashboard
-        from peer.hivemind_records import HivemindSwarmRecords
+        from peer.hivemind_swarm import HivemindSwarmRecords
 
         records = HivemindSwarmRecords(
             run.dht, monitor_config.run_id, source=f"this peer: {run.address or 'client mode'}"
@@ -47,7 +47,7 @@ def demo_dashboard(monitor_config):
 
     def factory(bootstrap, loop, console, on_quit) -> AbstractContextManager:
         from monitor.records import records_dashboard
-        from peer.hivemind_records import HivemindSwarmRecords
+        from peer.hivemind_swarm import HivemindSwarmRecords
 
         records = HivemindSwarmRecords(
             bootstrap.dht, monitor_config.run_id, source=f"via {bootstrap.address}"

@@ -181,7 +181,7 @@ async def _open_bootstrap(
         bootstrap = stack.enter_context(HivemindBootstrap())
         records = None
         if table:
-            from peer.hivemind_records import HivemindSwarmRecords
+            from peer.hivemind_swarm import HivemindSwarmRecords
 
             records = HivemindSwarmRecords(bootstrap.dht, RUN_ID, source=bootstrap.address)
 

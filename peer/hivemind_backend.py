@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -47,13 +46,14 @@ from peer.hivemind_hook import (
     EstimatedCounters,
     HivemindBootstrap,
     HivemindHook,
+    children_take_sigterm,
     hivemind_compression,
     import_hivemind,
     listen_maddrs,
     swarm_peer_id,
     wait_for_peers,
 )
-from peer.hivemind_records import HivemindRecordPublisher
+from peer.hivemind_records import HivemindRecordPublisher, LocalProgress
 
 __all__ = ["HivemindBootstrap", "HivemindPeerRun", "check_config", "listen_maddrs"]
 from peer.metrics_stream import MetricsStream
@@ -160,7 +160,7 @@ class HivemindPeerRun:
         hivemind = import_hivemind()
         config = self.config
         _quiet_hivemind()
-        _children_take_sigterm()
+        children_take_sigterm()
         self.trainer.start_data()  # fork loader workers before hivemind's processes and threads
         with self.clock.phase("other"):
             self.dht = hivemind.DHT(
@@ -198,15 +198,16 @@ class HivemindPeerRun:
         self.records = HivemindRecordPublisher(
             self.dht,
             run_id=config.run_id,
-            peer_id=self.swarm_peer_id,
+            libp2p_id=self.dht.peer_id.to_bytes(),
             make_profile=lambda time_s: self.profiler.make_record(
                 peer_id=self.swarm_peer_id, time_s=time_s
             ),
-            epoch=lambda: self.opt.local_epoch if self.opt is not None else epoch,
+            progress=self._local_progress,
             target_batch_size=config.target_batch_size,
             address=self.address,
+            client_mode=config.client_mode,
+            interval_s=config.publish_interval,
             profile_interval_s=config.profile_interval,
-            rounds_interval_s=config.publish_interval,
         )
         self.hook = HivemindHook(
             self.opt,
@@ -256,6 +257,16 @@ class HivemindPeerRun:
     def swarm_peer_id(self) -> str:
         """This peer's name in the dashboard's records (:func:`swarm_peer_id`)."""
         return swarm_peer_id(self.dht.peer_id) if self.dht is not None else "?"
+
+    def _local_progress(self) -> LocalProgress:
+        """Where this peer is, for its progress record (read from the publisher's thread)."""
+        opt, stats = self.opt, self.hook.stats
+        round_s = stats.matchmaking_s + stats.allreduce_s
+        if opt is None:  # leaving
+            return LocalProgress(self._profiled_epoch, 0, self.trainer.total_samples, round_s)
+        tracked = opt.tracker.local_progress  # hivemind replaces it whole: a consistent read
+        samples = tracked.samples_accumulated if tracked.epoch == opt.local_epoch else 0
+        return LocalProgress(opt.local_epoch, samples, self.trainer.total_samples, round_s)
 
     def _recent_loss(self) -> float | None:
         """The mean training loss over the last FINAL_LOSS_SAMPLES samples, or None."""
@@ -368,23 +379,6 @@ class HivemindPeerRun:
 
 def _random_seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
-
-
-_sigterm_reset_registered = False
-
-
-def _children_take_sigterm() -> None:
-    """Forked children (hivemind's DHT and averager processes) get SIGTERM's default action back.
-
-    ``peer join`` handles SIGTERM by asking training to stop; a child forked after that would
-    inherit the handler, so when hivemind's shutdown gives up on a process and terminates it,
-    nothing happens: each shutdown waited out its grace period (3-5 s), and the exit waited again
-    for the process itself (about 13 s in all). SIGINT stays: hivemind's children ignore it.
-    """
-    global _sigterm_reset_registered
-    if not _sigterm_reset_registered:
-        os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
-        _sigterm_reset_registered = True
 
 
 def _quiet_hivemind() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -278,6 +280,24 @@ class HivemindHook:
     def _timed_load_state(self, **kwargs: Any) -> None:
         with self.clock.phase("state_sync"):
             self._load_state(**kwargs)
+
+
+_sigterm_reset_registered = False
+
+
+def children_take_sigterm() -> None:
+    """Forked children (hivemind's DHT and averager processes) get SIGTERM's default action back.
+
+    ``peer join`` handles SIGTERM by asking training to stop; a child forked after that would
+    inherit the handler, so when hivemind's shutdown gives up on a process (after its grace
+    period) and terminates it, nothing happened: the process lived on until its own shutdown
+    finished, and the peer's exit waited for it (about 5 s more). SIGINT stays: hivemind's
+    children ignore it.
+    """
+    global _sigterm_reset_registered
+    if not _sigterm_reset_registered:
+        os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+        _sigterm_reset_registered = True
 
 
 def listen_maddrs(host: str, port: int) -> list[str]:
