@@ -215,6 +215,7 @@ class HivemindPeerRun:
             compression=config.compression,
             counters=self.counters,
             on_round=self._on_round,
+            leave=self.stop_event,
         )
         self.trainer.hook = self.hook
         logger.info(

@@ -131,19 +131,29 @@ class RoundStats:
 
 
 class AllreduceWatch:
-    """Polls a round's StepControl from a helper thread and notes when its all-reduce begins."""
+    """Polls a round's StepControl from a helper thread and notes when its all-reduce begins.
 
-    def __init__(self, control: Any):
+    With ``leave`` set (the peer is stopping) before the all-reduce began, it cancels the round,
+    as hivemind's own shutdown cancels a round that is still looking for a group: otherwise
+    the training thread could wait out the whole ``--averaging-timeout`` before it stops.
+    """
+
+    def __init__(self, control: Any, *, leave: threading.Event | None = None):
         self._control = control
+        self._leave = leave
         self._stop = threading.Event()
         self.began_s: float | None = time.perf_counter() if control.began_allreduce else None
         self._thread = threading.Thread(target=self._poll, name="vp-hm-watch", daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
+        cancelled = False
         while self.began_s is None and not self._stop.wait(ALLREDUCE_POLL_S):
             if self._control.began_allreduce:
                 self.began_s = time.perf_counter()
+            elif not cancelled and self._leave is not None and self._leave.is_set():
+                cancelled = True
+                self._control.cancel()  # hivemind then steps on the local gradients
 
     def stop(self) -> float | None:
         """Stop polling; the ``time.perf_counter`` at which the all-reduce began, or None."""
@@ -162,6 +172,7 @@ class HivemindHook:
         counters: where the estimated bytes go.
         on_round: called in the training thread with every epoch transition as a round entry
             (``loss`` None: the caller knows it); see :meth:`_timed_update_epoch`.
+        leave: set when the peer stops: a round still looking for a group is cancelled.
     """
 
     def __init__(
@@ -172,12 +183,14 @@ class HivemindHook:
         compression: str,
         counters: EstimatedCounters,
         on_round: Callable[[RoundEntry], None] | None = None,
+        leave: threading.Event | None = None,
     ):
         self.opt = opt
         self.clock = clock
         self.stats = RoundStats()
         self.counters = counters
         self.on_round = on_round
+        self.leave = leave
         self._bytes_per_value = BYTES_PER_VALUE[compression]
         self._num_values = sum(p.numel() for g in opt.param_groups for p in g["params"])
         self._round: RoundEntry | None = None  # the gradient round of the epoch transition
@@ -199,7 +212,7 @@ class HivemindHook:
 
     def _timed_average(self, control: Any) -> None:
         start = time.perf_counter()
-        watch = None if control is None else AllreduceWatch(control)
+        watch = None if control is None else AllreduceWatch(control, leave=self.leave)
         with self.clock.phase("matchmaking"):
             try:
                 self._average(control)
@@ -221,7 +234,9 @@ class HivemindHook:
 
     def _gradient_round(self, control: Any, duration_s: float) -> RoundEntry:
         epoch, end_time = self.opt.local_epoch, dht_time()
-        if not control.done():
+        if control.cancelled():
+            reason = "cancelled: the peer is leaving"
+        elif not control.done():
             reason = "no result within averaging_timeout"
         elif control.exception() is not None:
             reason = repr(control.exception())

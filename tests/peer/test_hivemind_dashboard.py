@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -219,3 +220,101 @@ def test_the_dashboard_shows_a_hivemind_swarm(tmp_path):
     for name in names:
         assert re.search(rf"^{name} ", monitor.stdout, re.MULTILINE), monitor.stdout
     assert "2 peers" in monitor.stdout and "bottleneck" in monitor.stdout
+
+
+# ---- on a terminal (tmux): `peer join --dashboard` and `peer demo` -------------------------------
+
+TMUX_SIZE = ("-x", "100", "-y", "30")
+PEER_ROW = re.compile(r"^(?P<star>\*?)(?P<id>[0-9a-f]{8}) +/ip4/127\.0\.0\.1/tcp/\S* +cpu +\d+ ")
+
+
+def _tmux(tmp_path: Path) -> list[str]:
+    return ["tmux", "-L", f"vp-hm-{tmp_path.name[-12:]}", "-f", "/dev/null"]
+
+
+def _pane(tmux: list[str], session: str) -> str:
+    return subprocess.run(
+        [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True, timeout=10
+    ).stdout
+
+
+def _wait_for_pane(tmux: list[str], session: str, ready, timeout_s: float, what: str) -> str:
+    deadline_s = time.monotonic() + timeout_s
+    text = ""
+    while time.monotonic() < deadline_s:
+        text = _pane(tmux, session)
+        if ready(text):
+            return text
+        time.sleep(0.5)
+    raise AssertionError(f"no {what} within {timeout_s:g} s:\n{text}")
+
+
+def _rows(text: str) -> dict[str, bool]:
+    """Peer id -> starred (this peer), for the peer rows on screen."""
+    return {m["id"]: bool(m["star"]) for line in text.splitlines() if (m := PEER_ROW.match(line))}
+
+
+def test_join_dashboard_shows_this_peer_in_a_hivemind_swarm(tmp_path):
+    tmux = _tmux(tmp_path)
+    logs = [tmp_path / "plain.log", tmp_path / "dashboard.log"]
+    with HivemindBootstrap() as bootstrap:
+        args = _peer_args(bootstrap.address, 1)
+        with logs[0].open("w") as stderr:
+            plain = subprocess.Popen(
+                args, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True
+            )
+        command = shlex.join([*_peer_args(bootstrap.address, 2), "--dashboard"])
+        subprocess.run(
+            [*tmux, "new-session", "-d", "-s", "peer", *TMUX_SIZE,
+             f"{command} 2>{shlex.quote(str(logs[1]))}; echo PEER-EXITED $?; sleep 600"],
+            check=True, timeout=10,
+        )  # fmt: skip
+        try:
+
+            def both_peers(text: str) -> bool:
+                rows = _rows(text)
+                return len(rows) == 2 and sum(rows.values()) == 1 and "phases data" in text
+
+            screen = _wait_for_pane(tmux, "peer", both_peers, 150, "two peers on the dashboard")
+            subprocess.run([*tmux, "send-keys", "-t", "peer", "q"], check=True, timeout=10)
+            after = _wait_for_pane(tmux, "peer", lambda t: "PEER-EXITED" in t, 90, "the exit")
+        finally:
+            if plain.poll() is None:
+                plain.send_signal(signal.SIGTERM)
+            _output(plain)
+            leftovers = _left_behind(plain.pid)
+            subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=10)
+    assert plain.returncode == 0, logs[0].read_text()[-3000:]
+    assert leftovers == []
+    plain_name, local_name = _short_ids(logs)
+    rows = _rows(screen)
+    assert rows == {plain_name: False, local_name: True}, screen
+    assert f"run {RUN_ID}" in screen and f"this peer {local_name}" in screen, screen
+    # its ten phases in percent, from its profile record
+    assert re.search(r"phases data \d+% h2d \d+% fwd \d+% bwd \d+% opt \d+%", screen), screen
+    assert "PEER-EXITED 0" in after, after + logs[1].read_text()[-3000:]
+    assert re.search(r"peer \S+: epoch \d+, \d+ steps", after), after
+
+
+def test_hivemind_demo_shows_the_dashboard_and_q_ends_it_with_the_summary(tmp_path):
+    tmux = _tmux(tmp_path)
+    demo = [sys.executable, "-m", "peer", "demo", "--backend", "hivemind", "--peers", "2",
+            "--seconds", "150", "--target-batch-size", str(TARGET_BATCH)]  # fmt: skip
+    command = f"{shlex.join(demo)}; echo DEMO-EXITED $?; sleep 600"
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", "demo", *TMUX_SIZE, command], check=True, timeout=10
+    )
+    try:
+
+        def two_peers_and_rounds(text: str) -> bool:
+            return len(_rows(text)) == 2 and re.search(r"^ +\d+ +(alone|\d/2) ", text, re.M)
+
+        screen = _wait_for_pane(tmux, "demo", two_peers_and_rounds, 150, "the demo's swarm")
+        assert "run demo" in screen and "2 peers" in screen and "q quits" in screen, screen
+        assert re.search(r"[\d,]+/1,024 samples", screen), screen
+        subprocess.run([*tmux, "send-keys", "-t", "demo", "q"], check=True, timeout=10)
+        after = _wait_for_pane(tmux, "demo", lambda t: "DEMO-EXITED" in t, 90, "the demo's end")
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=10)
+    assert "DEMO-EXITED 0" in after, after
+    assert re.search(r"2/2 peers finished: \d+ rounds", after), after
