@@ -318,3 +318,16 @@ def test_hivemind_demo_shows_the_dashboard_and_q_ends_it_with_the_summary(tmp_pa
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=10)
     assert "DEMO-EXITED 0" in after, after
     assert re.search(r"2/2 peers finished: \d+ rounds", after), after
+
+
+def test_monitor_of_an_unreachable_hivemind_swarm_is_one_line_and_non_zero():
+    unreachable = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWEa3gXHYNNQZHyn69TwT9vp4BgMaYfuXzYaJpuoQdUw4W"
+    done = subprocess.run(
+        [sys.executable, "-m", "peer", "monitor", "--backend", "hivemind",
+         "--initial-peers", unreachable, "--once"],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert done.returncode not in (0, 2)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("peer: error:") and unreachable in lines[0]
+    assert done.stdout == ""
