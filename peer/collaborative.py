@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from dht.errors import ConfigError
+from peer.estimate_gate import EstimateGate
 from peer.newcomer_hold import NewcomerHold
 from peer.progress import GlobalProgress
 from peer.rounds import (
@@ -144,6 +145,7 @@ class CollaborativeOptimizer:
         self.stats = EpochStats()
         self.on_behind = on_behind
         self.newcomer_hold = newcomer_hold
+        self._gate = EstimateGate()
         self._alone = False
         self._num_at_epoch = 1
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -215,11 +217,17 @@ class CollaborativeOptimizer:
         if self._pending is not None and self._pending.done():
             self.flush()
         self.progress.report_local_progress(self.epoch, self.samples)
+        if not self._gate.due(self.progress.version):
+            return
         swarm = self.progress.current()
         if self.on_behind is not None and self._behind(swarm):
             self._catch_up(swarm.epoch)
         elif self._swarm_ready(swarm, context.batch_samples):
             self.finish_epoch(context)
+        else:
+            own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
+            step_s = context.batch_samples / own_rate if own_rate > 0 else 0.0
+            self._gate.checked(eta_s=swarm.eta_next_epoch_s, step_s=step_s)
 
     def _behind(self, swarm: GlobalProgress) -> bool:
         """Whether to load the swarm's state: more than one epoch behind, or one behind with
@@ -238,6 +246,7 @@ class CollaborativeOptimizer:
         reached = self.on_behind(swarm_epoch)
         if reached > self.epoch:  # the downloaded state replaces what was accumulated
             self.epoch, self.samples = reached, 0
+            self._gate.reset()
             self._apply_lr()
             if self.config.mode == "grad":
                 for accumulator in self._accumulators:
@@ -321,6 +330,7 @@ class CollaborativeOptimizer:
     def _next_epoch(self) -> None:
         self.epoch += 1
         self.samples = 0
+        self._gate.reset()
         if self.newcomer_hold is not None:
             self.newcomer_hold.reset()
         self._apply_lr()

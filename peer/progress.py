@@ -200,6 +200,8 @@ class ProgressTracker:
             [], own=self._own_record(), config=config, now=get_dht_time()
         )
         self._records: list[PeerProgress] = []
+        # bumped when the records or the last round's members change (see ``current``)
+        self.version = 0
         self._round_peers: dict[str, tuple[int, float]] = {}
         self._refresh_lock = asyncio.Lock()
         self._publisher = Periodic(self.refresh, config.publish_interval_s, "progress-tracker")
@@ -260,6 +262,7 @@ class ProgressTracker:
                 if record is not None:
                     records.append(record)
         self._records = records
+        self.version += 1
         self.global_progress = estimate(
             records, own=own, config=self.config, now=get_dht_time(), round_peers=self._round_peers
         )
@@ -280,6 +283,7 @@ class ProgressTracker:
         """The peers ``peer_ids`` averaged with this one and entered ``epoch`` just now."""
         now = get_dht_time()
         self._round_peers = {peer_id: (epoch, now) for peer_id in peer_ids}
+        self.version += 1
 
     async def __aenter__(self) -> ProgressTracker:
         self._publisher.start()

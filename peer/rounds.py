@@ -82,7 +82,14 @@ class BackgroundAverager(TensorAverager, Protocol):
 
 
 class ProgressSource(Protocol):
-    """The progress tracker, as the optimizer uses it."""
+    """The progress tracker, as the optimizer uses it.
+
+    ``version`` changes whenever what :meth:`current` extrapolates from changes (new records,
+    a round's members): between changes the estimate only moves along its extrapolation.
+    """
+
+    @property
+    def version(self) -> int: ...
 
     def report_local_progress(self, epoch: int, samples: int) -> None: ...
 

@@ -30,15 +30,20 @@ class OnePeerSwarm:
     def report_local_progress(self, epoch: int, samples: int) -> None:
         self.epoch, self.samples = epoch, samples
 
+    @property
+    def version(self) -> int:
+        return self.swarm_epoch  # what the estimate extrapolates from: the others' epoch
+
     def current(self) -> GlobalProgress:
-        own = PeerProgress("me", self.epoch, self.samples, 100.0, 0.0, None, False)
+        rate = 1e6  # samples/s: the real steps here take microseconds
+        own = PeerProgress("me", self.epoch, self.samples, rate, 0.0, None, False)
         epoch = max(self.epoch, self.swarm_epoch)
         return GlobalProgress(
             epoch=epoch,
             samples_accumulated=self.samples if epoch == self.epoch else 0,
             target_batch_size=TARGET,
-            samples_per_s=100.0,
-            eta_next_epoch_s=1.0,
+            samples_per_s=rate,
+            eta_next_epoch_s=max(0, TARGET - self.samples) / rate,
             num_peers=1,
             num_clients=0,
             peers=(own,),
