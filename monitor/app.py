@@ -37,6 +37,8 @@ KEY_POLL_S = 0.1
 # Without news the screen is redrawn this often, in seconds (the footer's clock).
 FOOTER_TICK_S = 1.0
 QUIT_KEYS = frozenset("qQ")
+# How long closing a dashboard that runs in a thread waits for it to restore the terminal.
+JOIN_TIMEOUT_S = 10.0
 MAX_HELD_LOG_RECORDS = 200
 
 
@@ -258,3 +260,15 @@ class LiveApp:
             if self._poll() and self.view is not None:
                 self.console.out(plain_line(self.view), highlight=False)  # never wrapped
             self.stop_event.wait(KEY_POLL_S)
+
+
+@contextmanager
+def running_in_thread(app: LiveApp) -> Iterator[LiveApp]:
+    """Run ``app`` in a thread of its own for the block; the exit stops it and joins it."""
+    thread = threading.Thread(target=app.run, name="vp-dashboard", daemon=True)
+    thread.start()
+    try:
+        yield app
+    finally:
+        app.stop_event.set()
+        thread.join(JOIN_TIMEOUT_S)

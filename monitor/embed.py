@@ -10,7 +10,6 @@ app, joins its thread and leaves the terminal as it was.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
 
@@ -22,27 +21,14 @@ from dht.identity import PeerIdentity
 from dht.launch import open_node
 from dht.node import DHTNode
 from dht.runtime import EventLoopThread
-from monitor.app import LiveApp
+from monitor.app import LiveApp, running_in_thread
 from monitor.config import MonitorConfig
 from monitor.reader import SwarmReader
 
-# Bound on waiting for the app's thread to notice a stop (it polls every 0.1 s).
-JOIN_TIMEOUT_S = 10.0
 # Bound on reaching the initial peers of :func:`client_dashboard`, in seconds.
 CONNECT_TIMEOUT_S = 5.0
 # Bound on closing its client node, in seconds.
 CLOSE_TIMEOUT_S = 10.0
-
-
-@contextmanager
-def _running(app: LiveApp) -> Iterator[LiveApp]:
-    thread = threading.Thread(target=app.run, name="vp-dashboard", daemon=True)
-    thread.start()
-    try:
-        yield app
-    finally:
-        app.stop_event.set()
-        thread.join(JOIN_TIMEOUT_S)
 
 
 @contextmanager
@@ -73,7 +59,7 @@ def peer_dashboard(
         on_quit=on_quit,
         source=f"this peer: {node.address or 'client mode'}",
     )
-    with _running(app):
+    with running_in_thread(app):
         yield app
 
 
@@ -96,7 +82,7 @@ def swarm_dashboard(
         on_quit=on_quit,
         source=f"via {node.address}",
     )
-    with _running(app):
+    with running_in_thread(app):
         yield app
 
 
@@ -160,7 +146,7 @@ def client_dashboard(
             on_quit=on_quit,
             source=source or f"via {initial_peers[0]}",
         )
-        with _running(app):
+        with running_in_thread(app):
             yield app
     finally:
         try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -21,13 +20,11 @@ from typing import Protocol
 from rich.console import Console
 
 from dht.errors import DHTError
-from monitor.app import LiveApp
+from monitor.app import LiveApp, running_in_thread
 from monitor.config import MonitorConfig
 from monitor.state import SwarmView, ViewBuilder
 
 logger = logging.getLogger(__name__)
-# Bound on waiting for the app's thread to notice a stop (it polls every 0.1 s).
-JOIN_TIMEOUT_S = 10.0
 
 
 class RecordSource(Protocol):
@@ -124,11 +121,8 @@ def records_dashboard(
     app = LiveApp(
         reader.submit, config=config, console=console, on_quit=on_quit, source=records.source
     )
-    thread = threading.Thread(target=app.run, name="vp-dashboard", daemon=True)
-    thread.start()
     try:
-        yield app
+        with running_in_thread(app):
+            yield app
     finally:
-        app.stop_event.set()
-        thread.join(JOIN_TIMEOUT_S)
         reader.close()
