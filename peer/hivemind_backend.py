@@ -369,6 +369,13 @@ class HivemindPeerRun:
             records.close()
         opt, self.opt = self.opt, None
         if opt is not None:
+            # hivemind 1.1.12's shutdown cancels a round still looking for a group, and raises
+            # InvalidStateError (skipping the rest of its shutdown) when the hook already
+            # cancelled it because the peer was leaving: a finished round needs nothing.
+            for name in ("scheduled_grads", "scheduled_state"):
+                control = getattr(opt, name, None)
+                if control is not None and control.done():
+                    setattr(opt, name, None)
             opt.shutdown()
         dht, self.dht = self.dht, None
         if dht is not None:
