@@ -106,11 +106,8 @@ class PhaseSequence:
         Raises:
             ValueError: ``name`` is not one of :data:`PHASES`.
         """
-        clock = self._clock
-        index = clock._indices.get(name)
-        if index is None:
-            index = clock._index_of(name)  # raises
-        clock._switch(self._index, index)
+        index = self._clock._index_of(name)
+        self._clock._switch(self._index, index)
         self._index = index
 
     def __enter__(self) -> PhaseSequence:
@@ -223,16 +220,11 @@ class PhaseClock:
                     return
 
     def _switch(self, old: int, new: int) -> None:
-        # The training step's hot path: ``_advance`` inlined.
         if self._synchronize is not None:
             self._synchronize()
         with self._lock:
-            now = self._now()
+            self._advance()
             stack = self._stack
-            self._totals[stack[-1]] += now - self._last
-            if self._listener is not None and now > self._last:
-                self._listener(PHASES[stack[-1]], self._last, now)
-            self._last = now
             if stack[-1] == old:
                 stack[-1] = new
                 return
