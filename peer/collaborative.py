@@ -216,14 +216,17 @@ class CollaborativeOptimizer:
         self._clock = context.clock
         if self._pending is not None and self._pending.done():
             self.flush()
+        if not self._gate.due(self.progress.version, self.samples):
+            return  # the tracker hears of these samples with the next estimate
         self.progress.report_local_progress(self.epoch, self.samples)
-        if not self._gate.due(self.progress.version):
-            return
         swarm = self.progress.current()
         if self.on_behind is not None and self._behind(swarm):
             self._catch_up(swarm.epoch)
         elif self._swarm_ready(swarm, context.batch_samples):
             self.finish_epoch(context)
+        elif self._alone:  # counted by _swarm_ready: the estimate is this peer's samples
+            missing = swarm.target_batch_size - swarm.samples_accumulated
+            self._gate.checked_alone(ready_at_samples=self.samples + missing)
         else:
             own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
             step_s = context.batch_samples / own_rate if own_rate > 0 else 0.0

@@ -7,7 +7,9 @@ samples at its own rate), so its verdict cannot change before the predicted end 
 comes near. The gate asks for a fresh estimate when the records changed (the tracker's
 ``version``), when the predicted end is at most two local steps away, and at least every
 ``MAX_UNCHECKED_STEPS`` steps, so a peer whose own rate estimate is off overshoots by a few
-steps at most.
+steps at most. A peer alone at its epoch needs no rates: nobody else's samples count toward it,
+so the estimate moves only with the records or with its own samples, and the gate waits for the
+samples it lacks (one estimate at the start of an epoch, one at its end).
 """
 
 from __future__ import annotations
@@ -32,15 +34,19 @@ class EstimateGate:
         self._version: object = None
         self._recheck_at_s = -math.inf
         self._num_unchecked = 0
+        self._recheck_at_samples: float = math.inf
+        self._exact = False
 
-    def due(self, version: object) -> bool:
-        """Whether this step needs a fresh estimate (``version``: the records' version)."""
-        if (
-            version != self._version
-            or self._num_unchecked >= MAX_UNCHECKED_STEPS
-            or self._monotonic() >= self._recheck_at_s
-        ):
+    def due(self, version: object, samples: int) -> bool:
+        """Whether this step needs a fresh estimate (``version``: the records' version;
+        ``samples``: this peer's samples in the epoch)."""
+        if version != self._version or samples >= self._recheck_at_samples:
             self._version, self._num_unchecked = version, 0
+            return True
+        if self._exact:
+            return False
+        if self._num_unchecked >= MAX_UNCHECKED_STEPS or self._monotonic() >= self._recheck_at_s:
+            self._num_unchecked = 0
             return True
         self._num_unchecked += 1
         return False
@@ -48,11 +54,18 @@ class EstimateGate:
     def checked(self, *, eta_s: float, step_s: float) -> None:
         """The estimate just read predicts the epoch's end in ``eta_s``; a local step takes
         ``step_s`` (0 when unknown: check every step)."""
+        self._exact, self._recheck_at_samples = False, math.inf
         if step_s <= 0 or not eta_s > 2 * step_s:
             self._recheck_at_s = -math.inf
         else:
             self._recheck_at_s = self._monotonic() + eta_s - 2 * step_s
 
+    def checked_alone(self, *, ready_at_samples: int) -> None:
+        """The estimate just read counts this peer's samples alone; it reaches the target when
+        they reach ``ready_at_samples``: no need to look before, unless the records change."""
+        self._exact, self._recheck_at_samples = True, ready_at_samples
+
     def reset(self) -> None:
         """The epoch changed: check at the next step."""
         self._recheck_at_s = -math.inf
+        self._exact, self._recheck_at_samples = False, -math.inf

@@ -193,7 +193,6 @@ class ProgressTracker:
         self.dht = dht
         self.key = f"{prefix}/progress"
         self.config = config
-        self._epoch, self._samples = 0, 0
         self._samples_per_s = 0.0
         self._last_report: tuple[float, int, int] | None = None  # (monotonic s, epoch, samples)
         self.global_progress = estimate(
@@ -207,7 +206,12 @@ class ProgressTracker:
         self._publisher = Periodic(self.refresh, config.publish_interval_s, "progress-tracker")
 
     def report_local_progress(self, epoch: int, samples: int) -> None:
-        """This peer is at ``epoch`` with ``samples`` accumulated toward its target."""
+        """This peer is at ``epoch`` with ``samples`` accumulated toward its target.
+
+        Call it at every epoch change and before :meth:`current`; in between, every few local
+        steps is enough: the record is dated when its numbers were true, and readers extrapolate
+        the samples since.
+        """
         now = time.monotonic()
         if self._last_report is not None:
             last_time, last_epoch, last_samples = self._last_report
@@ -220,16 +224,21 @@ class ProgressTracker:
                 instant = new_samples / elapsed_s
                 weight = min(1.0, elapsed_s / self.config.publish_interval_s)
                 self._samples_per_s += weight * (instant - self._samples_per_s)
+        # one tuple, swapped at once: the loop thread reads a consistent report
         self._last_report = (now, epoch, samples)
-        self._epoch, self._samples = epoch, samples
 
     def _own_record(self) -> PeerProgress:
+        report, now = self._last_report, get_dht_time()
+        epoch = samples = 0
+        if report is not None:
+            reported_s, epoch, samples = report
+            now -= max(0.0, time.monotonic() - reported_s)
         return PeerProgress(
             self.dht.peer_id,
-            self._epoch,
-            self._samples,
+            epoch,
+            samples,
             min(self._samples_per_s, self.config.max_samples_per_s),
-            get_dht_time(),
+            now,
             self.dht.address,
             self.dht.address is None,
         )

@@ -284,10 +284,10 @@ class PeerRun:
                 samples=report.samples,
                 loss=report.loss_tensor,
             )
-        self._log_rounds()
-        state_server = self.services.state_server
-        if state_server.snapshot_requested:
-            state_server.update(self.state.snapshot(self.hook.epoch))
+        if self.hook.stats.num_rounds != self.reports.num_rounds_logged:
+            self._log_rounds()
+        if self.services.state_server.snapshot_requested:
+            self.services.state_server.update(self.state.snapshot(self.hook.epoch))
 
     def _on_epoch(self, epoch: int) -> None:
         self.profiler.on_epoch(epoch)
