@@ -87,78 +87,123 @@ def run_baseline(
         max_steps: stop after this many optimizer steps instead, whatever the time.
         lr_schedule: optimizer step -> factor of the base LR (as the swarm's per epoch).
     """
-    if seconds <= 0 or num_threads < 1:
-        raise ValueError(f"need seconds > 0 and num_threads >= 1, got {seconds}, {num_threads}")
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        return _train(
-            task,
-            seconds,
-            max(1, math.ceil((total_batch_size or task.batch_size) / task.batch_size)),
-            make_optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)),
-            shard or DataShard(),
-            max(1, math.ceil(final_loss_samples / task.batch_size)),
-            select_device(device),
-            max_steps,
-            lr_schedule,
-        )
-    finally:
-        torch.set_num_threads(previous_threads)
-
-
-def _train(
-    task: Task,
-    seconds: float,
-    num_micro_batches: int,
-    make_optimizer: OptimizerFactory,
-    shard: DataShard,
-    loss_window: int,
-    device: torch.device,
-    max_steps: int | None,
-    lr_schedule: Callable[[int], float] | None,
-) -> BaselineResult:
-    model = task.build_model().to(device)
-    optimizer = make_optimizer(model.parameters())
-    base_lrs = [group["lr"] for group in optimizer.param_groups]
-
-    def set_lr(step: int) -> None:
-        if lr_schedule is not None:
-            for group, base_lr in zip(optimizer.param_groups, base_lrs, strict=True):
-                group["lr"] = base_lr * lr_schedule(step)
-
-    set_lr(0)
-    batches = iter(task.make_loader(shard, pin_memory=use_pinned_memory(device)))
-    recent_losses: collections.deque[torch.Tensor] = collections.deque(maxlen=loss_window)
-    step_losses: list[torch.Tensor] = []
-    curve_samples: list[int] = []
-    num_samples = num_steps = micro = 0
-    start = time.monotonic()
-    deadline = start + seconds if max_steps is None else math.inf
-    while time.monotonic() < deadline and (max_steps is None or num_steps < max_steps):
-        inputs, targets = to_device(next(batches), device)
-        loss = task.loss_fn(model(inputs), targets)
-        (loss / num_micro_batches).backward()
-        recent_losses.append(loss.detach())
-        num_samples += len(targets)
-        micro += 1
-        if micro == num_micro_batches:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            num_steps += 1
-            micro = 0
-            step_losses.append(torch.stack(list(recent_losses)[-num_micro_batches:]).mean())
-            curve_samples.append(num_samples)
-            set_lr(num_steps)
-    elapsed_s = time.monotonic() - start
-    return BaselineResult(
-        samples_per_s=num_samples / elapsed_s,
-        final_loss=float(torch.stack(list(recent_losses)).mean()) if recent_losses else math.nan,
-        num_samples=num_samples,
-        num_optimizer_steps=num_steps,
-        seconds=elapsed_s,
-        curve=tuple(zip(curve_samples, torch.stack(step_losses).tolist(), strict=True))
-        if step_losses
-        else (),
-        eval_loss=evaluate(task, model, device=device),
+    run = BaselineRun(
+        task,
+        num_threads=num_threads,
+        total_batch_size=total_batch_size,
+        make_optimizer=make_optimizer,
+        shard=shard,
+        final_loss_samples=final_loss_samples,
+        device=device,
+        lr_schedule=lr_schedule,
     )
+    run.train(seconds=seconds, max_steps=max_steps)
+    return run.result()
+
+
+class BaselineRun:
+    """The plain loop, trained in one stretch or several (``peer bench train`` runs one before
+    and one after the swarm); the model, optimizer and data carry over between stretches.
+
+    Args: as :func:`run_baseline`'s, less the stopping conditions (:meth:`train` takes them).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        num_threads: int,
+        total_batch_size: int | None = None,
+        make_optimizer: OptimizerFactory | None = None,
+        shard: DataShard | None = None,
+        final_loss_samples: int = 2048,
+        device: str = "cpu",
+        lr_schedule: Callable[[int], float] | None = None,
+    ):
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.task = task
+        self.num_threads = num_threads
+        self.num_micro_batches = max(
+            1, math.ceil((total_batch_size or task.batch_size) / task.batch_size)
+        )
+        self.device = select_device(device)
+        self.model = task.build_model().to(self.device)
+        make_optimizer = make_optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
+        self.optimizer = make_optimizer(self.model.parameters())
+        self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self._lr_schedule = lr_schedule
+        self._set_lr(0)
+        self._batches = iter(
+            task.make_loader(shard or DataShard(), pin_memory=use_pinned_memory(self.device))
+        )
+        window = max(1, math.ceil(final_loss_samples / task.batch_size))
+        self._recent_losses: collections.deque[torch.Tensor] = collections.deque(maxlen=window)
+        self._step_losses: list[torch.Tensor] = []
+        self._curve_samples: list[int] = []
+        self.num_samples = self.num_steps = self._micro = 0
+        self.seconds = 0.0
+        # (samples, seconds) of each stretch
+        self.stretches: list[tuple[int, float]] = []
+
+    def _set_lr(self, step: int) -> None:
+        if self._lr_schedule is not None:
+            for group, base_lr in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+                group["lr"] = base_lr * self._lr_schedule(step)
+
+    def train(self, *, seconds: float = math.inf, max_steps: int | None = None) -> None:
+        """Train for ``seconds`` of wall time, or until ``max_steps`` optimizer steps in all.
+
+        Raises:
+            ValueError: neither bound is finite, or ``seconds`` is not positive.
+        """
+        if not seconds > 0 or (seconds == math.inf and max_steps is None):
+            raise ValueError(f"need seconds > 0 or max_steps, got {seconds}, {max_steps}")
+        previous_threads = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads)
+        try:
+            first_samples = self.num_samples
+            start = time.monotonic()
+            self._loop(start + seconds, max_steps)
+            elapsed_s = time.monotonic() - start
+        finally:
+            torch.set_num_threads(previous_threads)
+        self.seconds += elapsed_s
+        self.stretches.append((self.num_samples - first_samples, elapsed_s))
+
+    def _loop(self, deadline: float, max_steps: int | None) -> None:
+        # what a PyTorch user would write; the bookkeeping is what the peer's reports hold too
+        model, optimizer, task, device = self.model, self.optimizer, self.task, self.device
+        num_micro, recent_losses = self.num_micro_batches, self._recent_losses
+        while time.monotonic() < deadline and (max_steps is None or self.num_steps < max_steps):
+            inputs, targets = to_device(next(self._batches), device)
+            loss = task.loss_fn(model(inputs), targets)
+            (loss / num_micro).backward()
+            recent_losses.append(loss.detach())
+            self.num_samples += len(targets)
+            self._micro += 1
+            if self._micro == num_micro:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                self.num_steps += 1
+                self._micro = 0
+                self._step_losses.append(torch.stack(list(recent_losses)[-num_micro:]).mean())
+                self._curve_samples.append(self.num_samples)
+                self._set_lr(self.num_steps)
+
+    def result(self) -> BaselineResult:
+        """What the stretches so far achieved (evaluates the model)."""
+        losses = self._recent_losses
+        return BaselineResult(
+            samples_per_s=self.num_samples / self.seconds if self.seconds > 0 else 0.0,
+            final_loss=float(torch.stack(list(losses)).mean()) if losses else math.nan,
+            num_samples=self.num_samples,
+            num_optimizer_steps=self.num_steps,
+            seconds=self.seconds,
+            curve=tuple(
+                zip(self._curve_samples, torch.stack(self._step_losses).tolist(), strict=True)
+            )
+            if self._step_losses
+            else (),
+            eval_loss=evaluate(self.task, self.model, device=self.device),
+        )

@@ -1,8 +1,12 @@
 """``peer bench train``: a swarm of real ``peer join`` processes against one plain PyTorch loop.
 
-The baseline (:mod:`peer.baseline`) runs first, alone on the machine, with torch threads = the
-machine's cores; then a bootstrap node (in this process) and N peer processes, whose torch
-threads sum to the same cores, train for the same time. Peers wait for each other before their
+The baseline (:mod:`peer.baseline`) runs alone on the machine, with torch threads = the
+machine's cores, in two halves of ``seconds / 2``: one before the swarm and one after it, the
+second continuing the first's model, optimizer and data (an A-B-A design: when the machine's
+speed drifts during the run, as a shared cloud host's does by several percent over tens of
+seconds, both sides see the same average). In between, a bootstrap node (in this process) and N
+peer processes, whose torch threads sum to the same cores, train for ``seconds``. In ``epochs``
+mode the baseline trains its steps in one go, first. Peers wait for each other before their
 clocks start (``--wait-for-peers``), so start-up (imports, joining) is outside the measured time
 and every peer's rate is measured while all of them run.
 
@@ -10,10 +14,12 @@ Contract fields (DESIGN.md): ``backend, peers, task, seconds, samples_per_s,
 baseline_samples_per_s, final_loss, baseline_final_loss, rounds``. Extra fields: ``ratio``
 (samples_per_s / baseline_samples_per_s), ``samples`` and ``baseline_samples`` (samples seen),
 ``baseline_loss_at_samples`` (the baseline's loss when it had seen as many samples as the swarm:
-loss per sample seen), ``failed_rounds`` and ``round_overhead_s`` (mean seconds per round spent
-outside the all-reduce transfer: matchmaking and waiting for the group), ``peak_rss_mb_per_peer``
-and ``peak_pss_mb_per_peer`` (each peer's process tree, hivemind's processes and its p2pd
-included, sampled every second; the mean over peers of each one's peak).
+loss per sample seen), ``baseline_samples_per_s_halves`` (the baseline's rate before and after
+the swarm: how much the machine drifted), ``failed_rounds`` and ``round_overhead_s`` (mean
+seconds per round spent outside the all-reduce transfer: matchmaking and waiting for the
+group), ``peak_rss_mb_per_peer`` and ``peak_pss_mb_per_peer`` (each peer's process tree,
+hivemind's processes and its p2pd included, sampled every second; the mean over peers of each
+one's peak).
 """
 
 from __future__ import annotations
@@ -226,7 +232,14 @@ async def stop_process_group(process: asyncio.subprocess.Process) -> None:
 def run_train_bench(config: TrainBenchConfig) -> dict:
     """Run the baseline, then the swarm; returns the contract JSON object."""
     baseline = _baseline(config) if config.run_baseline else None
+    if baseline is not None:
+        if config.epochs is None:
+            baseline.train(seconds=config.seconds / 2)
+        else:
+            baseline.train(max_steps=config.epochs)
     summaries = asyncio.run(_run_peers(config))
+    if baseline is not None and config.epochs is None:
+        baseline.train(seconds=config.seconds / 2)
     samples = sum(s["num_samples"] for s in summaries)
     losses = [s["final_loss"] for s in summaries if s["final_loss"] is not None]
     rounds = max(s["epoch"] for s in summaries)
@@ -258,8 +271,11 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
         "peak_pss_mb_per_peer": _mean_mb(s["peak_pss_bytes"] for s in summaries),
     }
     if baseline is not None:
+        halves = [round(n / s, 1) for n, s in baseline.stretches]
+        baseline = baseline.result()
         at_samples = baseline.loss_at(samples)
         result |= {
+            "baseline_samples_per_s_halves": halves,
             "baseline_samples_per_s": round(baseline.samples_per_s, 1),
             "baseline_final_loss": round(baseline.final_loss, 4),
             "ratio": round(samples_per_s / baseline.samples_per_s, 3),
@@ -280,19 +296,16 @@ def _mean_mb(values) -> float:
 def _baseline(config: TrainBenchConfig):
     import torch
 
-    from peer.baseline import run_baseline
+    from peer.baseline import BaselineRun
     from peer.schedules import make_lr_schedule
     from peer.tasks import load_task
 
     options = dict(option.split("=", 1) for option in config.all_task_options())
-    task = load_task(config.task, options)
-    return run_baseline(
-        task,
-        seconds=config.seconds,
+    return BaselineRun(
+        load_task(config.task, options),
         num_threads=config.num_threads,
         total_batch_size=config.target_batch_size,
         make_optimizer=lambda params: torch.optim.Adam(params, lr=config.lr),
-        max_steps=config.epochs,
         lr_schedule=make_lr_schedule(
             config.lr_schedule,
             warmup_epochs=config.warmup_epochs,

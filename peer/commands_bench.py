@@ -77,10 +77,10 @@ def add_bench_train_command(bench_sub) -> None:
     parser = bench_sub.add_parser(
         "train",
         help="N peer processes against one plain PyTorch loop: samples/s and loss",
-        description="Train the task with one plain PyTorch process using all cores (the "
-        "baseline), then with N `peer join` processes on loopback whose torch threads sum to the "
-        "same cores, each for --seconds. The defaults are the benchmark contract. The last line "
-        "of stdout is one JSON object.",
+        description="Train the task with N `peer join` processes on loopback whose torch "
+        "threads sum to the machine's cores, and with one plain PyTorch process using all cores "
+        "(the baseline, half of its time before the swarm and half after), each for --seconds. "
+        "The defaults are the benchmark contract. The last line of stdout is one JSON object.",
     )
     parser.add_argument("--peers", type=positive_int, default=2, help="peers (default: 2)")
     parser.add_argument("--task", default="synthetic", help="task (default: synthetic)")

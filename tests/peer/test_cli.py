@@ -155,3 +155,37 @@ def test_bench_allreduce_prints_the_contract_json():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(report) == ALLREDUCE_FIELDS
     assert report["rounds"] == 2 and report["max_abs_err"] < 1e-5
+
+
+TRAIN_FIELDS = {
+    "backend",
+    "peers",
+    "task",
+    "seconds",
+    "samples_per_s",
+    "baseline_samples_per_s",
+    "final_loss",
+    "baseline_final_loss",
+    "rounds",
+}
+
+
+def test_bench_train_prints_the_contract_json_with_the_baseline_around_the_swarm():
+    result = run(
+        "bench", "train", "--peers", "1", "--seconds", "3", "--threads", "1",
+        "--target-batch-size", "256", "--task-option", "hidden_dim=64", "--json",
+        timeout_s=110,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert TRAIN_FIELDS <= set(report)
+    assert report["peers"] == 1 and report["rounds"] >= 1 and report["failed_rounds"] == 0
+    assert report["ratio"] == pytest.approx(
+        report["samples_per_s"] / report["baseline_samples_per_s"], abs=2e-3
+    )
+    # one rate before the swarm and one after; the baseline's rate is their time-weighted mean
+    before, after = report["baseline_samples_per_s_halves"]
+    assert min(before, after) - 0.1 <= report["baseline_samples_per_s"] <= max(before, after) + 0.1
+    assert report["baseline_samples"] / report["baseline_samples_per_s"] == pytest.approx(
+        3, rel=0.1
+    )

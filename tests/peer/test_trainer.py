@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
-from peer.baseline import run_baseline
+from peer.baseline import BaselineRun, run_baseline
 from peer.device import Amp, select_device, to_device, use_pinned_memory
 from peer.phases import PhaseClock
 from peer.tasks import DataShard, Task, load_task
@@ -222,3 +222,22 @@ def test_baseline_reports_throughput_and_accumulates():
     every_step = run_baseline(task, seconds=0.1, num_threads=1)
     assert every_step.num_optimizer_steps == every_step.num_samples // 16
     assert torch.get_num_threads() == 1
+
+
+def test_a_baseline_trained_in_two_stretches_equals_one_trained_in_one():
+    # peer bench train runs its baseline half before and half after the swarm
+    task = load_task("synthetic", SMALL)
+    whole = BaselineRun(task, num_threads=1, total_batch_size=32)
+    whole.train(max_steps=6)
+    halves = BaselineRun(task, num_threads=1, total_batch_size=32)
+    halves.train(max_steps=3)
+    halves.train(max_steps=6)
+    for a, b in zip(whole.model.parameters(), halves.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert [n for n, _ in halves.stretches] == [3 * 32, 3 * 32]
+    result = halves.result()
+    assert result.num_optimizer_steps == 6 and result.num_samples == 6 * 32
+    assert [seen for seen, _ in result.curve] == [32 * k for k in range(1, 7)]
+    assert result.seconds == pytest.approx(sum(s for _, s in halves.stretches))
+    with pytest.raises(ValueError, match="seconds > 0 or max_steps"):
+        halves.train()
