@@ -8,7 +8,9 @@ seconds, both sides see the same average). In between, a bootstrap node (in this
 peer processes, whose torch threads sum to the same cores, train for ``seconds``. In ``epochs``
 mode the baseline trains its steps in one go, first. Peers wait for each other before their
 clocks start (``--wait-for-peers``), so start-up (imports, joining) is outside the measured time
-and every peer's rate is measured while all of them run.
+and every peer's rate is measured while all of them run. Peer ``i`` reads data seed ``i`` and the
+baseline seed 0, as peer 0 does: one peer and the baseline see the same batches, so their losses
+compare sample for sample.
 
 Contract fields (DESIGN.md): ``backend, peers, task, seconds, samples_per_s,
 baseline_samples_per_s, final_loss, baseline_final_loss, rounds``. Extra fields: ``ratio``
@@ -117,7 +119,7 @@ def peer_command(config: TrainBenchConfig, url: str, index: int) -> list[str]:
         "--target-batch-size", str(config.target_batch_size),
         "--lr", str(config.lr),
         "--mode", config.mode,
-        "--seed", str(index + 1),
+        "--seed", str(index),
         "--wait-for-peers", str(config.num_peers),
         "--json",
     ]  # fmt: skip
