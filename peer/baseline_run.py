@@ -22,6 +22,7 @@ import time
 import torch
 
 from dht.transport import ByteCounters
+from peer.allocator import steady_allocator
 from peer.device import select_device, to_device
 from peer.metrics_stream import MetricsStream
 from peer.phases import PhaseClock
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 def train(args: argparse.Namespace, stop: threading.Event) -> dict:
     """Train until ``--max-time``, ``--max-epochs`` or ``stop``; returns a summary."""
     torch.set_num_threads(args.torch_threads)
+    steady_allocator()  # as the peers it is compared with (peer.allocator)
     options = dict(option.split("=", 1) for option in args.task_option)
     task = load_task(args.task, options)
     device = select_device(args.device)

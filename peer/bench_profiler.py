@@ -23,7 +23,8 @@ precision is off on every side, and a GPU is synchronized at block ends only.
 glibc's malloc returns the step's large tensors to the kernel and faults them back in (about a
 thousand page faults per step here), at thresholds it keeps adapting to the process's history;
 that noise swamps a one-percent difference. The benchmark therefore fixes those thresholds for
-its own process (``mallopt``; every kind of block runs under the same allocator).
+its own process, as a peer does (:mod:`peer.allocator`; every kind of block runs under the same
+allocator).
 
 Result fields: ``overhead_ratio, vs_pytorch_ratio, step_ms_plain, step_ms_off, step_ms_profiled,
 fractions {phase: share of the profiled blocks' wall time}, repetitions, steps_per_block,
@@ -32,10 +33,8 @@ threads, device, task, trace_bytes, trace_events``.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import itertools
-import platform
 import statistics
 import tempfile
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 import torch
 
 from dht.transport import ByteCounters
+from peer.allocator import steady_allocator
 from peer.device import select_device
 from peer.metrics_stream import MetricsStream
 from peer.phases import PHASES, NullClock
@@ -193,20 +193,10 @@ class _Bench:
         self.trainer.close()
 
 
-def _steady_allocator() -> None:
-    """Keep freed tensor memory in glibc's heap (see the module docstring); no-op elsewhere."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    libc = ctypes.CDLL(None)
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    libc.mallopt(m_mmap_threshold, 256 * 2**20)
-    libc.mallopt(m_trim_threshold, 512 * 2**20)
-
-
 def run_profiler_bench(config: ProfilerBenchConfig | None = None) -> dict:
     """Run the benchmark; returns the result fields (see the module docstring)."""
     config = config or ProfilerBenchConfig()
-    _steady_allocator()
+    steady_allocator()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(config.num_threads)
     try:

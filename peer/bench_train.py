@@ -6,7 +6,9 @@ second continuing the first's model, optimizer and data (an A-B-A design: when t
 speed drifts during the run, as a shared cloud host's does by several percent over tens of
 seconds, both sides see the same average). In between, a bootstrap node (in this process) and N
 peer processes, whose torch threads sum to the same cores, train for ``seconds``. In ``epochs``
-mode the baseline trains its steps in one go, first. Peers wait for each other before their
+mode the baseline trains its steps in one go, first. The baseline's process fixes glibc's malloc
+thresholds as every peer does by default (:mod:`peer.allocator`): the ratio measures the
+peers' machinery, not the allocator. Peers wait for each other before their
 clocks start (``--wait-for-peers``), so start-up (imports, joining) is outside the measured time
 and every peer's rate is measured while all of them run. Peer ``i`` reads data seed ``i`` and the
 baseline seed 0, as peer 0 does: one peer and the baseline see the same batches, so their losses
@@ -41,6 +43,7 @@ from dht.config import DHTConfig
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
+from peer.allocator import steady_allocator
 
 logger = logging.getLogger(__name__)
 RUN_ID = "bench-train"
@@ -233,6 +236,9 @@ async def stop_process_group(process: asyncio.subprocess.Process) -> None:
 
 def run_train_bench(config: TrainBenchConfig) -> dict:
     """Run the baseline, then the swarm; returns the contract JSON object."""
+    # the peers fix glibc's malloc thresholds (peer join's default): so does the baseline, so
+    # that the ratio measures the peers' machinery, not the allocator (peer.allocator)
+    steady_allocator()
     baseline = _baseline(config) if config.run_baseline else None
     if baseline is not None:
         if config.epochs is None:

@@ -147,6 +147,11 @@ class PeerConfig(BaseModel):
     profile_window: float = Field(
         30.0, gt=0, description="seconds the rolling profile summary covers"
     )
+    steady_allocator: bool = Field(
+        True,
+        description="fixed glibc malloc thresholds: freed tensor memory (up to 64 MiB) stays "
+        "in the heap instead of being unmapped and faulted back every step",
+    )
     profile_sync: bool = Field(
         False, description="wait for the GPU at each phase boundary (exact, loses overlap)"
     )

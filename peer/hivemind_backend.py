@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from dht.errors import ConfigError
+from peer.allocator import steady_allocator
 from peer.backend import RunSummary
 from peer.checkpoint import CheckpointDir, Progress
 from peer.config import PeerConfig
@@ -119,6 +120,8 @@ class HivemindPeerRun:
         self.companion = companion
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
+        if config.steady_allocator:
+            steady_allocator()  # as a native peer (peer.allocator)
         self.task = load_task(config.task, config.task_options())
         model = self.task.build_model()
         self.profiler = Profiler(config.profiler_config(), process_name="peer (hivemind)")

@@ -23,6 +23,7 @@ import torch
 from averaging.averager import DecentralizedAverager
 from dht.identity import PeerIdentity, short_id
 from dht.runtime import EventLoopThread
+from peer.allocator import steady_allocator
 from peer.backend import RunSummary
 from peer.checkpoint import CheckpointDir, Progress
 from peer.collaborative import CollaborativeOptimizer, averaged_buffers
@@ -85,6 +86,8 @@ class PeerRun:
             # peers sharing a machine must not oversubscribe its cores: torch's spinning
             # threads then slow every step many times over
             torch.set_num_threads(config.torch_threads)
+        if config.steady_allocator:
+            steady_allocator()  # before the model and its gradients are allocated
         self.identity = (
             PeerIdentity.load_or_create(config.identity)
             if config.identity
