@@ -19,7 +19,8 @@ baseline_samples_per_s, final_loss, baseline_final_loss, rounds``. Extra fields:
 (samples_per_s / baseline_samples_per_s), ``samples`` and ``baseline_samples`` (samples seen),
 ``baseline_loss_at_samples`` (the baseline's loss when it had seen as many samples as the swarm:
 loss per sample seen), ``baseline_samples_per_s_halves`` (the baseline's rate before and after
-the swarm: how much the machine drifted), ``failed_rounds`` and ``round_overhead_s`` (mean
+the swarm: how much the machine drifted), ``runs_ratio`` and ``runs_samples_per_s`` (every
+run's figures with ``--repeat``), ``failed_rounds`` and ``round_overhead_s`` (mean
 seconds per round spent outside the all-reduce transfer: matchmaking and waiting for the
 group), ``peak_rss_mb_per_peer`` and ``peak_pss_mb_per_peer`` (each peer's process tree,
 hivemind's processes and its p2pd included; RSS sampled every second, PSS every 10 s, which
@@ -308,6 +309,25 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
             else round(baseline.eval_loss, 4),
         }
     return result
+
+
+def run_train_bench_repeated(config: TrainBenchConfig, repeat: int) -> dict:
+    """Run the benchmark ``repeat`` times, one after another; returns the run with the median
+    ``ratio`` (the lower middle one for an even count; ``samples_per_s`` without a baseline)
+    and, in ``runs_ratio`` and ``runs_samples_per_s``, every run's figure in order.
+
+    On a shared host one run's ratio moves by a few percent with the host's load (see
+    ``baseline_samples_per_s_halves``); the median of a few runs does not.
+    """
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    results = [run_train_bench(config) for _ in range(repeat)]
+    key = "ratio" if config.run_baseline else "samples_per_s"
+    median = sorted(results, key=lambda result: result[key])[(repeat - 1) // 2]
+    return median | {
+        "runs_ratio": [result["ratio"] for result in results],
+        "runs_samples_per_s": [result["samples_per_s"] for result in results],
+    }
 
 
 def _mean_mb(values) -> float:

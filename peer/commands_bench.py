@@ -123,12 +123,19 @@ def add_bench_train_command(bench_sub) -> None:
     parser.add_argument(
         "--backend", choices=["native", "hivemind"], default="native", help="default: native"
     )
+    parser.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="run the benchmark this many times and report the run with the median ratio, "
+        "with every run's ratio (default: 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(run=run_bench_train)
 
 
 def run_bench_train(args: argparse.Namespace) -> int:
-    from peer.bench_train import TrainBenchConfig, run_train_bench
+    from peer.bench_train import TrainBenchConfig, run_train_bench_repeated
 
     for option in args.task_option:
         if "=" not in option:
@@ -151,7 +158,7 @@ def run_bench_train(args: argparse.Namespace) -> int:
         min_lr_ratio=args.min_lr_ratio,
         **extra,
     )
-    result = run_train_bench(config)
+    result = run_train_bench_repeated(config, args.repeat)
     if not args.json:
         for name, value in result.items():
             print(f"{name:>26}: {value}")

@@ -173,7 +173,8 @@ TRAIN_FIELDS = {
 def test_bench_train_prints_the_contract_json_with_the_baseline_around_the_swarm():
     result = run(
         "bench", "train", "--peers", "1", "--seconds", "3", "--threads", "1",
-        "--target-batch-size", "256", "--task-option", "hidden_dim=64", "--json",
+        "--target-batch-size", "256", "--task-option", "hidden_dim=64", "--repeat", "2",
+        "--json",
         timeout_s=110,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -189,3 +190,6 @@ def test_bench_train_prints_the_contract_json_with_the_baseline_around_the_swarm
     assert report["baseline_samples"] / report["baseline_samples_per_s"] == pytest.approx(
         3, rel=0.1
     )
+    # --repeat 2: two whole runs; the one reported is the lower middle, i.e. the worse ratio
+    assert len(report["runs_ratio"]) == 2 and report["ratio"] == min(report["runs_ratio"])
+    assert report["samples_per_s"] in report["runs_samples_per_s"]
