@@ -259,7 +259,12 @@ class ProgressTracker:
             "client_mode": own.client_mode,
         }
         stored = await self.dht.store(
-            self.key, value, own.time + self.config.record_ttl_s, subkey=owner_subkey(own.peer_id)
+            self.key,
+            value,
+            # from now, not from the record's date (the last report, which a long round can
+            # leave far behind): every refresh extends the record, and is newer than the last
+            get_dht_time() + self.config.record_ttl_s,
+            subkey=owner_subkey(own.peer_id),
         )
         if not stored:
             logger.warning("progress record of epoch %d was not stored", own.epoch)
