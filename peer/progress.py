@@ -194,6 +194,7 @@ class ProgressTracker:
         self.key = f"{prefix}/progress"
         self.config = config
         self._samples_per_s = 0.0
+        self._rate_time_s = 0.0  # seconds the rate averages over (up to publish_interval_s)
         self._last_report: tuple[float, int, int] | None = None  # (monotonic s, epoch, samples)
         self.global_progress = estimate(
             [], own=self._own_record(), config=config, now=get_dht_time()
@@ -221,8 +222,15 @@ class ProgressTracker:
             new_samples = samples - last_samples if epoch == last_epoch else -1
             elapsed_s = now - last_time
             if elapsed_s > 0 and new_samples >= 0:
+                # A moving average over the last publishing interval, and over the time seen
+                # so far before that: the rate is right from the second report on. Starting
+                # from 0 instead, the first records of a run undercounted every peer, and the
+                # swarm's first epochs overshot the target (up to twice it with 2 peers).
+                self._rate_time_s = min(
+                    self._rate_time_s + elapsed_s, self.config.publish_interval_s
+                )
+                weight = min(1.0, elapsed_s / self._rate_time_s)
                 instant = new_samples / elapsed_s
-                weight = min(1.0, elapsed_s / self.config.publish_interval_s)
                 self._samples_per_s += weight * (instant - self._samples_per_s)
         # one tuple, swapped at once: the loop thread reads a consistent report
         self._last_report = (now, epoch, samples)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import math
 from contextlib import AsyncExitStack
+from types import SimpleNamespace
 
 import pytest
 
+import peer.progress as progress_module
 from dht.config import DHTConfig, get_dht_time
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
@@ -128,3 +130,24 @@ async def test_background_publishing_and_rate_estimate():
         worker_view = next(p for p in view.peers if p.peer_id == nodes[0].peer_id)
         assert worker_view.samples == 500
         assert 0 < worker_view.samples_per_s <= 2000  # about 1000/s, smoothed
+
+
+def test_the_rate_is_right_from_the_second_report(monkeypatch):
+    # a fake monotonic clock: the rate's arithmetic, not wall time, is under test
+    now_s = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now_s[0])
+    config = ProgressConfig(target_batch_size=10_000, publish_interval_s=2.0)
+    node = SimpleNamespace(peer_id="ab" * 32, address="http://127.0.0.1:1")
+    tracker = ProgressTracker(dht=node, prefix="run", config=config)
+
+    def report(advance_s: float, epoch: int, samples: int) -> float:
+        now_s[0] += advance_s
+        tracker.report_local_progress(epoch, samples)
+        return tracker.current().peers[0].samples_per_s
+
+    assert report(0.0, 0, 0) == 0.0
+    assert report(0.1, 0, 100) == pytest.approx(1000)  # no ramp from 0
+    assert report(0.3, 0, 700) == pytest.approx(700 / 0.4)  # the average of the time seen
+    # past one publishing interval: a moving average with weight elapsed / interval
+    assert report(1.6, 0, 2300) == pytest.approx(1750 + 0.8 * (1000 - 1750))
+    assert report(1.0, 1, 0) == pytest.approx(1150)  # a report across an epoch change: no rate
