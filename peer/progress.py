@@ -221,7 +221,9 @@ class ProgressTracker:
             # nothing accumulates; counting it would make the swarm overshoot every target.
             new_samples = samples - last_samples if epoch == last_epoch else -1
             elapsed_s = now - last_time
-            if elapsed_s > 0 and new_samples >= 0:
+            # No new samples: the peer was not training (waiting for peers, downloading), and
+            # the rate is how fast it accumulates while it trains; the report moves the anchor.
+            if elapsed_s > 0 and new_samples > 0:
                 # A moving average over the last publishing interval, and over the time seen
                 # so far before that: the rate is right from the second report on. Starting
                 # from 0 instead, the first records of a run undercounted every peer, and the

@@ -189,6 +189,8 @@ class PeerRun:
         self.services.tracker.report_local_progress(epoch, 0)
         if self.config.wait_for_peers > 1:
             self._wait_for_peers()
+            # training starts now: the wait is no part of this peer's rate
+            self.services.tracker.report_local_progress(epoch, 0)
         self.services.state_server.current_epoch = epoch
         self.services.state_server.update(self.state.snapshot(epoch))
         if self.config.metrics_file is not None:

@@ -151,3 +151,6 @@ def test_the_rate_is_right_from_the_second_report(monkeypatch):
     # past one publishing interval: a moving average with weight elapsed / interval
     assert report(1.6, 0, 2300) == pytest.approx(1750 + 0.8 * (1000 - 1750))
     assert report(1.0, 1, 0) == pytest.approx(1150)  # a report across an epoch change: no rate
+    # no new samples (waiting, not training): the anchor moves, the rate stays
+    assert report(5.0, 1, 0) == pytest.approx(1150)
+    assert report(0.5, 1, 500) == pytest.approx(1150 + 0.25 * (1000 - 1150))
