@@ -189,8 +189,6 @@ class PeerRun:
         self.services.tracker.report_local_progress(epoch, 0)
         if self.config.wait_for_peers > 1:
             self._wait_for_peers()
-            # training starts now: the wait is no part of this peer's rate
-            self.services.tracker.report_local_progress(epoch, 0)
         self.services.state_server.current_epoch = epoch
         self.services.state_server.update(self.state.snapshot(epoch))
         if self.config.metrics_file is not None:
@@ -320,6 +318,8 @@ class PeerRun:
         try:
             self.start()
             with self.companion(self) if self.companion else nullcontext():
+                # training starts now: joining and waiting are no part of this peer's rate
+                self.services.tracker.report_local_progress(self.hook.epoch, 0)
                 result = self.trainer.run(
                     max_steps=self.config.max_steps,
                     max_time_s=self.config.max_time,
