@@ -155,7 +155,11 @@ class PeerConfig(BaseModel):
     profile_sync: bool = Field(
         False, description="wait for the GPU at each phase boundary (exact, loses overlap)"
     )
-    publish_interval: float = Field(1.0, gt=0, description="seconds between progress records")
+    publish_interval: float = Field(
+        2.0,
+        gt=0,
+        description="seconds between progress records (the estimate extrapolates between them)",
+    )
     wait_for_peers: int = Field(
         1, ge=1, description="before training, wait until this many peers (self included) are up"
     )
