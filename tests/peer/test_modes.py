@@ -46,5 +46,8 @@ def test_three_peers_lower_the_loss(variant):
     assert all(result is not None for result in results)
     for run, (_, epoch, stats) in zip(runs, results, strict=True):
         assert epoch >= settings["max_epochs"]
-        assert stats.num_rounds >= 1 and stats.last_group_size >= 2
+        # every peer averaged with others; its last rounds may be alone: under load a peer
+        # whose round timed out falls behind epochs of a few ms, and the others can reach
+        # max_epochs and leave before it catches up
+        assert any(outcome.num_peers >= 2 for outcome in stats.history)
         assert eval_loss(run) < threshold, (variant, eval_loss(run), threshold)
