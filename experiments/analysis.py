@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from peer.metrics_reader import MetricsLine, aggregate, read_metrics, summarize_lines
-from peer.profile_summary import StretchSummary
+from peer.profiling.metrics_reader import MetricsLine, aggregate, read_metrics, summarize_lines
+from peer.profiling.summary import StretchSummary
 
 LOSS_WINDOW = 3
 STATUS_FILE = "status.json"
@@ -63,7 +63,8 @@ class ConfigResult:
         status: ``done`` or ``failed`` (``reason`` says why).
         num_peers: peers that wrote metrics.
         curve: the swarm's loss curve.
-        swarm: the peers' phase summaries aggregated (:func:`peer.metrics_reader.aggregate`).
+        swarm: the peers' phase summaries aggregated
+        (:func:`peer.profiling.metrics_reader.aggregate`).
         rounds: the highest epoch any peer reached.
         time_to_target_s: see :func:`time_to_target`.
     """

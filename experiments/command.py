@@ -1,6 +1,7 @@
 """``peer experiment``: run experiment sweeps and write their reports.
 
-Registered by :mod:`peer.cli`. This module imports only argparse at import time (``peer --help``
+Registered by :mod:`peer.cli.main`. This module imports only argparse at import time (``peer
+--help``
 stays fast); the rest comes when a subcommand runs.
 """
 

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 
-from peer.hivemind_backend import HivemindBootstrap
+from peer.hivemind.backend import HivemindBootstrap
 
 
 def main(argv: list[str] | None = None) -> int:

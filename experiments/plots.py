@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from experiments.analysis import ConfigResult
-from peer.profile_record import PROFILE_PHASES
+from peer.records.profile import PROFILE_PHASES
 
 DPI = 110
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from experiments.analysis import ConfigResult, load_result
 from experiments.spec import SpecError, load_spec
-from peer.profile_record import PROFILE_PHASES
+from peer.records.profile import PROFILE_PHASES
 
 SUMMARY_COLUMNS = (
     "config", "status", "peers", "seed", "wall_s", "samples", "samples_per_s", "final_loss",

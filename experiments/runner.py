@@ -2,7 +2,7 @@
 
 A swarm configuration is a bootstrap node plus N ``peer join`` processes that wait for each
 other before their clocks start (``--wait-for-peers N``) and stop on ``--max-time`` /
-``--max-epochs``; a baseline configuration is one ``python -m peer.baseline_run`` with all the
+``--max-epochs``; a baseline configuration is one ``python -m peer.bench.baseline_run`` with all the
 CPUs. The target-loss rule is watched here from the metrics files (SIGTERM: peers end their step
 and write a last line). ``status.json`` records the outcome; a configuration whose status is
 ``done`` and whose settings are unchanged is skipped by the next sweep.
@@ -21,7 +21,7 @@ from pathlib import Path
 from experiments.analysis import STATUS_FILE, CurvePoint, loss_curve, read_json
 from experiments.launch_base import LaunchError, ProcessPlan, Session
 from experiments.spec import ExperimentSpec, RunConfig, cpu_split
-from peer.metrics_reader import read_metrics
+from peer.profiling.metrics_reader import read_metrics
 
 WATCH_INTERVAL_S = 0.5
 # (bootstrap URL, session) -> a context manager showing the swarm while it is open.
@@ -129,7 +129,7 @@ def baseline_plan(spec: ExperimentSpec, config: RunConfig) -> ProcessPlan:
     train, total = config.train, spec.resources.total_cpus
     env, device_args = _gpu_env(spec, 0)
     args = [
-        "-m", "peer.baseline_run",
+        "-m", "peer.bench.baseline_run",
         "--run-id", run_id(spec, config),
         "--target-batch-size", str(train.target_batch_size),
         "--lr", str(train.lr),

@@ -2,7 +2,7 @@
 line injects one (a terminal), a live dashboard of the running swarm configuration.
 
 ``experiments`` may not import ``monitor``: the dashboard comes in as a :data:`Watch` factory
-from the composition root (``peer/commands_experiment.py``). :class:`SweepScreen` owns both
+from the composition root (``peer/cli/experiment.py``). :class:`SweepScreen` owns both
 views: the progress bar is paused while a dashboard is up (the dashboard's footer shows the
 sweep position instead) and comes back when the configuration ends. ``q`` closes the dashboard
 for the rest of the sweep and leaves the sweep running (the results are not touched); Ctrl-C

@@ -1,8 +1,8 @@
 """``peer monitor``: the live dashboard of a swarm, from a DHT client node.
 
-Registered by :mod:`peer.cli` through :func:`add_monitor_command`, which also hands in the
+Registered by :mod:`peer.cli.main` through :func:`add_monitor_command`, which also hands in the
 readers of other backends' swarms (``--backend hivemind``): the monitor reads our DHT itself and
-never imports another backend. This module imports only argparse and :mod:`peer.cli_args` at
+never imports another backend. This module imports only argparse and :mod:`dht.options` at
 import time (``peer --help`` stays fast); the rest comes when the command runs.
 """
 
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, AsyncExitStack
 
-from peer.cli_args import positive_float, positive_int
+from dht.options import positive_float, positive_int
 
 # Bound on the one read of ``--once``, in seconds (start-up and bootstrap come on top).
 ONCE_TIMEOUT_S = 30.0
@@ -83,8 +83,8 @@ def add_monitor_command(sub, *, backends: Mapping[str, OpenRecords] | None = Non
 
 def run_monitor(args: argparse.Namespace, backends: Mapping[str, OpenRecords]) -> int:
     from dht.errors import ConfigError
+    from dht.options import peer_url, read_swarm_key
     from monitor.config import MonitorConfig
-    from peer.config import peer_url, read_swarm_key
 
     config = MonitorConfig(
         run_id=args.run_id, interval_s=args.interval, target_batch_size=args.target_batch_size

@@ -8,7 +8,7 @@ from rich.text import Text
 
 from monitor.state import SwarmView
 from monitor.widgets import column_chart, fit_line, fmt_count, fmt_seconds, resample, sparkline
-from peer.profile_record import PROFILE_PHASES
+from peer.records.profile import PROFILE_PHASES
 
 _PHASE_ABBREV = {
     "data": "data",

@@ -1,8 +1,8 @@
 """Reads a run's records from the DHT into :class:`monitor.state.SwarmView` frames.
 
 Three dictionary keys per run, each holding one signed record per peer: ``{run}/progress``
-(:mod:`peer.progress`), ``{run}/profile`` (:mod:`peer.profile_record`) and ``{run}/rounds``
-(:mod:`peer.round_log`). A read fetches the three at once (``latest=True``: the merge of the k
+(:mod:`peer.swarm.progress`), ``{run}/profile`` (:mod:`peer.records.profile`) and ``{run}/rounds``
+(:mod:`peer.swarm.round_log`). A read fetches the three at once (``latest=True``: the merge of the k
 closest replicas) under one timeout; a failed read keeps the last records and says why.
 """
 
@@ -21,12 +21,12 @@ from dht.launch import open_node
 from dht.node import DHTNode
 from monitor.config import MonitorConfig
 from monitor.state import SwarmView, ViewBuilder
-from peer.profile_record import parse_profile, profile_key
-from peer.progress import parse_record
-from peer.round_log import parse_rounds, rounds_key
+from peer.records.profile import parse_profile, profile_key
+from peer.records.progress import parse_record
+from peer.records.rounds import parse_rounds, rounds_key
 
 logger = logging.getLogger(__name__)
-# The largest believable rate of one peer (as :class:`peer.progress.ProgressConfig` has it).
+# The largest believable rate of one peer (as :class:`peer.swarm.progress.ProgressConfig` has it).
 MAX_SAMPLES_PER_S = 1e6
 
 

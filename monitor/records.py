@@ -2,8 +2,9 @@
 reader that the command line hands in: the monitor never imports another backend.
 
 A :class:`RecordSource` returns the same parsed records as :class:`monitor.reader.SwarmReader`
-reads from our DHT (:class:`peer.progress.PeerProgress`, :class:`peer.profile_record.ProfileRecord`,
-:class:`peer.round_log.RoundLogRecord`), so the views, alerts and panels are the same.
+reads from our DHT (:class:`peer.swarm.progress.PeerProgress`,
+:class:`peer.records.profile.ProfileRecord`,
+:class:`peer.swarm.round_log.RoundLogRecord`), so the views, alerts and panels are the same.
 :class:`ThreadedSwarmReader` runs its reads in a worker thread of its own and hands
 :class:`monitor.app.LiveApp` their futures; :func:`records_dashboard` shows it beside something
 else (a training peer, the demo), as :mod:`monitor.embed` does for our DHT.

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from dht.identity import short_id
 from monitor.config import MonitorConfig
 from monitor.view import Alert, PeerView, RoundRow, SwarmVerdict, SwarmView
-from peer.profile_record import PHASE_GROUPS, ProfileRecord
-from peer.progress import PeerProgress
-from peer.round_log import RoundEntry, RoundLogRecord
+from peer.records.profile import PHASE_GROUPS, ProfileRecord
+from peer.records.progress import PeerProgress
+from peer.records.rounds import RoundEntry, RoundLogRecord
 
 # Worst first: the status a round row shows when its peers disagree.
 _STATUS_RANK = {"failed": 0, "partial": 1, "alone": 2, "ok": 3}

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 
 from dht.identity import short_id
-from peer.profile_record import ProfileRecord
-from peer.round_log import RoundLogRecord
+from peer.records.profile import ProfileRecord
+from peer.records.rounds import RoundLogRecord
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ from rich.console import Console
 pytest.importorskip("hivemind", reason="the hivemind backend needs the [hivemind] extra")
 
 from experiments.watching import WatchTarget
-from peer.commands_experiment import watch_configuration
+from peer.cli.experiment import watch_configuration
 from tests.experiments.helpers import ROOT
 
 pytestmark = pytest.mark.timeout(120)

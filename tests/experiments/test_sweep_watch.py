@@ -170,7 +170,7 @@ def test_a_refusal_skips_one_configuration_and_an_error_the_rest(tmp_path, launc
 
 
 def test_the_peer_cli_has_no_hivemind_reader_inside_namespaces():
-    from peer.commands_experiment import watch_configuration
+    from peer.cli.experiment import watch_configuration
 
     target = WatchTarget(
         run_id="w-x", bootstrap_url="/ip4/10.213.0.1/tcp/1/p2p/Qm", config_name="x",

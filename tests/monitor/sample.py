@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from monitor.config import MonitorConfig
 from monitor.state import SwarmView, ViewBuilder
-from peer.profile_record import ProfileRecord
-from peer.progress import PeerProgress
-from peer.round_log import RoundEntry, RoundLogRecord, group_name
+from peer.records.profile import ProfileRecord
+from peer.records.progress import PeerProgress
+from peer.records.rounds import RoundEntry, RoundLogRecord, group_name
 
 NOW = 1_700_000_000.0
 TARGET = 4096

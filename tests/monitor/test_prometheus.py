@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from peer.prometheus import PeerMetrics, PrometheusExporter
+from peer.profiling.prometheus import PeerMetrics, PrometheusExporter
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,9 +9,9 @@ import signal
 import sys
 from contextlib import asynccontextmanager
 
-import peer.services
+import peer.swarm.services
 from dht.http import HttpTransport
-from peer.cli import main
+from peer.cli.main import main
 
 CRASH_AFTER_BYTES = int(os.environ["VP_TEST_CRASH_AFTER_BYTES"])
 
@@ -40,5 +40,5 @@ class CrashingTransport(HttpTransport):
 
 
 if __name__ == "__main__":
-    peer.services.HttpTransport = CrashingTransport
+    peer.swarm.services.HttpTransport = CrashingTransport
     sys.exit(main(sys.argv[1:]))

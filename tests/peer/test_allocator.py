@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 LOOP = """
 import json, resource, sys
 import torch
-from peer.allocator import steady_allocator
+from peer.train.allocator import steady_allocator
 done = steady_allocator() if sys.argv[1] == "steady" else None
 sizes = [2**16, 2**18, 2**19, 2**20, 2**21]
 def step():

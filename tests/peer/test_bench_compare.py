@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from peer.bench_compare import render_markdown
+from peer.bench.compare import render_markdown
 
 pytestmark = pytest.mark.timeout(240)
 

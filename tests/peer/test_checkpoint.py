@@ -10,8 +10,8 @@ import pytest
 import safetensors
 import torch
 
-from peer import checkpoint as checkpoint_module
-from peer.checkpoint import (
+import peer.train.checkpoint as checkpoint_module
+from peer.train.checkpoint import (
     CheckpointDir,
     CheckpointError,
     CheckpointMismatchError,
@@ -19,7 +19,7 @@ from peer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from peer.tasks.gpt import GPT, GPTConfig
+from peer.train.tasks.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -193,7 +193,7 @@ def test_corrupt_latest_falls_back_to_the_previous(tmp_path, caplog):
     latest = directory.save(model=model, optimizer=optimizer, progress=Progress(step=2))
     latest.write_bytes(latest.read_bytes()[: os.path.getsize(latest) // 2])
     fresh = WithBuffers(seed=1)
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.train.checkpoint"):
         loaded = directory.load_latest(model=fresh, optimizer=torch.optim.Adam(fresh.parameters()))
     assert loaded is not None and loaded.progress.step == 1
     assert "skipping unreadable checkpoint" in caplog.text and latest.name in caplog.text

@@ -10,12 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from peer.collaborative import CollaborativeConfig, CollaborativeOptimizer
-from peer.phases import PhaseClock
-from peer.progress import GlobalProgress, PeerProgress
-from peer.rounds import RoundOutcome
-from peer.schedules import make_lr_schedule
-from peer.trainer import StepContext
+from peer.profiling.phases import PhaseClock
+from peer.records.progress import PeerProgress
+from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer
+from peer.swarm.progress import GlobalProgress
+from peer.swarm.round import RoundOutcome
+from peer.train.schedules import make_lr_schedule
+from peer.train.trainer import StepContext
 
 TARGET = 8
 

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from dht.errors import ConfigError
-from peer.config import PeerConfig, add_config_arguments, load_config
+from peer.run.config import PeerConfig, add_config_arguments, load_config
 
 pytestmark = pytest.mark.timeout(30)
 

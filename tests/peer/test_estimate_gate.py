@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.estimate_gate import MAX_UNCHECKED_STEPS, EstimateGate
+from peer.swarm.estimate_gate import MAX_UNCHECKED_STEPS, EstimateGate
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -23,9 +23,9 @@ import pytest
 
 pytest.importorskip("hivemind", reason="the hivemind backend needs the [hivemind] extra")
 
-from peer.hivemind_backend import HivemindBootstrap
-from peer.tasks import load_task
-from peer.trainer import evaluate
+from peer.hivemind.backend import HivemindBootstrap
+from peer.train.tasks import load_task
+from peer.train.trainer import evaluate
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -30,8 +30,8 @@ from hivemind.p2p import PeerID
 from monitor.config import MonitorConfig
 from monitor.records import ThreadedSwarmReader
 from monitor.render import render_dashboard
-from peer.hivemind_backend import HivemindBootstrap
-from peer.hivemind_swarm import HivemindSwarmRecords
+from peer.hivemind.backend import HivemindBootstrap
+from peer.hivemind.swarm import HivemindSwarmRecords
 from tests.peer.test_hivemind_backend import TASK_OPTIONS, _left_behind
 
 pytestmark = pytest.mark.timeout(240)

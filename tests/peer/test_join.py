@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from peer.config import PeerConfig
-from peer.runner import PeerRun
-from peer.tasks import DataShard, load_task
+from peer.run.config import PeerConfig
+from peer.run.runner import PeerRun
+from peer.train.tasks import DataShard, load_task
 
 pytestmark = pytest.mark.timeout(180)
 TASK_OPTIONS = ["hidden_dim=64", "num_eval_batches=0"]

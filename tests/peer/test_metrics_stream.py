@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from peer.phases import PHASES
-from peer.runner import PeerRun
+from peer.profiling.phases import PHASES
+from peer.run.runner import PeerRun
 from tests.peer.test_join import config
 
 pytestmark = pytest.mark.timeout(120)

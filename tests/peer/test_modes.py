@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from peer.runner import PeerRun
-from peer.trainer import evaluate
+from peer.run.runner import PeerRun
+from peer.train.trainer import evaluate
 from tests.peer.test_join import config, start_swarm, train_together
 
 pytestmark = pytest.mark.timeout(240)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dht.errors import ConfigError
-from peer.newcomer_hold import NewcomerHold, NewcomerHoldConfig
-from peer.progress import GlobalProgress, PeerProgress
+from peer.records.progress import PeerProgress
+from peer.swarm.newcomer_hold import NewcomerHold, NewcomerHoldConfig
+from peer.swarm.progress import GlobalProgress
 
 pytestmark = pytest.mark.timeout(30)
 NOW = 1_000_000.0

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from peer.phases import PHASES, NullClock, PhaseClock
+from peer.profiling.phases import PHASES, NullClock, PhaseClock
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from peer.cli import main
-from peer.metrics_reader import validate_line
-from peer.phases import PHASES
-from peer.runner import PeerRun
+from peer.cli.main import main
+from peer.profiling.metrics_reader import validate_line
+from peer.profiling.phases import PHASES
+from peer.run.runner import PeerRun
 from tests.peer.test_join import config
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,17 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import IterableDataset
 
-import peer.runner
+import peer.run.runner
 from averaging.averager import DecentralizedAverager
 from dht.faults import Faults, FaultyTransport
-from peer.metrics_reader import read_metrics, summarize_lines
-from peer.phases import PHASES
-from peer.profile_record import parse_profile, profile_key
-from peer.profile_summary import diagnose, nonnegative
-from peer.profiler import Profiler, ProfilerConfig, StepProgress
-from peer.runner import PeerRun
-from peer.tasks import Task
-from peer.tasks.base import seeded_build, worker_generator
+from peer.profiling.metrics_reader import read_metrics, summarize_lines
+from peer.profiling.phases import PHASES
+from peer.profiling.profiler import Profiler, ProfilerConfig, StepProgress
+from peer.profiling.summary import diagnose, nonnegative
+from peer.records.profile import parse_profile, profile_key
+from peer.run.runner import PeerRun
+from peer.train.tasks import Task
+from peer.train.tasks.base import seeded_build, worker_generator
 from tests.peer.test_join import config
 from tests.peer.test_phases import FakeTime
 
@@ -208,7 +208,7 @@ def run_pair(monkeypatch, *, delay_s: float, num_epochs: int) -> tuple[list[Peer
         slowed = SlowStreams(transport, Faults(delay_s=delay_s))
         return DecentralizedAverager(tensors, transport=slowed, **kwargs)
 
-    monkeypatch.setattr(peer.runner, "DecentralizedAverager", make_averager)
+    monkeypatch.setattr(peer.run.runner, "DecentralizedAverager", make_averager)
     runs, stamps = [], []
     for seed in (1, 2):
         initial = [runs[0].address] if runs else []

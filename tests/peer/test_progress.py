@@ -9,13 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-import peer.progress as progress_module
+import peer.swarm.progress as progress_module
 from dht.config import DHTConfig, get_dht_time
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
 from dht.validation import owner_subkey
-from peer.progress import PeerProgress, ProgressConfig, ProgressTracker, estimate, parse_record
+from peer.records.progress import PeerProgress, parse_record
+from peer.swarm.progress import ProgressConfig, ProgressTracker, estimate
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from peer.runner import PeerRun
+from peer.run.runner import PeerRun
 from tests.peer.test_join import config
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,7 +38,7 @@ def join_command(*extra: str) -> list[str]:
 
 
 def checkpoint_epochs(directory) -> list[int]:
-    from peer.checkpoint import CheckpointDir
+    from peer.train.checkpoint import CheckpointDir
 
     return [int(re.findall(r"\d+", path.name)[0]) for path in CheckpointDir(directory).paths()]
 
@@ -61,7 +61,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint(tmp_path):
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
-    from peer.checkpoint import CheckpointDir
+    from peer.train.checkpoint import CheckpointDir
 
     run = PeerRun(config(task_option=["hidden_dim=64", "num_eval_batches=0"]))
     saved = CheckpointDir(directory).load_latest(model=run.model, optimizer=run.optimizer)

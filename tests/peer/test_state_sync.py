@@ -15,7 +15,7 @@ from dht.http import HttpTransport
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.node import DHTNode
-from peer.state_sync import (
+from peer.swarm.state_sync import (
     StateServer,
     StateSnapshot,
     StateSyncConfig,

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peer.tasks import DataShard, Task, TaskError, load_task
-from peer.tasks.charlm import STDLIB_VOCAB
-from peer.tasks.gpt import GPT, GPTConfig
+from peer.train.tasks import DataShard, Task, TaskError, load_task
+from peer.train.tasks.charlm import STDLIB_VOCAB
+from peer.train.tasks.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.timeout(60)
 SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
@@ -136,7 +136,7 @@ def text_file(tmp_path: Path) -> Path:
     """Shakespeare when the shared data is there, else the standard library's text."""
     if SHAKESPEARE.is_file():
         return SHAKESPEARE
-    from peer.tasks.charlm import stdlib_text
+    from peer.train.tasks.charlm import stdlib_text
 
     path = tmp_path / "corpus.txt"
     path.write_text(stdlib_text(200_000), encoding="utf-8")
@@ -189,7 +189,7 @@ def test_string_options_are_converted(tmp_path):
         ("charlm", {"n_embd": 30, "n_head": 4}, "n_embd (30) must be a multiple"),
         ("charlm", {"path": "/nonexistent/x.txt"}, "cannot read text file /nonexistent/x.txt"),
         ("no_such_module_xyz:make", {}, "cannot import no_such_module_xyz"),
-        ("peer.tasks.synthetic:nope", {}, "has no function 'nope'"),
+        ("peer.train.tasks.synthetic:nope", {}, "has no function 'nope'"),
     ],
 )
 def test_bad_input_is_one_task_error(name, options, message):
@@ -214,7 +214,7 @@ def test_unreadable_text_files(tmp_path):
 USER_TASK = """
 import torch
 from torch.utils.data import Dataset
-from peer.tasks import Task
+from peer.train.tasks import Task
 
 class Squares(Dataset):
     def __len__(self):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from peer.phases import PHASES
-from peer.profiler import Profiler, ProfilerConfig
-from peer.trace import EPOCHS_TID, PHASES_TID, ROUNDS_TID, TraceWriter
+from peer.profiling.phases import PHASES
+from peer.profiling.profiler import Profiler, ProfilerConfig
+from peer.profiling.trace import EPOCHS_TID, PHASES_TID, ROUNDS_TID, TraceWriter
 from tests.peer.test_phases import FakeTime
 
 pytestmark = pytest.mark.timeout(60)

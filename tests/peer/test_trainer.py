@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
-from peer.baseline import BaselineRun, run_baseline
-from peer.device import Amp, select_device, to_device, use_pinned_memory
-from peer.phases import PhaseClock
-from peer.tasks import DataShard, Task, load_task
-from peer.trainer import StepContext, StepReport, Trainer, TrainerConfig, evaluate
+from peer.bench.baseline import BaselineRun, run_baseline
+from peer.profiling.phases import PhaseClock
+from peer.train.device import Amp, select_device, to_device, use_pinned_memory
+from peer.train.tasks import DataShard, Task, load_task
+from peer.train.trainer import StepContext, StepReport, Trainer, TrainerConfig, evaluate
 
 pytestmark = pytest.mark.timeout(60)
 SMALL = {"hidden_dim": 32, "input_dim": 64, "batch_size": 16}

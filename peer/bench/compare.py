@@ -1,0 +1,366 @@
+"""``peer bench compare``: the same workloads on the native backend and on hivemind, in one run.
+
+It runs, for each backend, the benchmarks ``peer bench allreduce``, ``peer bench train`` and
+``peer bench dht`` run (the same functions, called in this process one after another, so the two
+backends see the same machine state), and writes Markdown tables ready for docs/BENCHMARKS.md:
+every cell with the exact command that reproduces it, and the ratio native/hivemind measured in
+this run. A workload that fails on one backend gets its error in the table; the sweep goes on.
+
+Ratios: for times (all-reduce round, DHT latency) and memory, hivemind's value / ours (how many
+times faster or smaller we are); for samples/s, ours / hivemind's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+logger = logging.getLogger(__name__)
+BACKENDS = ("native", "hivemind")
+PARTS = ("allreduce", "train", "dht")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompareConfig:
+    """One ``peer bench compare`` sweep; the defaults are the full sweep of issue #8.
+
+    Attributes:
+        parts: which benchmarks to run (``allreduce``, ``train``, ``dht``).
+        sizes: all-reduce sizes, float32 values per peer.
+        allreduce_peers: all-reduce group sizes.
+        compressions: all-reduce wire formats.
+        rounds: measured all-reduce rounds per cell (after one warm-up).
+        train_peers: peer counts of the train benchmark.
+        tasks: tasks of the train benchmark.
+        train_seconds: training seconds per train cell.
+        threads: cores the train benchmark uses (peers split them).
+        dht_nodes, dht_keys: nodes and values of the DHT benchmark.
+    """
+
+    parts: tuple[str, ...] = PARTS
+    sizes: tuple[int, ...] = (1_000_000, 10_000_000, 25_000_000)
+    allreduce_peers: tuple[int, ...] = (2, 4)
+    compressions: tuple[str, ...] = ("none", "fp16", "uint8")
+    rounds: int = 3
+    train_peers: tuple[int, ...] = (1, 2, 4)
+    tasks: tuple[str, ...] = ("synthetic", "charlm")
+    train_seconds: float = 20.0
+    threads: int | None = None
+    dht_nodes: int = 8
+    dht_keys: int = 50
+
+    def __post_init__(self) -> None:
+        unknown = set(self.parts) - set(PARTS)
+        if unknown:
+            raise ValueError(f"parts: {sorted(unknown)} not in {', '.join(PARTS)}")
+        if any(n < 2 for n in self.allreduce_peers):
+            raise ValueError("allreduce_peers: an all-reduce needs at least 2 peers")
+        for name in ("rounds", "dht_nodes", "dht_keys"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class Cell:
+    """One workload on one backend: the command that reproduces it and its JSON (or error)."""
+
+    backend: str
+    command: str
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def _measure(backend: str, command: str, run: Callable[[], dict[str, Any]]) -> Cell:
+    cell = Cell(backend, command)
+    start = time.monotonic()
+    logger.warning("bench compare: %s", command)
+    try:
+        cell.result = run()
+    except Exception as e:  # one failed workload is a cell with its error; the sweep goes on
+        cell.error = f"{type(e).__name__}: {e}"[:200]
+        logger.warning("bench compare: failed: %s", cell.error)
+    cell.seconds = time.monotonic() - start
+    return cell
+
+
+def allreduce_cells(config: CompareConfig) -> list[list[Cell]]:
+    from averaging.bench import run_allreduce_bench
+    from peer.hivemind.bench import run_hivemind_allreduce_bench
+
+    runners = {"native": run_allreduce_bench, "hivemind": run_hivemind_allreduce_bench}
+    rows = []
+    for size in config.sizes:
+        for num_peers in config.allreduce_peers:
+            for compression in config.compressions:
+                args = (num_peers, size, compression, config.rounds)
+                rows.append(
+                    [
+                        _measure(
+                            backend,
+                            f"peer bench allreduce --backend {backend} --peers {num_peers} "
+                            f"--size {size} --compression {compression} "
+                            f"--rounds {config.rounds} --json",
+                            lambda run=runners[backend], args=args: run(*args),
+                        )
+                        for backend in BACKENDS
+                    ]
+                )
+    return rows
+
+
+def train_cells(config: CompareConfig) -> list[list[Cell]]:
+    from peer.bench.train import TrainBenchConfig, run_train_bench
+
+    rows = []
+    threads = {} if config.threads is None else {"num_threads": config.threads}
+    threads_flag = "" if config.threads is None else f" --threads {config.threads}"
+    for task in config.tasks:
+        for num_peers in config.train_peers:
+            row = []
+            for backend in BACKENDS:
+                bench = TrainBenchConfig(
+                    backend=backend,
+                    num_peers=num_peers,
+                    task=task,
+                    seconds=config.train_seconds,
+                    run_baseline=False,
+                    **threads,
+                )
+                row.append(
+                    _measure(
+                        backend,
+                        f"peer bench train --backend {backend} --peers {num_peers} --task {task} "
+                        f"--seconds {config.train_seconds:g}{threads_flag} --no-baseline --json",
+                        lambda bench=bench: run_train_bench(bench),
+                    )
+                )
+            rows.append(row)
+    return rows
+
+
+def dht_cells(config: CompareConfig) -> list[list[Cell]]:
+    from dht.bench import run_dht_bench
+    from peer.hivemind.bench import run_hivemind_dht_bench
+
+    kwargs = {"num_nodes": config.dht_nodes, "num_keys": config.dht_keys}
+    runners = {
+        "native": lambda: asyncio.run(run_dht_bench(**kwargs)),
+        "hivemind": lambda: run_hivemind_dht_bench(**kwargs),
+    }
+    return [
+        [
+            _measure(
+                backend,
+                f"peer bench dht --backend {backend} --nodes {config.dht_nodes} "
+                f"--keys {config.dht_keys} --json",
+                runners[backend],
+            )
+            for backend in BACKENDS
+        ]
+    ]
+
+
+def run_compare(config: CompareConfig) -> dict[str, Any]:
+    """Run the sweep; returns ``{machine, allreduce, train, dht}`` (each a list of rows, a row
+    a list of cells as dicts: backend, command, result, error, seconds)."""
+    makers = {"allreduce": allreduce_cells, "train": train_cells, "dht": dht_cells}
+    out: dict[str, Any] = {"machine": machine_state()}
+    for part in PARTS:
+        rows = makers[part](config) if part in config.parts else []
+        out[part] = [[dataclasses.asdict(cell) for cell in row] for row in rows]
+    return out
+
+
+def machine_state() -> dict[str, Any]:
+    """What the figures were measured on: cores, memory, load, Python, torch, hivemind."""
+    import torch
+
+    try:
+        import hivemind
+
+        hivemind_version = hivemind.__version__
+    except ImportError:
+        hivemind_version = None
+    return {
+        "cpu_count": psutil.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "load_average": [round(x, 2) for x in psutil.getloadavg()],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "hivemind": hivemind_version,
+        "time_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+# ---- Markdown ---------------------------------------------------------------------------------
+
+
+def _value(cell: dict[str, Any], field: str) -> Any:
+    result = cell.get("result") or {}
+    return result.get(field)
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return str(value)
+
+
+def _ratio(numerator: Any, denominator: Any) -> str:
+    if not numerator or not denominator:
+        return "-"
+    return f"{numerator / denominator:.2f}x"
+
+
+def _shown(cell: dict[str, Any], field: str, digits: int = 3) -> str:
+    if cell.get("error"):
+        return "failed"
+    return _fmt(_value(cell, field), digits)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _commands(rows: list[list[dict[str, Any]]]) -> list[str]:
+    lines = ["", "Commands (one per cell, in the order run):", "", "```"]
+    lines += [cell["command"] for row in rows for cell in row]
+    lines.append("```")
+    errors = [f"- `{c['command']}`: {c['error']}" for row in rows for c in row if c["error"]]
+    if errors:
+        lines += ["", "Failed cells:", "", *errors]
+    return lines
+
+
+def _allreduce_md(rows: list[list[dict[str, Any]]]) -> list[str]:
+    body = []
+    for native, hive in rows:
+        result = native.get("result") or hive.get("result") or {}
+        body.append(
+            [
+                _fmt(result.get("size")),
+                _fmt(result.get("peers")),
+                str(result.get("compression", "-")),
+                _shown(native, "round_s_p50"),
+                _shown(hive, "round_s_p50"),
+                _ratio(_value(hive, "round_s_p50"), _value(native, "round_s_p50")),
+                _shown(native, "allreduce_s_p50"),
+                _shown(hive, "allreduce_s_p50"),
+                _shown(native, "matchmaking_s_p50"),
+                _shown(hive, "matchmaking_s_p50"),
+                _shown(native, "max_abs_err", 2),
+                _shown(hive, "max_abs_err", 2),
+            ]
+        )
+    header = [
+        "values", "peers", "compression", "native round s", "hivemind round s",
+        "native speedup", "native all-reduce s", "hivemind all-reduce s",
+        "native matchmaking s", "hivemind matchmaking s", "native max err", "hivemind max err",
+    ]  # fmt: skip
+    return ["### All-reduce round (p50 of the slowest peer)", "", *_table(header, body)]
+
+
+def _train_md(rows: list[list[dict[str, Any]]]) -> list[str]:
+    body, memory = [], []
+    for native, hive in rows:
+        result = native.get("result") or hive.get("result") or {}
+        task, peers = str(result.get("task", "-")), _fmt(result.get("peers"))
+        body.append(
+            [
+                task,
+                peers,
+                _shown(native, "samples_per_s", 4),
+                _shown(hive, "samples_per_s", 4),
+                _ratio(_value(native, "samples_per_s"), _value(hive, "samples_per_s")),
+                _shown(native, "final_loss"),
+                _shown(hive, "final_loss"),
+                _shown(native, "eval_loss"),
+                _shown(hive, "eval_loss"),
+                _shown(native, "rounds"),
+                _shown(hive, "rounds"),
+                _shown(native, "round_overhead_s"),
+                _shown(hive, "round_overhead_s"),
+            ]
+        )
+        memory.append(
+            [
+                task,
+                peers,
+                _shown(native, "peak_rss_mb_per_peer", 4),
+                _shown(hive, "peak_rss_mb_per_peer", 4),
+                _shown(native, "peak_pss_mb_per_peer", 4),
+                _shown(hive, "peak_pss_mb_per_peer", 4),
+                _ratio(*(_value(c, "peak_pss_mb_per_peer") for c in (hive, native))),
+            ]
+        )
+    header = [
+        "task", "peers", "native samples/s", "hivemind samples/s", "native / hivemind",
+        "native final loss", "hivemind final loss", "native eval loss", "hivemind eval loss",
+        "native epochs", "hivemind epochs", "native s/round waiting", "hivemind s/round waiting",
+    ]  # fmt: skip
+    memory_header = [
+        "task", "peers", "native RSS MiB", "hivemind RSS MiB (+p2pd)", "native PSS MiB",
+        "hivemind PSS MiB (+p2pd)", "hivemind / native (PSS)",
+    ]  # fmt: skip
+    return [
+        "### End to end (samples/s summed over peers; losses after the fixed time)",
+        "",
+        *_table(header, body),
+        "",
+        "### Resident memory per training peer (peak of its process tree)",
+        "",
+        *_table(memory_header, memory),
+    ]
+
+
+def _dht_md(rows: list[list[dict[str, Any]]]) -> list[str]:
+    body = []
+    for native, hive in rows:
+        body.append(
+            [
+                _fmt(_value(native, "nodes") or _value(hive, "nodes")),
+                _shown(native, "get_p50_ms"),
+                _shown(hive, "get_p50_ms"),
+                _ratio(_value(hive, "get_p50_ms"), _value(native, "get_p50_ms")),
+                _shown(native, "store_p50_ms"),
+                _shown(hive, "store_p50_ms"),
+                _ratio(_value(hive, "store_p50_ms"), _value(native, "store_p50_ms")),
+                _shown(native, "get_ok"),
+                _shown(hive, "get_ok"),
+                _shown(native, "rss_mb_per_node"),
+                _shown(hive, "rss_mb_per_node"),
+            ]
+        )
+    header = [
+        "nodes", "native get p50 ms", "hivemind get p50 ms", "native speedup (get)",
+        "native store p50 ms", "hivemind store p50 ms", "native speedup (store)",
+        "native get ok", "hivemind get ok", "native MiB/node", "hivemind MiB/node",
+    ]  # fmt: skip
+    return ["### DHT latency", "", *_table(header, body)]
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The sweep's tables, commands and machine state as Markdown."""
+    machine = report["machine"]
+    lines = [
+        f"Measured {machine['time_utc']} on {machine['cpu_count']} cores, "
+        f"{machine['memory_gb']} GiB, load average {machine['load_average']} at the start; "
+        f"Python {machine['python']}, torch {machine['torch']}, hivemind {machine['hivemind']}.",
+    ]
+    for part, render in (("allreduce", _allreduce_md), ("train", _train_md), ("dht", _dht_md)):
+        if report.get(part):
+            lines += ["", *render(report[part]), *_commands(report[part])]
+    return "\n".join(lines) + "\n"

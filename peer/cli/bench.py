@@ -1,0 +1,281 @@
+"""``peer bench allreduce``: the averaging benchmark (its harness lives in ``averaging.bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from dht.errors import ConfigError
+from dht.options import positive_float, positive_int
+
+
+def _group_size(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError("an all-reduce needs at least 2 peers")
+    return value
+
+
+def add_bench_allreduce_command(bench_sub) -> None:
+    parser = bench_sub.add_parser(
+        "allreduce",
+        help="N peer processes on loopback average S values; round timings",
+        description="Start N peer processes on 127.0.0.1, each holding S random float32 values "
+        "with a random weight; run rounds of matchmaking + butterfly all-reduce and "
+        "compare with the exact weighted mean in float64. The last line of stdout is "
+        "one JSON object.",
+    )
+    parser.add_argument("--peers", type=_group_size, default=2, help="peers, >= 2 (default: 2)")
+    parser.add_argument(
+        "--size",
+        type=positive_int,
+        default=1_000_000,
+        help="float32 values per peer (default: 1000000)",
+    )
+    parser.add_argument(
+        "--compression",
+        choices=["none", "fp16", "uint8"],
+        default="none",
+        help="wire format (default: none)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=5,
+        help="measured rounds after one warm-up (default: 5)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["native", "hivemind"],
+        default="native",
+        help="native, or hivemind's DecentralizedAverager ([hivemind] extra) (default: native)",
+    )
+    parser.add_argument("--phases", action="store_true", help="also report seconds per phase")
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.set_defaults(run=run_bench_allreduce)
+
+
+def run_bench_allreduce(args: argparse.Namespace) -> int:
+    if args.backend == "hivemind":
+        from peer.hivemind.bench import run_hivemind_allreduce_bench
+
+        result = run_hivemind_allreduce_bench(args.peers, args.size, args.compression, args.rounds)
+    else:
+        from averaging.bench import run_allreduce_bench
+
+        result = run_allreduce_bench(
+            args.peers, args.size, args.compression, args.rounds, include_phases=args.phases
+        )
+    if not args.json:
+        for name, value in result.items():
+            print(f"{name:>20}: {value}")
+    print(json.dumps(result))
+    return 0
+
+
+def add_bench_train_command(bench_sub) -> None:
+    parser = bench_sub.add_parser(
+        "train",
+        help="N peer processes against one plain PyTorch loop: samples/s and loss",
+        description="Train the task with N `peer join` processes on loopback whose torch "
+        "threads sum to the machine's cores, and with one plain PyTorch process using all cores "
+        "(the baseline, half of its time before the swarm and half after), each for --seconds. "
+        "The defaults are the benchmark contract. The last line of stdout is one JSON object.",
+    )
+    parser.add_argument("--peers", type=positive_int, default=2, help="peers (default: 2)")
+    parser.add_argument("--task", default="synthetic", help="task (default: synthetic)")
+    parser.add_argument(
+        "--task-option", action="append", default=[], help="task option KEY=VALUE (repeatable)"
+    )
+    parser.add_argument(
+        "--seconds", type=positive_float, default=20.0, help="training seconds (default: 20)"
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=None, help="samples per local step"
+    )
+    parser.add_argument(
+        "--target-batch-size",
+        type=positive_int,
+        default=2048,
+        help="samples per optimizer step (default: 2048)",
+    )
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="Adam lr (default: 1e-3)")
+    parser.add_argument(
+        "--mode", choices=["grad", "params", "diloco"], default="grad", help="default: grad"
+    )
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="cores to use (default: all)"
+    )
+    parser.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=None,
+        help="train this many optimizer steps instead of --seconds (statistical efficiency)",
+    )
+    parser.add_argument(
+        "--lr-schedule", choices=["constant", "linear", "cosine"], default="constant"
+    )
+    parser.add_argument("--warmup-epochs", type=int, default=0, help="LR warmup (default: 0)")
+    parser.add_argument(
+        "--min-lr-ratio", type=float, default=0.0, help="final LR / --lr of the decay"
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="skip the baseline")
+    parser.add_argument(
+        "--backend", choices=["native", "hivemind"], default="native", help="default: native"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="run the benchmark this many times and report the run with the median ratio, "
+        "with every run's ratio (default: 1)",
+    )
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.set_defaults(run=run_bench_train)
+
+
+def run_bench_train(args: argparse.Namespace) -> int:
+    from peer.bench.train import TrainBenchConfig, run_train_bench_repeated
+
+    for option in args.task_option:
+        if "=" not in option:
+            raise ConfigError(f"--task-option: {option!r} is not KEY=VALUE")
+    extra = {} if args.threads is None else {"num_threads": args.threads}
+    config = TrainBenchConfig(
+        backend=args.backend,
+        num_peers=args.peers,
+        task=args.task,
+        task_options=tuple(args.task_option),
+        seconds=args.seconds,
+        batch_size=args.batch_size,
+        target_batch_size=args.target_batch_size,
+        lr=args.lr,
+        mode=args.mode,
+        run_baseline=not args.no_baseline,
+        epochs=args.epochs,
+        lr_schedule=args.lr_schedule,
+        warmup_epochs=args.warmup_epochs,
+        min_lr_ratio=args.min_lr_ratio,
+        **extra,
+    )
+    result = run_train_bench_repeated(config, args.repeat)
+    if not args.json:
+        for name, value in result.items():
+            print(f"{name:>26}: {value}")
+    print(json.dumps(result))
+    return 0
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``1000000,10000000`` -> (1000000, 10000000); ``none`` -> ()."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 2,4") from None
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def _name_list(choices: tuple[str, ...] | None = None):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part.strip() for part in text.split(",") if part.strip())
+        bad = [n for n in names if choices is not None and n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices or ())}")
+        return names
+
+    return parse
+
+
+def add_bench_compare_command(bench_sub) -> None:
+    from peer.bench.compare import PARTS, CompareConfig
+
+    full = CompareConfig()
+    parser = bench_sub.add_parser(
+        "compare",
+        help="the same workloads on native and hivemind in one run; Markdown tables",
+        description="Run peer bench allreduce, train and dht on both backends, one after "
+        "another in this run, and print Markdown tables (for docs/BENCHMARKS.md) with the "
+        "exact command of every cell and the native/hivemind ratios. The defaults are the "
+        "full sweep (long: an hour or more on 2 cores); --quick is a smoke run of a minute.",
+    )
+    parser.add_argument(
+        "--parts", type=_name_list(PARTS), default=full.parts, help="default: allreduce,train,dht"
+    )
+    parser.add_argument("--sizes", type=_int_list, default=full.sizes, help="all-reduce sizes")
+    parser.add_argument(
+        "--allreduce-peers", type=_int_list, default=full.allreduce_peers, help="default: 2,4"
+    )
+    parser.add_argument(
+        "--compressions",
+        type=_name_list(("none", "fp16", "uint8")),
+        default=full.compressions,
+        help="default: none,fp16,uint8",
+    )
+    parser.add_argument("--rounds", type=positive_int, default=full.rounds, help="default: 3")
+    parser.add_argument(
+        "--train-peers", type=_int_list, default=full.train_peers, help="default: 1,2,4"
+    )
+    parser.add_argument(
+        "--tasks", type=_name_list(), default=full.tasks, help="default: synthetic,charlm"
+    )
+    parser.add_argument(
+        "--train-seconds", type=positive_float, default=full.train_seconds, help="default: 20"
+    )
+    parser.add_argument("--threads", type=positive_int, default=None, help="default: all cores")
+    parser.add_argument("--dht-nodes", type=positive_int, default=full.dht_nodes)
+    parser.add_argument("--dht-keys", type=positive_int, default=full.dht_keys)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: all-reduce of 10000 values, 2 peers, no compression, 1 round; "
+        "DHT of 3 nodes; no training (overrides those options)",
+    )
+    parser.add_argument("--out", default=None, help="also write the Markdown to this file")
+    parser.add_argument("--json", action="store_true", help="last line: the results as JSON")
+    parser.set_defaults(run=run_bench_compare)
+
+
+def run_bench_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from peer.bench.compare import CompareConfig, render_markdown, run_compare
+
+    options = {
+        "parts": args.parts,
+        "sizes": args.sizes,
+        "allreduce_peers": args.allreduce_peers,
+        "compressions": args.compressions,
+        "rounds": args.rounds,
+        "train_peers": args.train_peers,
+        "tasks": args.tasks,
+        "train_seconds": args.train_seconds,
+        "threads": args.threads,
+        "dht_nodes": args.dht_nodes,
+        "dht_keys": args.dht_keys,
+    }
+    if args.quick:
+        options |= {
+            "parts": tuple(p for p in args.parts if p != "train"),
+            "sizes": (10_000,),
+            "allreduce_peers": (2,),
+            "compressions": ("none",),
+            "rounds": 1,
+            "dht_nodes": 3,
+            "dht_keys": 5,
+        }
+    try:
+        config = CompareConfig(**options)
+    except ValueError as e:
+        raise ConfigError(f"peer bench compare: {e}") from None
+    report = run_compare(config)
+    markdown = render_markdown(report)
+    if args.out:
+        Path(args.out).write_text(markdown, encoding="utf-8")
+    print(markdown)
+    if args.json:
+        print(json.dumps(report))
+    return 0

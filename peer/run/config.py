@@ -1,0 +1,328 @@
+"""The settings of ``peer join``: one pydantic model, from flags, a TOML file and the environment.
+
+Precedence: command-line flags > ``--config FILE`` (TOML) > environment (``VP_<FIELD>``) >
+defaults. Every field is also a flag (``--field-name``), and its description and default are
+what ``peer join --help`` prints, so this model is the one place options are documented.
+:class:`PeerConfig` composes the components' own configs (transport, DHT, progress, state sync,
+trainer) from its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from averaging.config import AveragerConfig
+from dht.config import DHTConfig
+from dht.errors import ConfigError
+from dht.http_config import TransportConfig
+from dht.options import ENV_PREFIX, peer_url, read_swarm_key
+from peer.swarm.progress import ProgressConfig
+from peer.train.schedules import LRSchedule, make_lr_schedule
+
+if TYPE_CHECKING:  # torch-importing modules: kept out of `peer dht` and `peer --help`
+    from peer.profiling.profiler import ProfilerConfig
+    from peer.swarm.newcomer_hold import NewcomerHoldConfig
+    from peer.swarm.optimizer import CollaborativeConfig
+    from peer.swarm.state_sync import StateSyncConfig
+    from peer.train.trainer import TrainerConfig
+
+
+class PeerConfig(BaseModel):
+    """Everything a volunteer can set for ``peer join``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # the run
+    run_id: str = Field("vp-run", description="name of the training run; the DHT key prefix")
+    task: str = Field("synthetic", description="synthetic, charlm, or package.module:function")
+    task_option: list[str] = Field(
+        default_factory=list, description="task option KEY=VALUE (repeatable)"
+    )
+    backend: Literal["native", "hivemind"] = Field("native", description="networking backend")
+    # the network
+    host: str = Field("127.0.0.1", description="interface to listen on")
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    announce_host: str | None = Field(None, description="host others use to reach this peer")
+    initial_peers: list[str] = Field(
+        default_factory=list, description="URLs of peers already in the swarm (http://host:port)"
+    )
+    client_mode: bool = Field(False, description="run no server (behind NAT); still contributes")
+    identity: Path | None = Field(None, description="Ed25519 key file (created on first run)")
+    swarm_key_file: Path | None = Field(None, description="shared secret of a private swarm")
+    # training
+    target_batch_size: int = Field(2048, gt=0, description="samples the swarm gathers per epoch")
+    lr: float = Field(1e-3, gt=0, description="learning rate of the optimizer")
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="local optimizer")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR over the swarm's epochs, after the warmup"
+    )
+    warmup_epochs: int = Field(0, ge=0, description="epochs of linear LR warmup")
+    schedule_epochs: int | None = Field(
+        None, gt=0, description="epoch where linear/cosine decay ends (default: --max-epochs)"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final LR / --lr of the decay")
+    mode: Literal["grad", "params", "diloco"] = Field("grad", description="what is averaged")
+    delay_update: bool = Field(
+        False, description="overlap each round with the next epoch's compute (grad mode)"
+    )
+    max_epochs: int | None = Field(None, gt=0, description="stop after this many epochs")
+    max_steps: int | None = Field(None, gt=0, description="stop after this many local steps")
+    max_time: float | None = Field(None, gt=0, description="stop after this many seconds")
+    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
+    amp: Literal["auto", "bf16", "fp16", "off"] = Field("auto", description="mixed precision")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    torch_threads: int | None = Field(
+        None, gt=0, description="torch intra-op threads (several peers on one machine: cores/peers)"
+    )
+    max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this L2 norm")
+    seed: int | None = Field(None, description="seed of this peer's data (default: from its id)")
+    # averaging
+    compression: Literal["none", "fp16", "uint8"] = Field("none", description="wire format")
+    target_group_size: int = Field(16, ge=1, description="peers per averaging group")
+    min_group_size: int = Field(2, ge=1, description="fewer peers than this is no group")
+    matchmaking_time: float = Field(5.0, gt=0, description="seconds to look for a group")
+    averaging_timeout: float = Field(30.0, gt=0, description="seconds for one whole round")
+    newcomer_wait: float = Field(
+        10.0, ge=0, description="seconds a peer alone at its epoch holds it for a peer catching up"
+    )
+    state_compression: Literal["none", "bf16"] = Field(
+        "none", description="state downloads: float32 tensors as bfloat16 (half the bytes)"
+    )
+    # outputs
+    checkpoint_dir: Path | None = Field(None, description="periodic atomic checkpoints; resume")
+    checkpoint_interval: float = Field(60.0, gt=0, description="seconds between checkpoints")
+    metrics_file: Path | None = Field(None, description="JSON Lines metrics stream")
+    metrics_interval: float = Field(5.0, gt=0, description="seconds between metrics lines")
+    dashboard: bool = Field(
+        False, description="show this peer and its swarm live in the terminal (q quits)"
+    )
+    trace: Path | None = Field(None, description="Chrome/Perfetto trace of phases (Perfetto UI)")
+    trace_max_mb: float = Field(
+        64.0, gt=0, description="phase slices in --trace stop at this size (MiB); epochs go on"
+    )
+    profile_interval: float = Field(
+        5.0, gt=0, description="seconds between profile summaries (logged verdict, DHT record)"
+    )
+    profile_window: float = Field(
+        30.0, gt=0, description="seconds the rolling profile summary covers"
+    )
+    steady_allocator: bool = Field(
+        True,
+        description="fixed glibc malloc thresholds: freed tensor memory (up to 64 MiB) stays "
+        "in the heap instead of being unmapped and faulted back every step",
+    )
+    profile_sync: bool = Field(
+        False, description="wait for the GPU at each phase boundary (exact, loses overlap)"
+    )
+    publish_interval: float = Field(
+        2.0,
+        gt=0,
+        description="seconds between progress records (the estimate extrapolates between them)",
+    )
+    wait_for_peers: int = Field(
+        1, ge=1, description="before training, wait until this many peers (self included) are up"
+    )
+    wait_for_peers_timeout: float = Field(
+        120.0, gt=0, description="seconds to wait for --wait-for-peers, then train anyway"
+    )
+
+    @model_validator(mode="after")
+    def _across_fields(self) -> PeerConfig:
+        self.lr_schedule_fn()  # raises ConfigError naming the option
+        if self.delay_update and self.mode != "grad":
+            raise ConfigError(f"--delay-update needs --mode grad, not {self.mode}")
+        return self
+
+    def lr_schedule_fn(self) -> LRSchedule | None:
+        """The LR factor per epoch, or None for a constant LR."""
+        return make_lr_schedule(
+            self.lr_schedule,
+            warmup_epochs=self.warmup_epochs,
+            total_epochs=self.schedule_epochs or self.max_epochs,
+            min_lr_ratio=self.min_lr_ratio,
+        )
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _urls(cls, urls: list[str], info: ValidationInfo) -> list[str]:
+        if info.data.get("backend") == "hivemind":
+            return urls  # libp2p multiaddrs (/ip4/.../p2p/...); the hivemind backend checks them
+        return [peer_url(url) for url in urls]
+
+    @field_validator("task_option")
+    @classmethod
+    def _options(cls, options: list[str]) -> list[str]:
+        for option in options:
+            if "=" not in option:
+                raise ValueError(f"{option!r} is not KEY=VALUE")
+        return options
+
+    def task_options(self) -> dict[str, str]:
+        return dict(option.split("=", 1) for option in self.task_option)
+
+    # ---- composition -------------------------------------------------------------------------
+
+    def swarm_key(self) -> bytes | None:
+        return read_swarm_key(self.swarm_key_file)
+
+    def transport_config(self) -> TransportConfig:
+        return TransportConfig(
+            host=self.host,
+            port=self.port,
+            announce_host=self.announce_host,
+            client_mode=self.client_mode,
+            swarm_key=self.swarm_key(),
+        )
+
+    def dht_config(self) -> DHTConfig:
+        return DHTConfig(initial_peers=tuple(self.initial_peers))
+
+    def progress_config(self) -> ProgressConfig:
+        return ProgressConfig(
+            target_batch_size=self.target_batch_size,
+            publish_interval_s=self.publish_interval,
+            record_ttl_s=max(10 * self.publish_interval, 20.0),
+        )
+
+    def state_sync_config(self) -> StateSyncConfig:
+        from peer.swarm.state_sync import StateSyncConfig
+
+        return StateSyncConfig(compression=self.state_compression)
+
+    def averager_config(self) -> AveragerConfig:
+        return AveragerConfig(
+            target_group_size=self.target_group_size,
+            min_group_size=min(self.min_group_size, self.target_group_size),
+            matchmaking_time_s=self.matchmaking_time,
+            allreduce_timeout_s=self.averaging_timeout,
+            compression=self.compression,
+        )
+
+    def newcomer_hold_config(self) -> NewcomerHoldConfig:
+        from peer.swarm.newcomer_hold import NewcomerHoldConfig
+
+        return NewcomerHoldConfig(wait_s=self.newcomer_wait)
+
+    def collaborative_config(self) -> CollaborativeConfig:
+        from peer.swarm.optimizer import CollaborativeConfig
+
+        return CollaborativeConfig(
+            mode=self.mode,
+            delay_update=self.delay_update,
+            target_batch_size=self.target_batch_size,
+            averaging_timeout_s=self.matchmaking_time + self.averaging_timeout,
+        )
+
+    def trainer_config(self) -> TrainerConfig:
+        from peer.train.trainer import TrainerConfig
+
+        return TrainerConfig(
+            device=self.device,
+            amp=self.amp,
+            num_workers=self.num_workers,
+            max_grad_norm=self.max_grad_norm,
+        )
+
+    def profiler_config(self) -> ProfilerConfig:
+        from peer.profiling.profiler import ProfilerConfig
+
+        return ProfilerConfig(
+            interval_s=self.profile_interval,
+            window_s=max(self.profile_window, self.profile_interval),
+            trace_path=self.trace,
+            trace_max_bytes=max(int(self.trace_max_mb * 2**20), 1024),
+            synchronize_device=self.device if self.profile_sync else None,
+            backend=self.backend,
+        )
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, with its description and default as help; defaults stay unset."""
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML file of these options (flags override it)",
+    )
+    for name, field in PeerConfig.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = "none" if default is None or default == [] else default
+        kwargs: dict[str, Any] = {
+            "dest": name,
+            "default": argparse.SUPPRESS,
+            "help": f"{field.description} (default: {shown})",
+        }
+        annotation = field.annotation
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(annotation) is list:
+            kwargs["nargs"] = "*" if name == "initial_peers" else None
+            if name != "initial_peers":
+                kwargs["action"] = "append"
+        elif get_origin(annotation) is Literal:
+            kwargs["choices"] = get_args(annotation)
+        parser.add_argument(_flag(name), **kwargs)
+
+
+def _from_env() -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, field in PeerConfig.model_fields.items():
+        raw = os.environ.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = raw.split() if get_origin(field.annotation) is list else raw
+    return values
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as file:
+            data = tomllib.load(file)
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {path}: {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config: {path} is not valid TOML: {e}") from e
+    return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def load_config(args: argparse.Namespace) -> PeerConfig:
+    """Merge defaults < environment < TOML < flags and validate.
+
+    Raises:
+        ConfigError: one line naming the first invalid field.
+    """
+    values = _from_env()
+    if getattr(args, "config", None) is not None:
+        values.update(_from_toml(args.config))
+    values.update({k: v for k, v in vars(args).items() if k in PeerConfig.model_fields})
+    try:
+        return PeerConfig(**values)
+    except ValidationError as e:
+        error = e.errors()[0]
+        if error["type"] == "extra_forbidden":
+            raise ConfigError(f"unknown option {error['loc'][0]!r}") from None
+        message = error["msg"].removeprefix("Value error, ")
+        if not error["loc"]:  # a check across fields names its options itself
+            raise ConfigError(message) from None
+        raise ConfigError(f"{_flag(str(error['loc'][0]))}: {message}") from None

@@ -1,0 +1,129 @@
+"""A peer's side of state sync: downloading the swarm's state when behind, and the snapshots it
+serves to others (:mod:`peer.swarm.state_sync` holds the protocol).
+
+The training thread calls :meth:`StateCatchUp.download` at start (the swarm is ahead of the
+checkpoint) and :meth:`StateCatchUp.catch_up` when the swarm's epoch passes this peer's. A
+failed download is retried only after ``RESYNC_COOLDOWN_S`` of training (a donor may be busy);
+one that worked but landed behind again (epochs faster than a download) is retried at once, and
+a lone peer ahead holds its epoch for this one meanwhile (:mod:`peer.swarm.newcomer_hold`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from dht.runtime import EventLoopThread
+from peer.profiling.phases import PhaseClock
+from peer.run.config import PeerConfig
+from peer.swarm.services import SwarmServices
+from peer.swarm.state_sync import StateSnapshot, StateSyncError, download_state, layout_of
+from peer.train.checkpoint import Progress, pack_state, unpack_state
+from peer.train.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+# After a failed catch-up download, train on this long before trying again (a donor may be busy).
+RESYNC_COOLDOWN_S = 2.0
+STATE_PREFIX_OPTIMIZER = "optim"
+
+
+class StateCatchUp:
+    """Downloads into, and snapshots, one peer's model and optimizer.
+
+    Args:
+        config: the peer's settings (run id, state sync settings).
+        trainer: the peer's trainer (its model, step and sample counts go into snapshots).
+        optimizer: the local optimizer, whose state is synced with the model.
+        services: the swarm services (transport, DHT node).
+        loop_thread: the event loop the download runs on.
+        clock: the phase clock; downloads are charged to ``state_sync``.
+    """
+
+    def __init__(
+        self,
+        config: PeerConfig,
+        *,
+        trainer: Trainer,
+        optimizer: torch.optim.Optimizer,
+        services: SwarmServices,
+        loop_thread: EventLoopThread,
+        clock: PhaseClock,
+    ):
+        self.config = config
+        self.trainer = trainer
+        self.model = trainer.model
+        self.optimizer = optimizer
+        self.services = services
+        self.loop_thread = loop_thread
+        self.clock = clock
+        self._last_failed_s = -float("inf")
+
+    def download(self, min_epoch: int, *, fallback: int) -> int:
+        """Load the state of epoch >= ``min_epoch`` from a donor; the epoch reached, or
+        ``fallback`` (the model untouched) when no donor delivered."""
+        reached = self._download(min_epoch, fallback=fallback)
+        if reached <= fallback:
+            self._last_failed_s = time.monotonic()
+        return reached
+
+    def catch_up(self, swarm_epoch: int, *, epoch: int) -> int:
+        """This peer at ``epoch`` is behind the swarm's ``swarm_epoch``: download, unless a
+        recent attempt failed; the epoch reached (``epoch`` when nothing was loaded)."""
+        if time.monotonic() - self._last_failed_s < RESYNC_COOLDOWN_S:
+            return epoch  # a recent attempt failed: train on, try again later
+        logger.info(
+            "the swarm is at epoch %d, this peer at %d: downloading state", swarm_epoch, epoch
+        )
+        return self.download(swarm_epoch, fallback=epoch)
+
+    def snapshot(self, epoch: int) -> StateSnapshot:
+        """The state to serve now, labelled ``epoch``."""
+        tensors, metadata = pack_state(
+            model=self.model,
+            optimizer=self.optimizer,
+            progress=Progress(
+                epoch=epoch, step=self.trainer.step, samples=self.trainer.total_samples
+            ),
+        )
+        return StateSnapshot.capture(epoch, tensors, metadata)
+
+    def _download(self, min_epoch: int, *, fallback: int) -> int:
+        tensors, _ = pack_state(
+            model=self.model,
+            optimizer=self.optimizer,
+            progress=Progress(epoch=0, step=0, samples=0),
+        )
+        model_layout = {k: v for k, v in layout_of(tensors).items() if k.startswith("model/")}
+        model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self.clock.phase("state_sync"):
+            try:
+                snapshot = self.loop_thread.run(
+                    download_state(
+                        self.services.transport,
+                        self.services.node,
+                        self.config.run_id,
+                        min_epoch=min_epoch,
+                        expected=model_layout,
+                        config=self.config.state_sync_config(),
+                        extra_prefix=STATE_PREFIX_OPTIMIZER,
+                        max_extra_bytes=4 * model_bytes + 2**20,
+                    )
+                )
+                progress, _ = unpack_state(
+                    snapshot.tensors,
+                    snapshot.metadata,
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    path="<downloaded state>",
+                )
+            except StateSyncError as e:
+                logger.warning(
+                    "could not download the swarm's state (%s); training on from epoch %d",
+                    e,
+                    fallback,
+                )
+                return fallback
+        logger.info("downloaded the swarm's state of epoch %d", progress.epoch)
+        return progress.epoch

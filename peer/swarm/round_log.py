@@ -1,0 +1,155 @@
+"""Each peer's recent averaging rounds on the DHT (``{run_id}/rounds``): the publisher.
+
+The record's format and parser are :mod:`peer.records.rounds`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from dht.config import get_dht_time
+from dht.errors import ConfigError, DHTError
+from dht.node import DHTNode
+from dht.validation import owner_subkey
+from peer.records.rounds import (
+    RoundEntry,
+    RoundLogRecord,
+    group_name,
+    parse_rounds,
+    rounds_key,
+)
+from peer.swarm.periodic import Periodic
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RoundLog", "RoundLogConfig", "group_name", "parse_rounds", "rounds_key"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundLogConfig:
+    """How a peer publishes its rounds.
+
+    Attributes:
+        target_batch_size: samples per swarm epoch (published so that readers know it).
+        max_rounds: rounds kept and published.
+        publish_interval_s: how often the publisher checks for news, in seconds.
+        record_ttl_s: a record expires this long after it is stored, in seconds; an unchanged
+            record is stored again after a third of it.
+    """
+
+    target_batch_size: int
+    max_rounds: int = 10
+    publish_interval_s: float = 2.0
+    record_ttl_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.target_batch_size < 1:
+            raise ConfigError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
+        if self.max_rounds < 1:
+            raise ConfigError(f"max_rounds must be >= 1, got {self.max_rounds}")
+        for name in ("publish_interval_s", "record_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.record_ttl_s <= self.publish_interval_s:
+            raise ConfigError("record_ttl_s must exceed publish_interval_s")
+
+
+class RoundLog:
+    """Keeps this peer's last rounds and publishes them (an async context manager).
+
+    The training thread calls :meth:`add` and :meth:`set_epoch`; a task on the event loop
+    stores the record whenever it changed, and again before it expires.
+    """
+
+    def __init__(self, *, dht: DHTNode, prefix: str, config: RoundLogConfig):
+        self.dht = dht
+        self.key = rounds_key(prefix)
+        self.config = config
+        self._lock = threading.Lock()
+        self._rounds: tuple[RoundEntry, ...] = ()
+        self._epoch = 0
+        self._counts = (0, 0, 0)  # rounds, failed, local steps
+        self._version = 0
+        self._published: tuple[int, float] | None = None  # (version, monotonic s)
+        self._publisher = Periodic(self.publish, config.publish_interval_s, "round-log")
+
+    def add(self, entry: RoundEntry) -> None:
+        """Record a finished round (any thread)."""
+        with self._lock:
+            self._rounds = (*self._rounds, entry)[-self.config.max_rounds :]
+            rounds, failed, local = self._counts
+            self._counts = (
+                rounds + 1,
+                failed + (entry.status == "failed"),
+                local + entry.local_fallback,
+            )
+            self._epoch = max(self._epoch, entry.epoch + 1)
+            self._version += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """This peer is at ``epoch`` now (a state download can move it without a round)."""
+        with self._lock:
+            if epoch != self._epoch:
+                self._epoch = epoch
+                self._version += 1
+
+    def record(self) -> RoundLogRecord:
+        """What would be published now."""
+        with self._lock:
+            rounds, failed, local = self._counts
+            return RoundLogRecord(
+                peer_id=self.dht.peer_id,
+                time=get_dht_time(),
+                epoch=self._epoch,
+                target_batch_size=self.config.target_batch_size,
+                num_rounds=rounds,
+                num_failed_rounds=failed,
+                num_local_steps=local,
+                rounds=self._rounds,
+            )
+
+    async def publish(self, *, force: bool = False) -> bool:
+        """Store the record if it changed or is due; True when a store happened and took."""
+        version, now = self._version, time.monotonic()
+        if not force and self._published is not None:
+            last_version, last_s = self._published
+            if version == last_version and now - last_s < self.config.record_ttl_s / 3:
+                return False
+        record = self.record()
+        try:
+            stored = await self.dht.store(
+                self.key,
+                record.to_wire(),
+                record.time + self.config.record_ttl_s,
+                subkey=owner_subkey(record.peer_id),
+            )
+        except DHTError as e:  # the next period tries again
+            logger.warning("round record not stored: %s", e)
+            return False
+        if stored:
+            self._published = (version, now)
+        return stored
+
+    async def __aenter__(self) -> RoundLog:
+        self._publisher.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop publishing; safe to call twice."""
+        await self._publisher.stop()
+
+
+__all__ = [
+    "RoundEntry",
+    "RoundLog",
+    "RoundLogConfig",
+    "RoundLogRecord",
+    "parse_rounds",
+    "rounds_key",
+]

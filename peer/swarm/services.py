@@ -1,0 +1,62 @@
+"""The swarm side of a peer, on its event-loop thread: transport, DHT node, progress tracker,
+state server and averager, opened and closed as one unit."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from dht.http import HttpTransport
+from dht.identity import PeerIdentity
+from dht.node import DHTNode
+from peer.run.config import PeerConfig
+from peer.swarm.progress import ProgressTracker
+from peer.swarm.state_sync import StateServer
+
+
+@dataclass
+class SwarmServices:
+    """What a running peer holds on its event loop (use :func:`open_services`)."""
+
+    transport: HttpTransport
+    node: DHTNode
+    tracker: ProgressTracker
+    state_server: StateServer
+    averager: Any
+    stack: AsyncExitStack
+
+    async def close(self) -> None:
+        """Leave the swarm: stop publishing, serving and averaging; safe to call twice."""
+        await self.stack.aclose()
+
+
+async def open_services(config: PeerConfig, identity: PeerIdentity, make_averager) -> SwarmServices:
+    """Start everything (handlers are registered before the transport starts serving).
+
+    Args:
+        config: the peer's settings.
+        identity: its key pair.
+        make_averager: ``(transport, node) -> async context manager`` of the averager, whose
+            handlers it registers on the transport when called.
+    """
+    stack = AsyncExitStack()
+    try:
+        transport = HttpTransport(identity, config.transport_config())
+        node = DHTNode(transport=transport, identity=identity, config=config.dht_config())
+        prefix = config.run_id
+        state_server = StateServer(
+            transport=transport, dht=node, prefix=prefix, config=config.state_sync_config()
+        )
+        tracker = ProgressTracker(dht=node, prefix=prefix, config=config.progress_config())
+        averager = make_averager(transport, node)
+        await stack.enter_async_context(transport)
+        await stack.enter_async_context(node)
+        await stack.enter_async_context(state_server)
+        await tracker.refresh()
+        await stack.enter_async_context(tracker)
+        await stack.enter_async_context(averager)
+    except BaseException:
+        await stack.aclose()
+        raise
+    return SwarmServices(transport, node, tracker, state_server, averager, stack)
