@@ -22,7 +22,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,10 +86,11 @@ class DecentralizedAverager:
         self._lock = asyncio.Lock()
         self._closed = False
         self.num_rounds = 0
-        self.last_result: RoundResult | None = None
-        self.phase_totals_s: dict[str, float] = defaultdict(float)  # summed over rounds
-        self.bytes_sent_total = 0
-        self.bytes_received_total = 0
+
+    @property
+    def tensors(self) -> tuple[Any, ...]:
+        """The tensors averaged in place, as given."""
+        return tuple(self._tensors.tensors)
 
     @property
     def numel(self) -> int:
@@ -294,11 +294,6 @@ class DecentralizedAverager:
     def _finish(self, key: str, result: RoundResult, matchmaking_s: float) -> RoundResult:
         result = dataclasses.replace(result, matchmaking_s=matchmaking_s)
         self.num_rounds += 1
-        self.last_result = result
-        for phase, seconds in result.phase_s.items():
-            self.phase_totals_s[phase] += seconds
-        self.bytes_sent_total += result.bytes_sent
-        self.bytes_received_total += result.bytes_received
         if result.status != "ok":
             logger.warning(
                 "averaging round %s %s: %s (group of %d, %.0f%% averaged, dropped %s)",

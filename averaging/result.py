@@ -33,6 +33,7 @@ class RoundResult:
         phase_s: seconds per phase, for the profiler: "gather" (tensors to the flat vector),
             "matchmaking", "allreduce", "scatter" (back to the tensors), and the CPU seconds
             inside the all-reduce: "encode", "decode", "reduce".
+        epoch: the epoch whose round this was (-1 when the caller did not say).
     """
 
     status: RoundStatus
@@ -48,6 +49,22 @@ class RoundResult:
     averaged_fraction: float = 0.0
     compression: str = "none"
     phase_s: Mapping[str, float] = field(default_factory=dict)
+    epoch: int = -1
+
+    @property
+    def ok(self) -> bool:
+        """The caller may step on the tensors: averaged (fully or partly), or alone."""
+        return self.status != "failed"
+
+    @property
+    def num_peers(self) -> int:
+        """The group's size, this peer included (1 when alone or failed)."""
+        return max(1, len(self.members))
+
+    @property
+    def num_dropped(self) -> int:
+        """Peers dropped from the round."""
+        return len(self.dropped_peers)
 
     @property
     def partial(self) -> bool:

@@ -8,7 +8,6 @@ The attribution (hivemind 1.1.12, pinned by the ``[hivemind]`` extra) is describ
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ import numpy as np
 from dht.errors import ConfigError
 from peer.profiling.phases import PhaseClock
 from peer.records.rounds import RoundEntry, group_name
+from peer.swarm.round import EpochStats
 from peer.train.trainer import StepContext
 
 logger = logging.getLogger(__name__)
@@ -120,16 +120,6 @@ class EstimatedCounters:
         self.recv += one_way
 
 
-@dataclasses.dataclass
-class RoundStats:
-    """Counters of the gradient / parameter rounds this peer waited for."""
-
-    num_rounds: int = 0
-    num_failed_rounds: int = 0
-    matchmaking_s: float = 0.0
-    allreduce_s: float = 0.0
-
-
 class AllreduceWatch:
     """Polls a round's StepControl from a helper thread and notes when its all-reduce begins.
 
@@ -187,7 +177,7 @@ class HivemindHook:
     ):
         self.opt = opt
         self.clock = clock
-        self.stats = RoundStats()
+        self.stats = EpochStats()
         self.counters = counters
         self.on_round = on_round
         self.leave = leave

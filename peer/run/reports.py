@@ -11,12 +11,10 @@ import math
 import time
 from collections.abc import Callable
 
-from dht.config import get_dht_time
 from dht.node import DHTNode
 from dht.runtime import EventLoopThread
 from peer.profiling.prometheus import PeerMetrics, PrometheusExporter
-from peer.records.rounds import RoundEntry, group_name
-from peer.swarm.round import EpochStats, RoundOutcome
+from peer.swarm.round import EpochStats, round_entry
 from peer.swarm.round_log import RoundLog, RoundLogConfig
 
 logger = logging.getLogger(__name__)
@@ -24,26 +22,6 @@ logger = logging.getLogger(__name__)
 # losses (a stack of tensors, and a sync on a GPU): read at every round, that costs a lone peer
 # with 90 ms epochs about 0.2% of its throughput, and entries are published every few seconds.
 LOSS_REFRESH_S = 1.0
-
-
-def round_entry(outcome: RoundOutcome, *, epoch: int, loss: float | None) -> RoundEntry:
-    """The round record's entry for one round the optimizer finished (``epoch``: the epoch it
-    closed, when the outcome does not say)."""
-    status = outcome.status or ("ok" if outcome.ok else "failed")
-    return RoundEntry(
-        epoch=outcome.epoch if outcome.epoch >= 0 else epoch,
-        end_time=get_dht_time(),
-        status=status,
-        group_size=max(1, outcome.num_peers),
-        group_id=group_name(outcome.members),
-        duration_s=outcome.matchmaking_s + outcome.allreduce_s,
-        sent_bytes=outcome.sent_bytes,
-        recv_bytes=outcome.recv_bytes,
-        num_dropped=outcome.num_dropped,
-        averaged_fraction=outcome.averaged_fraction,
-        loss=loss,
-        reason="" if status == "ok" else outcome.reason,
-    )
 
 
 class RunReports:
@@ -110,8 +88,8 @@ class RunReports:
         if now - self._loss_read_s >= LOSS_REFRESH_S:
             self._recent_loss, self._loss_read_s = loss(), now
         recent_loss = self._recent_loss
-        for outcome in stats.history[-num_new:]:
-            self.round_log.add(round_entry(outcome, epoch=epoch - 1, loss=recent_loss))
+        for result in stats.history[-num_new:]:
+            self.round_log.add(round_entry(result, epoch=epoch - 1, loss=recent_loss))
 
     def close(self, loop_thread: EventLoopThread, *, timeout_s: float) -> None:
         """Stop publishing (before the DHT node closes); safe to call twice."""

@@ -21,7 +21,6 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from averaging.averager import DecentralizedAverager
 from dht.identity import PeerIdentity, short_id
 from dht.runtime import EventLoopThread
 from peer.profiling.metrics_stream import MetricsStream
@@ -32,8 +31,9 @@ from peer.run.config import PeerConfig
 from peer.run.reports import RunReports
 from peer.swarm.averager import SwarmAverager
 from peer.swarm.catch_up import StateCatchUp
+from peer.swarm.epoch import Epoch
 from peer.swarm.newcomer_hold import NewcomerHold
-from peer.swarm.optimizer import CollaborativeOptimizer, averaged_buffers
+from peer.swarm.optimizer import CollaborativeOptimizer, make_contribution
 from peer.swarm.services import SwarmServices, open_services
 from peer.train.allocator import steady_allocator
 from peer.train.checkpoint import CheckpointDir, Progress
@@ -110,8 +110,13 @@ class PeerRun:
             clock=self.clock,
         )
         self.model = self.trainer.model
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.buffers = averaged_buffers(params, config.mode)
+        self.collaborative_config = dataclasses.replace(
+            config.collaborative_config(),
+            # per-step unscaling or clipping needs each step's gradient on its own
+            accumulate_in_grad=self.trainer.amp.scaler is None and config.max_grad_norm is None,
+        )
+        self.contribution = make_contribution(self.model, self.optimizer, self.collaborative_config)
+        self.epoch: Epoch | None = None
         self.checkpoints = CheckpointDir(config.checkpoint_dir) if config.checkpoint_dir else None
         self.loop_thread: EventLoopThread | None = None
         self.services: SwarmServices | None = None
@@ -138,20 +143,14 @@ class PeerRun:
         """Join the swarm: start the services, then resume or download the state."""
         self.trainer.start_data()  # fork loader workers before the network thread exists
         self.loop_thread = EventLoopThread(name=f"vp-{short_id(self.identity.peer_id)}")
-
-        def make_averager(transport, node):
-            # called before the transport serves: the moment to add plain GET routes
-            self.reports.install(transport)
-            return DecentralizedAverager(
-                self.buffers,
-                transport=transport,
-                dht=node,
-                prefix=self.config.run_id,
-                config=self.config.averager_config(),
-            )
-
         self.services = self.loop_thread.run(
-            open_services(self.config, self.identity, make_averager), timeout_s=START_TIMEOUT_S
+            open_services(
+                self.config,
+                self.identity,
+                tensors=self.contribution.buffers,
+                routes=(self.reports.install,),
+            ),
+            timeout_s=START_TIMEOUT_S,
         )
         logger.info(
             "peer %s joined run %r, serving on %s",
@@ -168,24 +167,20 @@ class PeerRun:
             clock=self.clock,
         )
         epoch = self._resume()
+        self.epoch = Epoch(epoch)
         self.hook = CollaborativeOptimizer(
             model=self.model,
             optimizer=self.optimizer,
             averager=SwarmAverager(self.services.averager, self.loop_thread, self.clock),
             progress=self.services.tracker,
-            config=dataclasses.replace(
-                self.config.collaborative_config(),
-                # per-step unscaling or clipping needs each step's gradient on its own
-                accumulate_in_grad=self.trainer.amp.scaler is None
-                and self.config.max_grad_norm is None,
-            ),
-            on_epoch=self._on_epoch,
+            config=self.collaborative_config,
+            epoch=self.epoch,
+            contribution=self.contribution,
             lr_schedule=self.config.lr_schedule_fn(),
-            epoch=epoch,
-            buffers=self.buffers,
+            state=self.state,
             newcomer_hold=NewcomerHold(self.config.newcomer_hold_config()),
-            on_behind=lambda swarm_epoch: self.state.catch_up(swarm_epoch, epoch=self.hook.epoch),
         )
+        self.epoch.subscribe(self._on_epoch)
         self.trainer.hook = self.hook
         self.services.tracker.report_local_progress(epoch, 0)
         if self.config.wait_for_peers > 1:

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from averaging.averager import DecentralizedAverager
 from averaging.errors import AveragingError, translate
+from averaging.result import RoundResult
 from dht.errors import DHTError
 from dht.runtime import EventLoopThread
 from peer.profiling.phases import PhaseClock
-from peer.swarm.round import RoundOutcome
+from peer.swarm.round import failed
 
 # How much longer than the round's own bound the training thread waits for it.
 FACADE_SLACK_S = 5.0
@@ -35,7 +37,12 @@ class SwarmAverager:
         self.averager = averager
         self.loop_thread = loop_thread
         self.clock = clock
-        self.last_result = None
+
+    def _check(self, tensors: Sequence[torch.Tensor]) -> None:
+        if len(tensors) != len(self.averager.tensors) or any(
+            a is not b for a, b in zip(tensors, self.averager.tensors, strict=False)
+        ):
+            raise ValueError("the averager averages the buffers it was built over, not these")
 
     def _group_size(self, expected_peers: int) -> int:
         # the peers known to be at this epoch: a leader closes once they are all in
@@ -50,7 +57,8 @@ class SwarmAverager:
         epoch: int,
         timeout_s: float,
         expected_peers: int,
-    ) -> RoundOutcome:
+    ) -> RoundResult:
+        self._check(tensors)
         with self.clock.phase("matchmaking"):
             try:
                 result = self.averager.step_blocking(
@@ -61,12 +69,9 @@ class SwarmAverager:
                     target_group_size=self._group_size(expected_peers),
                 )
             except AveragingError as e:
-                reason = str(e) or type(e).__name__
-                return RoundOutcome(
-                    ok=False, num_peers=1, reason=reason, epoch=epoch, status="failed"
-                )
+                return failed(epoch, str(e) or type(e).__name__)
         self.clock.transfer(result.allreduce_s, "matchmaking", "allreduce")
-        return self._outcome(result, epoch)
+        return dataclasses.replace(result, epoch=epoch)
 
     def start_average(
         self,
@@ -78,6 +83,7 @@ class SwarmAverager:
         expected_peers: int,
     ) -> PendingRound:
         """Start a round in the background; the tensors must stay untouched until it ends."""
+        self._check(tensors)
         step = self.averager.step(
             weight,
             epoch=epoch,
@@ -86,23 +92,6 @@ class SwarmAverager:
         )
         future = self.loop_thread.submit(asyncio.wait_for(step, timeout_s + FACADE_SLACK_S))
         return PendingRound(self, future, epoch)
-
-    def _outcome(self, result, epoch: int) -> RoundOutcome:
-        self.last_result = result
-        return RoundOutcome(
-            ok=result.status in ("ok", "partial", "alone"),
-            num_peers=max(1, len(result.members)),
-            reason=result.reason,
-            matchmaking_s=result.matchmaking_s,
-            allreduce_s=result.allreduce_s,
-            members=tuple(result.members),
-            epoch=epoch,
-            status=result.status,
-            sent_bytes=result.bytes_sent,
-            recv_bytes=result.bytes_received,
-            num_dropped=len(result.dropped_peers),
-            averaged_fraction=result.averaged_fraction,
-        )
 
 
 class PendingRound:
@@ -116,23 +105,15 @@ class PendingRound:
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self) -> RoundOutcome:
+    def wait(self) -> RoundResult:
         """The round's outcome; the time spent waiting for it is charged to ``allreduce``."""
         with self._owner.clock.phase("allreduce"):
             try:
                 result = self._future.result()
             except TimeoutError:
-                return self._failed("the round timed out")
+                return failed(self._epoch, "the round timed out")
             except AveragingError as e:
-                return self._failed(str(e) or type(e).__name__)
+                return failed(self._epoch, str(e) or type(e).__name__)
             except DHTError as e:
-                return self._failed(str(translate(e)))
-        return self._owner._outcome(result, self._epoch)
-
-    def _failed(self, reason: str) -> RoundOutcome:
-        return RoundOutcome(
-            ok=False, num_peers=1, reason=reason, epoch=self._epoch, status="failed"
-        )
-
-    def cancel(self) -> None:
-        self._future.cancel()
+                return failed(self._epoch, str(translate(e)))
+        return dataclasses.replace(result, epoch=self._epoch)

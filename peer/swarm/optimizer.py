@@ -28,12 +28,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
+from averaging.result import RoundResult
 from dht.errors import ConfigError
+from peer.swarm.contribution import Contribution, Mode
+from peer.swarm.epoch import Epoch
 from peer.swarm.estimate_gate import EstimateGate
 from peer.swarm.newcomer_hold import NewcomerHold
 from peer.swarm.progress import GlobalProgress
@@ -41,13 +43,13 @@ from peer.swarm.round import (
     EpochStats,
     PendingRound,
     ProgressSource,
-    RoundOutcome,
+    StateSource,
     TensorAverager,
+    alone,
 )
 from peer.train.trainer import StepContext
 
 logger = logging.getLogger(__name__)
-Mode = Literal["grad", "params", "diloco"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,32 +90,26 @@ class CollaborativeConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
-def averaged_buffers(params: list[torch.Tensor], mode: Mode) -> list[torch.Tensor]:
-    """The tensors a round averages, fixed for the optimizer's life: gradient accumulators
-    (``grad``), the parameters themselves (``params``) or pseudo-gradients (``diloco``)."""
-    if mode == "params":
-        return [p.data for p in params]
-    return [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]
-
-
 class CollaborativeOptimizer:
     """The hook the trainer calls after every backward pass; see the module docstring.
+
+    One round reads top to bottom in :meth:`on_step` and :meth:`finish_epoch`: accumulate ->
+    ready? -> average -> apply -> next epoch.
 
     Args:
         model: the model being trained (its parameters are what is averaged).
         optimizer: the local (inner, in ``diloco``) optimizer.
-        averager: averages tensors with a group of the swarm.
+        averager: averages the contribution's buffers with a group of the swarm.
         progress: the progress tracker (reports local samples, estimates the swarm's).
         config: mode, target batch size and timeouts.
+        epoch: the peer's epoch (the optimizer moves it; others subscribe); a new one at 0
+            when None.
+        contribution: the averaged buffers and the mode's arithmetic, when the caller built
+            them first (to build the averager over ``contribution.buffers``).
         lr_schedule: epoch -> factor of each param group's base LR (see
             :mod:`peer.train.schedules`), applied whenever the epoch changes; None keeps the LR.
-        on_epoch: called with the new epoch after every epoch boundary (state serving,
-            checkpoints, metrics).
-        epoch: the epoch to start at (after a state download or a checkpoint).
-        buffers: the averaged tensors, when the caller built them first (with
-            :func:`averaged_buffers`) to hand them to the averager.
-        on_behind: called with the swarm's epoch when it is ahead of this peer's; loads the
-            swarm's state and returns the epoch now reached (this peer's own if it failed).
+        state: where to get the swarm's state when it is ahead of this peer (None never
+            catches up).
         newcomer_hold: when alone at its epoch, hold the boundary for a peer catching up
             (:mod:`peer.swarm.newcomer_hold`); None never holds.
     """
@@ -126,92 +122,52 @@ class CollaborativeOptimizer:
         averager: TensorAverager,
         progress: ProgressSource,
         config: CollaborativeConfig,
+        epoch: Epoch | None = None,
+        contribution: Contribution | None = None,
         lr_schedule: Callable[[int], float] | None = None,
-        on_epoch: Callable[[int], None] | None = None,
-        epoch: int = 0,
-        buffers: list[torch.Tensor] | None = None,
-        on_behind: Callable[[int], int] | None = None,
+        state: StateSource | None = None,
         newcomer_hold: NewcomerHold | None = None,
     ):
-        self.model = model
         self.optimizer = optimizer
         self.averager = averager
         self.progress = progress
         self.config = config
         self.lr_schedule = lr_schedule
-        self.on_epoch = on_epoch
-        self.epoch = epoch
-        self.samples = 0
-        self.stats = EpochStats()
-        self.on_behind = on_behind
+        self.state = state
         self.newcomer_hold = newcomer_hold
+        self.contribution = contribution or make_contribution(model, optimizer, config)
+        self.epoch_counter = epoch if epoch is not None else Epoch()
+        self.epoch_counter.subscribe(self._entered)
+        self.samples = 0  # this peer's samples in the current epoch
+        self.stats = EpochStats()
         self._gate = EstimateGate()
         self._alone = False
         self._num_at_epoch = 1
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        self.buffers = (
-            buffers if buffers is not None else averaged_buffers(self._params, config.mode)
-        )
-        self._start_params: list[torch.Tensor] | None = None
-        self._outer: torch.optim.Optimizer | None = None
-        self._in_grad = config.mode == "grad" and config.accumulate_in_grad
-        # The accumulated gradients hold sum(batch_samples * mean gradient) / _sample_unit
-        # (the first batch's size with autograd accumulating, else 1).
-        self._sample_unit = 1.0
-        self._unit_fixed = not self._in_grad
-        # with delayed updates the averager's buffers are busy during the next epoch, so
-        # gradients accumulate elsewhere
-        self._accumulators = (
-            averaged_buffers(self._params, "grad") if config.delay_update else self.buffers
-        )
         self._pending: PendingRound | None = None
         self._pending_epoch = 0
         self._clock = None
-        if self._in_grad:
-            self._attach_buffers()
-        if config.mode == "diloco":
-            self._start_params = [p.detach().clone() for p in self._params]
-            self._outer = torch.optim.SGD(
-                self._params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True
-            )
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
         self._apply_lr()
 
-    def _apply_lr(self) -> None:
-        if self.lr_schedule is None:
-            return
-        factor = self.lr_schedule(self.epoch)
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * factor
+    @property
+    def epoch(self) -> int:
+        """This peer's epoch (read from its one owner, :class:`peer.swarm.epoch.Epoch`)."""
+        return self.epoch_counter.value
 
-    # ---- the hook ----------------------------------------------------------------------------
-
-    def _attach_buffers(self) -> None:
-        # autograd adds into an existing .grad in place, so the buffers the averager holds
-        # receive every backward pass directly
-        for param, accumulator in zip(self._params, self._accumulators, strict=True):
-            param.grad = accumulator
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return self.contribution.buffers
 
     def backward_weight(self, batch_samples: int) -> float:
-        """Weight each loss by its batch size, in units of the first batch's size, when
-        autograd accumulates into the buffers: batches of the usual size get weight 1, which
-        costs no extra multiplication in the graph (the trainer skips it)."""
-        if not self._in_grad:
-            return 1.0
-        if not self._unit_fixed:
-            self._sample_unit, self._unit_fixed = float(batch_samples), True
-        return batch_samples / self._sample_unit
+        """The trainer's factor for a batch's loss (see :meth:`Contribution.backward_weight`)."""
+        return self.contribution.backward_weight(batch_samples)
+
+    # ---- one local step ----------------------------------------------------------------------
 
     def on_step(self, context: StepContext) -> None:
-        if self._in_grad:
-            pass  # backward already added batch_samples * gradient into the buffers
-        elif self.config.mode == "grad":
-            self._accumulate(context.batch_samples)
-        else:
-            context.amp.step(self.optimizer)
-            context.amp.update()
-            self.optimizer.zero_grad(set_to_none=True)
+        """After a backward pass: accumulate, then end the epoch if the swarm is ready."""
+        self.contribution.add_batch(context.batch_samples, lambda: self._step_local(context))
         self.samples += context.batch_samples
         self._clock = context.clock
         if self._pending is not None and self._pending.done():
@@ -220,7 +176,7 @@ class CollaborativeOptimizer:
             return  # the tracker hears of these samples with the next estimate
         self.progress.report_local_progress(self.epoch, self.samples)
         swarm = self.progress.current()
-        if self.on_behind is not None and self._behind(swarm):
+        if self.state is not None and self._behind(swarm):
             self._catch_up(swarm.epoch)
         elif self._swarm_ready(swarm, context.batch_samples):
             self.finish_epoch(context)
@@ -228,9 +184,14 @@ class CollaborativeOptimizer:
             missing = swarm.target_batch_size - swarm.samples_accumulated
             self._gate.checked_alone(ready_at_samples=self.samples + missing)
         else:
-            own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
-            step_s = context.batch_samples / own_rate if own_rate > 0 else 0.0
-            self._gate.checked(eta_s=swarm.eta_next_epoch_s, step_s=step_s)
+            self._gate.checked(eta_s=swarm.eta_next_epoch_s, step_s=_step_s(swarm, context))
+
+    def _step_local(self, context: StepContext) -> None:
+        context.amp.step(self.optimizer)
+        context.amp.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- ready? ------------------------------------------------------------------------------
 
     def _behind(self, swarm: GlobalProgress) -> bool:
         """Whether to load the swarm's state: more than one epoch behind, or one behind with
@@ -243,28 +204,6 @@ class CollaborativeOptimizer:
             return True
         self._count_at_epoch(swarm)
         return self._alone
-
-    def _catch_up(self, swarm_epoch: int) -> None:
-        self.flush()
-        reached = self.on_behind(swarm_epoch)
-        if reached > self.epoch:  # the downloaded state replaces what was accumulated
-            self.epoch, self.samples = reached, 0
-            self._gate.reset()
-            self._apply_lr()
-            if self.config.mode == "grad":
-                for accumulator in self._accumulators:
-                    accumulator.zero_()
-            elif self.config.mode == "diloco":
-                assert self._start_params is not None
-                for start, param in zip(self._start_params, self._params, strict=True):
-                    start.copy_(param.detach())
-            self.progress.report_local_progress(self.epoch, 0)
-
-    def _accumulate(self, batch_samples: int) -> None:
-        for accumulator, param in zip(self._accumulators, self._params, strict=True):
-            if param.grad is not None:
-                accumulator.add_(param.grad, alpha=batch_samples)
-                param.grad = None
 
     def _swarm_ready(self, swarm: GlobalProgress, batch_samples: int = 0) -> bool:
         """Whether to end the epoch now: the swarm reached its target, or will be nearer to it
@@ -286,132 +225,106 @@ class CollaborativeOptimizer:
         self._num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
         self._alone = self._num_at_epoch <= 1
 
-    # ---- epoch boundary ----------------------------------------------------------------------
+    # ---- average, apply, next epoch ----------------------------------------------------------
 
-    def finish_epoch(self, context: StepContext) -> RoundOutcome | None:
+    def finish_epoch(self, context: StepContext) -> RoundResult | None:
         """Average with the swarm and apply the result; advances the epoch.
 
-        Returns the round's outcome, or None when the round goes on in the background.
+        Returns the round's result, or None when the round goes on in the background.
         """
         self._clock = context.clock
         if self._pending is not None:  # at most one round in flight: apply the previous first
             self.flush()
             self._count_at_epoch(self.progress.current())  # who is at this epoch, after it
-        tensors = self._round_tensors()
+        tensors = self.contribution.prepare(self.samples)
+        round_args = dict(
+            weight=float(self.samples),
+            epoch=self.epoch,
+            timeout_s=self.config.averaging_timeout_s,
+            expected_peers=self._num_at_epoch,
+        )
         if self.config.delay_update and not self._alone:
-            self._pending = self.averager.start_average(
-                tensors,
-                weight=float(self.samples),
-                epoch=self.epoch,
-                timeout_s=self.config.averaging_timeout_s,
-                expected_peers=self._num_at_epoch,
-            )
+            self._pending = self.averager.start_average(tensors, **round_args)
             self._pending_epoch = self.epoch
             self._next_epoch()
             return None
         if self._alone:  # nobody else in the swarm: no matchmaking wait for a group of one
-            outcome = RoundOutcome(
-                ok=True, num_peers=1, reason="alone", epoch=self.epoch, status="alone"
-            )
+            result = alone(self.epoch)
         else:
-            outcome = self.averager.average(
-                tensors,
-                weight=float(self.samples),
-                epoch=self.epoch,
-                timeout_s=self.config.averaging_timeout_s,
-                expected_peers=self._num_at_epoch,
-            )
-        self._record(outcome)
+            result = self.averager.average(tensors, **round_args)
+        self._record(result)
         self.stats.epoch_samples = [*self.stats.epoch_samples[-999:], self.samples]
         with context.clock.phase("optimizer"):
-            self._apply(tensors)
+            self.contribution.apply()
         self._next_epoch()
-        if outcome.ok and outcome.members:
-            self.progress.note_round(self.epoch, outcome.members)
-        return outcome
+        if result.ok and result.members:
+            self.progress.note_round(self.epoch, result.members)
+        return result
 
     def _next_epoch(self) -> None:
-        self.epoch += 1
+        self.epoch_counter.advance_to(self.epoch + 1)
+
+    def _catch_up(self, swarm_epoch: int) -> None:
+        self.flush()
+        reached = self.state.catch_up(swarm_epoch, epoch=self.epoch)
+        if reached > self.epoch:  # the downloaded state replaces what was accumulated
+            self.contribution.discard()
+            self.epoch_counter.advance_to(reached)
+
+    def _entered(self, epoch: int) -> None:
+        """A new epoch, by a round or a download: start gathering anew."""
         self.samples = 0
         self._gate.reset()
         if self.newcomer_hold is not None:
             self.newcomer_hold.reset()
         self._apply_lr()
-        self.progress.report_local_progress(self.epoch, 0)
-        if self.on_epoch is not None:
-            self.on_epoch(self.epoch)
+        self.progress.report_local_progress(epoch, 0)
 
     def flush(self) -> None:
         """Wait for the round in the background, if any, and apply its result."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        outcome = pending.wait()
-        self._record(outcome)
+        result = pending.wait()
+        self._record(result)
         with self._clock.phase("optimizer"):
-            self._apply(self.buffers)
-        if outcome.ok and outcome.members:  # they entered the next epoch with this peer
-            self.progress.note_round(self._pending_epoch + 1, outcome.members)
+            self.contribution.apply()
+        if result.ok and result.members:  # they entered the next epoch with this peer
+            self.progress.note_round(self._pending_epoch + 1, result.members)
 
-    def _round_tensors(self) -> list[torch.Tensor]:
-        """Fill the averaged buffers with this peer's contribution to the round."""
-        mode = self.config.mode
-        if mode == "grad" and self.samples:
-            units = self.samples / self._sample_unit
-            if self._accumulators is not self.buffers:
-                for buffer, accumulator in zip(self.buffers, self._accumulators, strict=True):
-                    torch.div(accumulator, units, out=buffer)
-                    accumulator.zero_()
-            else:
-                for accumulator in self.buffers:
-                    accumulator.div_(units)
-        elif mode == "diloco":
-            assert self._start_params is not None
-            with torch.no_grad():
-                for buffer, start, param in zip(
-                    self.buffers, self._start_params, self._params, strict=True
-                ):
-                    torch.sub(start, param, out=buffer)
-        return self.buffers
+    def _apply_lr(self) -> None:
+        if self.lr_schedule is None:
+            return
+        factor = self.lr_schedule(self.epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
 
-    def _apply(self, tensors: list[torch.Tensor]) -> None:
-        mode = self.config.mode
-        if mode == "grad":
-            for param, average in zip(self._params, tensors, strict=True):
-                param.grad = average.to(param.dtype)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            for average in tensors:
-                average.zero_()
-            if self._in_grad:
-                self._attach_buffers()
-        elif mode == "diloco":
-            assert self._start_params is not None and self._outer is not None
-            with torch.no_grad():
-                for param, start, pseudo_grad in zip(
-                    self._params, self._start_params, tensors, strict=True
-                ):
-                    param.copy_(start)
-                    param.grad = pseudo_grad
-            self._outer.step()
-            self._outer.zero_grad(set_to_none=True)
-            for start, param in zip(self._start_params, self._params, strict=True):
-                start.copy_(param.detach())
-
-    def _record(self, outcome: RoundOutcome) -> None:
-        stats = self.stats
-        stats.num_rounds += 1
-        stats.last_group_size = outcome.num_peers
-        stats.last_reason = outcome.reason
-        stats.history = [*stats.history[-99:], outcome]
-        stats.matchmaking_s += outcome.matchmaking_s
-        stats.allreduce_s += outcome.allreduce_s
-        if not outcome.ok:
-            stats.num_failed_rounds += 1
+    def _record(self, result: RoundResult) -> None:
+        self.stats.add(result)
+        if not result.ok:
             logger.warning(
                 "epoch %d: averaging failed (%s); stepping on local data",
-                self.epoch,
-                outcome.reason,
+                result.epoch if result.epoch >= 0 else self.epoch,
+                result.reason,
             )
-        elif outcome.num_peers <= 1:
-            stats.num_alone += 1
+
+
+def make_contribution(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: CollaborativeConfig
+) -> Contribution:
+    """The averaged buffers and the mode's arithmetic for ``config``."""
+    return Contribution(
+        model,
+        optimizer,
+        mode=config.mode,
+        accumulate_in_grad=config.accumulate_in_grad,
+        separate_accumulators=config.delay_update,
+        outer_lr=config.outer_lr,
+        outer_momentum=config.outer_momentum,
+    )
+
+
+def _step_s(swarm: GlobalProgress, context: StepContext) -> float:
+    """Seconds of one local step at this peer's own rate (0 when unknown)."""
+    own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
+    return context.batch_samples / own_rate if own_rate > 0 else 0.0

@@ -3,10 +3,13 @@ state server and averager, opened and closed as one unit."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any
 
+import torch
+
+from averaging.averager import DecentralizedAverager
 from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.node import DHTNode
@@ -23,7 +26,7 @@ class SwarmServices:
     node: DHTNode
     tracker: ProgressTracker
     state_server: StateServer
-    averager: Any
+    averager: DecentralizedAverager
     stack: AsyncExitStack
 
     async def close(self) -> None:
@@ -31,14 +34,21 @@ class SwarmServices:
         await self.stack.aclose()
 
 
-async def open_services(config: PeerConfig, identity: PeerIdentity, make_averager) -> SwarmServices:
+async def open_services(
+    config: PeerConfig,
+    identity: PeerIdentity,
+    *,
+    tensors: Sequence[torch.Tensor],
+    routes: Iterable[Callable[[HttpTransport], None]] = (),
+) -> SwarmServices:
     """Start everything (handlers are registered before the transport starts serving).
 
     Args:
         config: the peer's settings.
         identity: its key pair.
-        make_averager: ``(transport, node) -> async context manager`` of the averager, whose
-            handlers it registers on the transport when called.
+        tensors: what the averager averages in place (the optimizer's fixed buffers).
+        routes: each adds its own plain routes to the transport (``GET /metrics``) before it
+            serves.
     """
     stack = AsyncExitStack()
     try:
@@ -49,7 +59,15 @@ async def open_services(config: PeerConfig, identity: PeerIdentity, make_average
             transport=transport, dht=node, prefix=prefix, config=config.state_sync_config()
         )
         tracker = ProgressTracker(dht=node, prefix=prefix, config=config.progress_config())
-        averager = make_averager(transport, node)
+        averager = DecentralizedAverager(
+            tensors,
+            transport=transport,
+            dht=node,
+            prefix=prefix,
+            config=config.averager_config(),
+        )
+        for add_routes in routes:
+            add_routes(transport)
         await stack.enter_async_context(transport)
         await stack.enter_async_context(node)
         await stack.enter_async_context(state_server)

@@ -58,7 +58,7 @@ async def test_step_averages_torch_tensors_in_place_and_reports(make_swarm):
         assert result.averaged_fraction == 1.0
         assert {"gather", "matchmaking", "allreduce", "scatter"} <= set(result.phase_s)
         assert result.round_s >= result.allreduce_s
-        assert peer.averager.last_result is result and peer.averager.num_rounds == 1
+        assert peer.averager.num_rounds == 1
 
 
 async def test_peer_with_nan_takes_part_with_weight_zero(make_swarm):

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from averaging.result import RoundResult
 from peer.profiling.phases import PhaseClock
 from peer.records.progress import PeerProgress
 from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer
 from peer.swarm.progress import GlobalProgress
-from peer.swarm.round import RoundOutcome
 from peer.train.schedules import make_lr_schedule
 from peer.train.trainer import StepContext
 
@@ -55,11 +55,18 @@ class OnePeerSwarm:
 
 
 class NoAveraging:
-    def average(self, tensors, **kwargs) -> RoundOutcome:
-        return RoundOutcome(ok=True, num_peers=1)
+    def average(self, tensors, **kwargs) -> RoundResult:
+        return RoundResult("alone")
 
 
-def make(model, *, in_grad=True, lr_schedule=None, on_behind=None):
+class InstantState:
+    """A state download that always reaches the swarm's epoch."""
+
+    def catch_up(self, swarm_epoch: int, *, epoch: int) -> int:
+        return swarm_epoch
+
+
+def make(model, *, in_grad=True, lr_schedule=None, state=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     hook = CollaborativeOptimizer(
         model=model,
@@ -68,7 +75,7 @@ def make(model, *, in_grad=True, lr_schedule=None, on_behind=None):
         progress=OnePeerSwarm(),
         config=CollaborativeConfig(target_batch_size=TARGET, accumulate_in_grad=in_grad),
         lr_schedule=lr_schedule,
-        on_behind=on_behind,
+        state=state,
     )
     return hook, optimizer
 
@@ -119,7 +126,7 @@ def test_lr_follows_the_swarm_epoch_also_across_a_catch_up():
     assert schedule(3) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert schedule(5) == pytest.approx(0.1) and schedule(50) == pytest.approx(0.1)
     model = nn.Linear(3, 2)
-    hook, optimizer = make(model, lr_schedule=schedule, on_behind=lambda epoch: epoch)
+    hook, optimizer = make(model, lr_schedule=schedule, state=InstantState())
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * schedule(0))
     for _ in range(2):
         step(hook, model, optimizer, torch.randn(4, 3), torch.randn(4, 2))
@@ -140,7 +147,7 @@ class BackgroundSwarm:
         self.started: list[list[torch.Tensor]] = []
         self.pending = None
 
-    def average(self, tensors, **kwargs) -> RoundOutcome:
+    def average(self, tensors, **kwargs) -> RoundResult:
         raise AssertionError("a delayed update must not block")
 
     def start_average(self, tensors, *, weight, epoch, timeout_s, expected_peers):
@@ -154,10 +161,10 @@ class BackgroundSwarm:
                 self.steps_left -= 1
                 return self.steps_left < 0
 
-            def wait(self) -> RoundOutcome:
+            def wait(self) -> RoundResult:
                 for tensor, mean in zip(tensors, averager.swarm_mean, strict=True):
                     tensor.copy_(mean)
-                return RoundOutcome(ok=True, num_peers=2, members=("me", "other"))
+                return RoundResult("ok", members=("me", "other"))
 
         self.pending = Pending()
         return self.pending

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import IterableDataset
 
-import peer.run.runner
+import peer.swarm.services
 from averaging.averager import DecentralizedAverager
 from dht.faults import Faults, FaultyTransport
 from peer.profiling.metrics_reader import read_metrics, summarize_lines
@@ -208,7 +208,7 @@ def run_pair(monkeypatch, *, delay_s: float, num_epochs: int) -> tuple[list[Peer
         slowed = SlowStreams(transport, Faults(delay_s=delay_s))
         return DecentralizedAverager(tensors, transport=slowed, **kwargs)
 
-    monkeypatch.setattr(peer.run.runner, "DecentralizedAverager", make_averager)
+    monkeypatch.setattr(peer.swarm.services, "DecentralizedAverager", make_averager)
     runs, stamps = [], []
     for seed in (1, 2):
         initial = [runs[0].address] if runs else []

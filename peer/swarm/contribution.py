@@ -1,0 +1,155 @@
+"""What one peer brings to a round and how the group's average comes back, per mode.
+
+:class:`Contribution` owns the averaged buffers (fixed for the peer's life, so the averager is
+built over them once) and everything that depends on the mode:
+
+* ``grad``: sample-weighted gradients accumulate (autograd adds straight into the buffers when
+  ``accumulate_in_grad``); the round averages their mean; the local optimizer steps on it.
+* ``params``: the buffers are the parameters themselves; the optimizer steps every batch.
+* ``diloco``: the buffers hold the pseudo-gradient (parameters at the epoch's start minus now);
+  the outer optimizer (SGD, Nesterov momentum) applies the average from the epoch's start.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+Mode = Literal["grad", "params", "diloco"]
+
+
+def averaged_buffers(params: list[torch.Tensor], mode: Mode) -> list[torch.Tensor]:
+    """The tensors a round averages, fixed for the optimizer's life: gradient accumulators
+    (``grad``), the parameters themselves (``params``) or pseudo-gradients (``diloco``)."""
+    if mode == "params":
+        return [p.data for p in params]
+    return [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]
+
+
+class Contribution:
+    """The averaged buffers of one peer and the mode's arithmetic on them.
+
+    Args:
+        model: the model trained (its trainable parameters are what the modes act on).
+        optimizer: the local (inner, in ``diloco``) optimizer.
+        mode: ``grad``, ``params`` or ``diloco``.
+        accumulate_in_grad: in ``grad`` mode, autograd accumulates into the buffers.
+        separate_accumulators: gradients accumulate apart from the buffers (delayed updates:
+            the buffers are busy in a round during the next epoch).
+        outer_lr, outer_momentum: the outer optimizer's settings (``diloco``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        mode: Mode,
+        accumulate_in_grad: bool,
+        separate_accumulators: bool = False,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+    ):
+        self.mode = mode
+        self.optimizer = optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = averaged_buffers(self.params, mode)
+        self.in_grad = mode == "grad" and accumulate_in_grad
+        # The accumulated gradients hold sum(batch_samples * mean gradient) / _sample_unit
+        # (the first batch's size with autograd accumulating, else 1).
+        self._sample_unit = 1.0
+        self._unit_fixed = not self.in_grad
+        self._accumulators = (
+            averaged_buffers(self.params, "grad") if separate_accumulators else self.buffers
+        )
+        self._start: list[torch.Tensor] | None = None
+        self._outer: torch.optim.Optimizer | None = None
+        if mode == "diloco":
+            self._start = [p.detach().clone() for p in self.params]
+            self._outer = torch.optim.SGD(
+                self.params, lr=outer_lr, momentum=outer_momentum, nesterov=True
+            )
+        if self.in_grad:
+            self._attach()
+
+    def _attach(self) -> None:
+        # autograd adds into an existing .grad in place, so the buffers the averager holds
+        # receive every backward pass directly
+        for param, accumulator in zip(self.params, self._accumulators, strict=True):
+            param.grad = accumulator
+
+    def backward_weight(self, batch_samples: int) -> float:
+        """The factor of a batch's loss: its size in units of the first batch's size when
+        autograd accumulates into the buffers (usual batches get 1: no extra multiplication)."""
+        if not self.in_grad:
+            return 1.0
+        if not self._unit_fixed:
+            self._sample_unit, self._unit_fixed = float(batch_samples), True
+        return batch_samples / self._sample_unit
+
+    def add_batch(self, batch_samples: int, step_local) -> None:
+        """Take one local batch's gradient (``step_local()`` steps the local optimizer)."""
+        if self.in_grad:
+            return  # backward already added batch_samples * gradient into the buffers
+        if self.mode == "grad":
+            for accumulator, param in zip(self._accumulators, self.params, strict=True):
+                if param.grad is not None:
+                    accumulator.add_(param.grad, alpha=batch_samples)
+                    param.grad = None
+        else:
+            step_local()
+
+    def prepare(self, samples: int) -> list[torch.Tensor]:
+        """Fill the buffers with this peer's share of the round (over ``samples`` samples)."""
+        if self.mode == "grad" and samples:
+            units = samples / self._sample_unit
+            if self._accumulators is not self.buffers:
+                for buffer, accumulator in zip(self.buffers, self._accumulators, strict=True):
+                    torch.div(accumulator, units, out=buffer)
+                    accumulator.zero_()
+            else:
+                for accumulator in self.buffers:
+                    accumulator.div_(units)
+        elif self.mode == "diloco":
+            with torch.no_grad():
+                for buffer, start, param in zip(
+                    self.buffers, self._start, self.params, strict=True
+                ):
+                    torch.sub(start, param, out=buffer)
+        return self.buffers
+
+    def apply(self) -> None:
+        """Step on the buffers, which now hold the group's average (or this peer's own share)."""
+        if self.mode == "grad":
+            for param, average in zip(self.params, self.buffers, strict=True):
+                param.grad = average.to(param.dtype)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for average in self.buffers:
+                average.zero_()
+            if self.in_grad:
+                self._attach()
+        elif self.mode == "diloco":
+            with torch.no_grad():
+                for param, start, pseudo_grad in zip(
+                    self.params, self._start, self.buffers, strict=True
+                ):
+                    param.copy_(start)
+                    param.grad = pseudo_grad
+            self._outer.step()
+            self._outer.zero_grad(set_to_none=True)
+            self._restart()
+
+    def discard(self) -> None:
+        """Drop what was gathered (a downloaded state replaces it)."""
+        if self.mode == "grad":
+            for accumulator in self._accumulators:
+                accumulator.zero_()
+        elif self.mode == "diloco":
+            self._restart()
+
+    def _restart(self) -> None:
+        for start, param in zip(self._start, self.params, strict=True):
+            start.copy_(param.detach())
