@@ -26,18 +26,12 @@ the metrics stream's ``net`` counts the butterfly all-reduce's payload per round
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
 import os
 import threading
-import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
-
-import torch
 
 from dht.errors import ConfigError
 from peer.hivemind.hook import (
@@ -52,22 +46,15 @@ from peer.hivemind.hook import (
     wait_for_peers,
 )
 from peer.hivemind.records import HivemindRecordPublisher, LocalProgress
-from peer.run.backend import RunSummary
+from peer.profiling.profiler import StepProgress
 from peer.run.config import PeerConfig
-from peer.train.allocator import steady_allocator
-from peer.train.checkpoint import CheckpointDir, Progress
+from peer.run.skeleton import Companion, RunSkeleton
+from peer.swarm.round import EpochStats
+from peer.train.trainer import StepReport
 
 __all__ = ["HivemindBootstrap", "HivemindPeerRun", "check_config", "listen_maddrs"]
-from peer.profiling.metrics_stream import MetricsStream
-from peer.profiling.profiler import Profiler, StepProgress
-from peer.train.tasks import DataShard, load_task
-from peer.train.trainer import StepReport, Trainer, evaluate
 
 logger = logging.getLogger(__name__)
-START_TIMEOUT_S = 60.0
-FINAL_LOSS_SAMPLES = 2048
-# Something shown beside the training loop (``peer join --dashboard``), as ``PeerRun`` has it.
-Companion = Callable[["HivemindPeerRun"], AbstractContextManager]
 
 
 def check_config(config: PeerConfig) -> None:
@@ -89,13 +76,7 @@ def check_config(config: PeerConfig) -> None:
             raise ConfigError(f"--initial-peers: {address!r} is not a libp2p multiaddr (/ip4/...)")
 
 
-def _make_optimizer(config: PeerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=config.lr)
-    return torch.optim.Adam(model.parameters(), lr=config.lr)
-
-
-class HivemindPeerRun:
+class HivemindPeerRun(RunSkeleton):
     """One peer's run on hivemind; :meth:`run` blocks until it stops (like ``PeerRun``).
 
     Besides hivemind's own progress record, the peer publishes its profile and round records
@@ -116,41 +97,29 @@ class HivemindPeerRun:
     ):
         check_config(config)
         import_hivemind()
-        self.config = config
-        self.stop_event = stop_event or threading.Event()
-        self.companion = companion
-        if config.torch_threads is not None:
-            torch.set_num_threads(config.torch_threads)
-        if config.steady_allocator:
-            steady_allocator()  # as a native peer (peer.train.allocator)
-        self.task = load_task(config.task, config.task_options())
-        model = self.task.build_model()
-        self.profiler = Profiler(config.profiler_config(), process_name="peer (hivemind)")
-        self.clock = self.profiler.clock
-        self.trainer = Trainer(
-            self.task,
-            model,
-            _make_optimizer(config, model),
-            shard=DataShard(seed=config.seed if config.seed is not None else _random_seed()),
-            config=config.trainer_config(),
-            clock=self.clock,
+        super().__init__(
+            config,
+            process_name="peer (hivemind)",
+            data_seed=config.seed if config.seed is not None else _random_seed(),
+            stop_event=stop_event,
+            companion=companion,
         )
         if self.trainer.amp.scaler is not None:
             raise ConfigError("--amp fp16 needs hivemind's own GradScaler; use bf16 or off")
-        self.model = self.trainer.model
-        self.checkpoints = CheckpointDir(config.checkpoint_dir) if config.checkpoint_dir else None
         self.counters = EstimatedCounters()
         self.dht: Any = None
         self.opt: Any = None
         self.hook: HivemindHook | None = None
         self.records: HivemindRecordPublisher | None = None
-        self.metrics: MetricsStream | None = None
-        self._recent_losses: collections.deque[torch.Tensor] = collections.deque(
-            maxlen=max(1, math.ceil(FINAL_LOSS_SAMPLES / self.task.batch_size))
-        )
-        self._last_loss: torch.Tensor | None = None
-        self._last_checkpoint_s = time.monotonic()
         self._profiled_epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.hook.epoch if self.hook is not None else self._profiled_epoch
+
+    @property
+    def stats(self) -> EpochStats:
+        return self.hook.stats
 
     @property
     def address(self) -> str | None:
@@ -237,22 +206,12 @@ class HivemindPeerRun:
             )
         self._profiled_epoch = epoch
         self.profiler.attach(
-            progress=lambda: StepProgress(
-                self.hook.epoch, self.trainer.total_samples, self._last_loss
-            ),
+            progress=lambda: StepProgress(self.epoch, self.trainer.total_samples, self._last_loss),
             counters=self.counters,
             device=str(self.trainer.device),
         )
         self.records.start()
-        if config.metrics_file is not None:
-            self.metrics = MetricsStream(
-                config.metrics_file,
-                peer_id=self.peer_id,
-                run_id=config.run_id,
-                clock=self.clock,
-                counters=self.counters,
-                interval_s=config.metrics_interval,
-            )
+        self._open_metrics(self.peer_id, self.counters)
 
     @property
     def peer_id(self) -> str:
@@ -273,97 +232,20 @@ class HivemindPeerRun:
         samples = tracked.samples_accumulated if tracked.epoch == opt.local_epoch else 0
         return LocalProgress(opt.local_epoch, samples, self.trainer.total_samples, round_s)
 
-    def _recent_loss(self) -> float | None:
-        """The mean training loss over the last FINAL_LOSS_SAMPLES samples, or None."""
-        recent = list(self._recent_losses)
-        return float(torch.stack(recent).float().mean()) if recent else None
-
     def _on_round(self, entry: Any) -> None:
         loss = self._recent_loss()
         finite = loss is not None and math.isfinite(loss)
         self.records.add_round(dataclasses.replace(entry, loss=loss if finite else None))
 
     def _resume(self) -> int:
-        if self.checkpoints is None:
-            return 0
-        loaded = self.checkpoints.load_latest(model=self.model, optimizer=self.trainer.optimizer)
-        if loaded is None:
-            return 0
-        logger.info("resumed from %s at epoch %d", loaded.path, loaded.progress.epoch)
-        return loaded.progress.epoch
+        return self._resume_checkpoint()
 
     def _on_step(self, report: StepReport) -> None:
-        self._last_loss = report.loss_tensor
-        self._recent_losses.append(report.loss_tensor)
-        if self.metrics is not None:
-            self.metrics.maybe_report(
-                epoch=self.hook.epoch,
-                step=report.step,
-                samples=report.samples,
-                loss=report.loss_tensor,
-            )
+        self._note_step(report)
         if self.hook.epoch != self._profiled_epoch:
             self._profiled_epoch = self.hook.epoch
             self.profiler.on_epoch(self.hook.epoch)
-        if self.config.max_epochs is not None and self.hook.epoch >= self.config.max_epochs:
-            self.stop_event.set()
-        now = time.monotonic()
-        if self.checkpoints and now - self._last_checkpoint_s >= self.config.checkpoint_interval:
-            self._save_checkpoint()
-            self._last_checkpoint_s = now
-
-    def _save_checkpoint(self) -> None:
-        self.checkpoints.save(
-            model=self.model,
-            optimizer=self.trainer.optimizer,
-            progress=Progress(
-                epoch=self.hook.epoch, step=self.trainer.step, samples=self.trainer.total_samples
-            ),
-        )
-
-    def run(self) -> RunSummary:
-        """Start, train until a stop condition, leave cleanly; returns the summary."""
-        start = time.monotonic()
-        try:
-            self.start()
-            with self.companion(self) if self.companion else nullcontext():
-                result = self.trainer.run(
-                    max_steps=self.config.max_steps,
-                    max_time_s=self.config.max_time,
-                    stop_event=self.stop_event,
-                    on_step=self._on_step,
-                )
-            eval_loss = evaluate(self.task, self.model)
-            if self.checkpoints is not None:
-                self._save_checkpoint()
-            if self.metrics is not None:
-                self.metrics.report(
-                    epoch=self.hook.epoch, step=self.trainer.step, loss=self._last_loss
-                )
-            self.profiler.print_summary()
-            summary = self._summary(result, time.monotonic() - start, eval_loss)
-        finally:
-            self.close()
-        return summary
-
-    def _summary(self, result: Any, seconds: float, eval_loss: float | None) -> RunSummary:
-        stats = self.hook.stats
-        return RunSummary(
-            peer_id=self.peer_id,
-            address=self.address,
-            epoch=self.hook.epoch,
-            num_steps=self.trainer.step,
-            num_samples=self.trainer.total_samples,
-            seconds=seconds,
-            samples_per_s=result.num_samples / max(result.elapsed_s, 1e-9),
-            final_loss=self._recent_loss(),
-            num_rounds=stats.num_rounds,
-            num_failed_rounds=stats.num_failed_rounds,
-            stopped_by=result.stopped_by,
-            matchmaking_s=stats.matchmaking_s,
-            allreduce_s=stats.allreduce_s,
-            eval_loss=eval_loss,
-        )
+        self._at_boundary(self.hook.epoch)
 
     def close(self) -> None:
         """Leave the swarm (hivemind's goodbye), stop its processes; safe to call twice."""

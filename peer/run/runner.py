@@ -2,54 +2,37 @@
 
 The training loop runs in the calling (main) thread; the swarm services run on one event-loop
 thread (:mod:`peer.swarm.services`). On start the peer resumes its checkpoint, or downloads the
-swarm's
-state when the swarm is ahead; then it trains with the collaborative optimizer until a stop
-condition, serving fresh state to newcomers and checkpointing as it goes.
+swarm's state when the swarm is ahead; then it trains with the collaborative optimizer until a
+stop condition, serving fresh state to newcomers and checkpointing as it goes. What it shares
+with the hivemind backend (task, trainer, profiler, checkpoints, the order of a run) is
+:class:`peer.run.skeleton.RunSkeleton`.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-
-import torch
 
 from dht.identity import PeerIdentity, short_id
 from dht.runtime import EventLoopThread
-from peer.profiling.metrics_stream import MetricsStream
-from peer.profiling.profiler import Profiler, StepProgress
+from peer.profiling.profiler import StepProgress
 from peer.profiling.prometheus import PeerMetrics
-from peer.run.backend import RunSummary
 from peer.run.config import PeerConfig
 from peer.run.reports import RunReports
+from peer.run.skeleton import START_TIMEOUT_S, Companion, RunSkeleton
 from peer.swarm.averager import SwarmAverager
 from peer.swarm.catch_up import StateCatchUp
 from peer.swarm.epoch import Epoch
 from peer.swarm.newcomer_hold import NewcomerHold
 from peer.swarm.optimizer import CollaborativeOptimizer, make_contribution
+from peer.swarm.round import EpochStats
 from peer.swarm.services import SwarmServices, open_services
-from peer.train.allocator import steady_allocator
-from peer.train.checkpoint import CheckpointDir, Progress
-from peer.train.tasks import DataShard, load_task
-from peer.train.trainer import StepReport, Trainer, evaluate
+from peer.train.trainer import StepReport
 
 logger = logging.getLogger(__name__)
-START_TIMEOUT_S = 60.0
-# The summary's final loss is the mean over about this many of the last training samples.
-FINAL_LOSS_SAMPLES = 2048
-
-
-def make_optimizer(config: PeerConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=config.lr)
-    return torch.optim.Adam(model.parameters(), lr=config.lr)
 
 
 def data_seed(config: PeerConfig, identity: PeerIdentity) -> int:
@@ -59,12 +42,7 @@ def data_seed(config: PeerConfig, identity: PeerIdentity) -> int:
     return int.from_bytes(hashlib.sha256(identity.peer_id.encode()).digest()[:4], "little")
 
 
-# Something shown beside the training loop (``peer join --dashboard``): entered once the peer
-# has joined, exited when training ends, before the peer leaves the swarm.
-Companion = Callable[["PeerRun"], AbstractContextManager]
-
-
-class PeerRun:
+class PeerRun(RunSkeleton):
     """One peer's run; :meth:`run` blocks until it stops. See the module docstring.
 
     Args:
@@ -80,53 +58,28 @@ class PeerRun:
         stop_event: threading.Event | None = None,
         companion: Companion | None = None,
     ):
-        self.config = config
-        self.stop_event = stop_event or threading.Event()
-        self.companion = companion
-        if config.torch_threads is not None:
-            # peers sharing a machine must not oversubscribe its cores: torch's spinning
-            # threads then slow every step many times over
-            torch.set_num_threads(config.torch_threads)
-        if config.steady_allocator:
-            steady_allocator()  # before the model and its gradients are allocated
         self.identity = (
             PeerIdentity.load_or_create(config.identity)
             if config.identity
             else PeerIdentity.generate()
         )
-        self.task = load_task(config.task, config.task_options())
-        model = self.task.build_model()
-        self.optimizer = make_optimizer(config, model)
-        self.profiler = Profiler(
-            config.profiler_config(), process_name=f"peer {short_id(self.identity.peer_id)}"
+        super().__init__(
+            config,
+            process_name=f"peer {short_id(self.identity.peer_id)}",
+            data_seed=data_seed(config, self.identity),
+            stop_event=stop_event,
+            companion=companion,
         )
-        self.clock = self.profiler.clock
-        self.trainer = Trainer(
-            self.task,
-            model,
-            self.optimizer,
-            shard=DataShard(seed=data_seed(config, self.identity)),
-            config=config.trainer_config(),
-            clock=self.clock,
-        )
-        self.model = self.trainer.model
         self.collaborative_config = dataclasses.replace(
             config.collaborative_config(),
             # per-step unscaling or clipping needs each step's gradient on its own
             accumulate_in_grad=self.trainer.amp.scaler is None and config.max_grad_norm is None,
         )
         self.contribution = make_contribution(self.model, self.optimizer, self.collaborative_config)
-        self.epoch: Epoch | None = None
-        self.checkpoints = CheckpointDir(config.checkpoint_dir) if config.checkpoint_dir else None
+        self.epoch_counter: Epoch | None = None
         self.loop_thread: EventLoopThread | None = None
         self.services: SwarmServices | None = None
         self.hook: CollaborativeOptimizer | None = None
-        self._last_checkpoint_s = time.monotonic()
-        self._last_loss: torch.Tensor | None = None
-        self._recent_losses: collections.deque[torch.Tensor] = collections.deque(
-            maxlen=max(1, math.ceil(FINAL_LOSS_SAMPLES / self.task.batch_size))
-        )
-        self.metrics: MetricsStream | None = None
         self.reports = RunReports(
             peer_id=self.identity.peer_id,
             run_id=config.run_id,
@@ -134,6 +87,18 @@ class PeerRun:
             publish_interval_s=config.publish_interval,
             metrics=self.prometheus_metrics,
         )
+
+    @property
+    def epoch(self) -> int:
+        return self.epoch_counter.value if self.epoch_counter is not None else 0
+
+    @property
+    def stats(self) -> EpochStats:
+        return self.hook.stats
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
 
     @property
     def address(self) -> str | None:
@@ -167,40 +132,30 @@ class PeerRun:
             clock=self.clock,
         )
         epoch = self._resume()
-        self.epoch = Epoch(epoch)
+        self.epoch_counter = Epoch(epoch)
         self.hook = CollaborativeOptimizer(
             model=self.model,
             optimizer=self.optimizer,
             averager=SwarmAverager(self.services.averager, self.loop_thread, self.clock),
             progress=self.services.tracker,
             config=self.collaborative_config,
-            epoch=self.epoch,
+            epoch=self.epoch_counter,
             contribution=self.contribution,
             lr_schedule=self.config.lr_schedule_fn(),
             state=self.state,
             newcomer_hold=NewcomerHold(self.config.newcomer_hold_config()),
         )
-        self.epoch.subscribe(self._on_epoch)
+        self.epoch_counter.subscribe(self._on_epoch)
         self.trainer.hook = self.hook
         self.services.tracker.report_local_progress(epoch, 0)
         if self.config.wait_for_peers > 1:
             self._wait_for_peers()
         self.services.state_server.current_epoch = epoch
         self.services.state_server.update(self.state.snapshot(epoch))
-        if self.config.metrics_file is not None:
-            self.metrics = MetricsStream(
-                self.config.metrics_file,
-                peer_id=self.identity.peer_id,
-                run_id=self.config.run_id,
-                clock=self.clock,
-                counters=self.services.transport.counters,
-                interval_s=self.config.metrics_interval,
-            )
+        self._open_metrics(self.identity.peer_id, self.services.transport.counters)
         self.loop_thread.run(self.services.state_server.announce(), timeout_s=START_TIMEOUT_S)
         self.profiler.attach(
-            progress=lambda: StepProgress(
-                self.hook.epoch, self.trainer.total_samples, self._last_loss
-            ),
+            progress=lambda: StepProgress(self.epoch, self.trainer.total_samples, self._last_loss),
             counters=self.services.transport.counters,
             device=str(self.trainer.device),
         )
@@ -235,12 +190,8 @@ class PeerRun:
             loss=record.loss if record is not None else None,
         )
 
-    def _recent_loss(self) -> float | None:
-        recent = list(self._recent_losses)
-        return float(torch.stack(recent).float().mean()) if recent else None
-
     def _log_rounds(self) -> None:
-        self.reports.log_rounds(self.hook.stats, epoch=self.hook.epoch, loss=self._recent_loss)
+        self.reports.log_rounds(self.hook.stats, epoch=self.epoch, loss=self._recent_loss)
 
     def _wait_for_peers(self) -> None:
         """Block until ``wait_for_peers`` peers (this one included) publish progress, so that
@@ -262,97 +213,34 @@ class PeerRun:
             self.stop_event.wait(min(0.2, self.config.publish_interval))
 
     def _resume(self) -> int:
-        epoch = 0
-        if self.checkpoints is not None:
-            loaded = self.checkpoints.load_latest(model=self.model, optimizer=self.optimizer)
-            if loaded is not None:
-                epoch = loaded.progress.epoch
-                logger.info("resumed from %s at epoch %d", loaded.path, epoch)
+        """The epoch to start at: the checkpoint's, or the swarm's after a state download."""
+        epoch = self._resume_checkpoint()
         swarm = self.loop_thread.run(self.services.tracker.refresh(), timeout_s=START_TIMEOUT_S)
         if swarm.epoch > epoch:
             epoch = self.state.download(swarm.epoch, fallback=epoch)
         return epoch
 
     def _on_step(self, report: StepReport) -> None:
-        self._last_loss = report.loss_tensor
-        self._recent_losses.append(report.loss_tensor)
-        if self.metrics is not None:
-            self.metrics.maybe_report(
-                epoch=self.hook.epoch,
-                step=report.step,
-                samples=report.samples,
-                loss=report.loss_tensor,
-            )
+        self._note_step(report)
         if self.hook.stats.num_rounds != self.reports.num_rounds_logged:
             self._log_rounds()
         if self.services.state_server.snapshot_requested:
-            self.services.state_server.update(self.state.snapshot(self.hook.epoch))
+            self.services.state_server.update(self.state.snapshot(self.epoch))
 
     def _on_epoch(self, epoch: int) -> None:
+        """At every epoch boundary (a round or a catch-up; :class:`Epoch` calls it)."""
         self.profiler.on_epoch(epoch)
         self.services.state_server.current_epoch = epoch
         self.reports.set_epoch(epoch)
-        if self.config.max_epochs is not None and epoch >= self.config.max_epochs:
-            self.stop_event.set()
-        now = time.monotonic()
-        if self.checkpoints and now - self._last_checkpoint_s >= self.config.checkpoint_interval:
-            self._save_checkpoint(epoch)
-            self._last_checkpoint_s = now
+        self._at_boundary(epoch)
 
-    def _save_checkpoint(self, epoch: int) -> None:
-        self.checkpoints.save(
-            model=self.model,
-            optimizer=self.optimizer,
-            progress=Progress(
-                epoch=epoch, step=self.trainer.step, samples=self.trainer.total_samples
-            ),
-        )
+    def _before_training(self) -> None:
+        # training starts now: joining and waiting are no part of this peer's rate
+        self.services.tracker.report_local_progress(self.epoch, 0)
 
-    def run(self) -> RunSummary:
-        """Start, train until a stop condition, leave cleanly; returns the summary."""
-        start = time.monotonic()
-        try:
-            self.start()
-            with self.companion(self) if self.companion else nullcontext():
-                # training starts now: joining and waiting are no part of this peer's rate
-                self.services.tracker.report_local_progress(self.hook.epoch, 0)
-                result = self.trainer.run(
-                    max_steps=self.config.max_steps,
-                    max_time_s=self.config.max_time,
-                    stop_event=self.stop_event,
-                    on_step=self._on_step,
-                )
-                self.hook.flush()  # a delayed update still in flight
-                self._log_rounds()
-            eval_loss = evaluate(self.task, self.model)
-            if self.checkpoints is not None:
-                self._save_checkpoint(self.hook.epoch)
-            if self.metrics is not None:
-                self.metrics.report(
-                    epoch=self.hook.epoch, step=self.trainer.step, loss=self._last_loss
-                )
-            stopped_by = result.stopped_by
-            self.profiler.print_summary()
-        finally:
-            self.close()
-        seconds = time.monotonic() - start
-        stats = self.hook.stats
-        return RunSummary(
-            peer_id=self.identity.peer_id,
-            address=None,
-            epoch=self.hook.epoch,
-            num_steps=self.trainer.step,
-            num_samples=self.trainer.total_samples,
-            seconds=seconds,
-            samples_per_s=self.trainer.total_samples / max(result.elapsed_s, 1e-9),
-            final_loss=self._recent_loss(),
-            num_rounds=stats.num_rounds,
-            num_failed_rounds=stats.num_failed_rounds,
-            stopped_by=stopped_by,
-            matchmaking_s=stats.matchmaking_s,
-            allreduce_s=stats.allreduce_s,
-            eval_loss=eval_loss,
-        )
+    def _after_training(self) -> None:
+        self.hook.flush()  # a delayed update still in flight
+        self._log_rounds()
 
     def close(self) -> None:
         """Leave the swarm and stop the loop thread; safe to call twice."""

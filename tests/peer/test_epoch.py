@@ -55,7 +55,7 @@ def test_a_peer_that_catches_up_serves_records_and_stops_at_the_new_epoch():
         run.start()
         run.hook.state = InstantState()  # a download that lands at the swarm's epoch
         run.hook._catch_up(7)
-        assert run.epoch.value == 7 and run.hook.epoch == 7
+        assert run.epoch_counter.value == 7 and run.hook.epoch == 7
         assert run.services.state_server.current_epoch == 7
         assert run.reports.round_log.record().epoch == 7
         assert run.stop_event.is_set()  # max_epochs 5 is behind it: the run stops
