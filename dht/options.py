@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dht.errors import ConfigError
 
@@ -62,3 +64,91 @@ def read_swarm_key(path: str | Path | None) -> bytes | None:
             raise ConfigError(f"--swarm-key-file: cannot read {path}: {e}") from e
     key = os.environ.get(f"{ENV_PREFIX}SWARM_KEY")
     return key.encode() if key else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkOption:
+    """One option every networked command spells the same way.
+
+    Attributes:
+        flag: the command-line flag.
+        help: what it means (``peer join --help`` and ``peer dht --help`` print it).
+        default: its value when not given.
+        metavar: the placeholder in help (None: argparse's).
+        many: it takes a list of values.
+    """
+
+    flag: str
+    help: str
+    default: Any = None
+    metavar: str | None = None
+    many: bool = False
+
+
+# The one definition of the network options (``peer join`` builds its flags from PeerConfig,
+# whose fields take their defaults and help from here; ``peer dht`` and ``peer monitor`` add
+# the ones they use with :func:`add_network_args`).
+NETWORK_OPTIONS: dict[str, NetworkOption] = {
+    "host": NetworkOption(flag="--host", help="interface to listen on", default="127.0.0.1"),
+    "port": NetworkOption(flag="--port", help="TCP port; 0 picks a free one", default=0),
+    "announce_host": NetworkOption(
+        flag="--announce-host", help="host that others use to reach this node (default: --host)"
+    ),
+    "initial_peers": NetworkOption(
+        flag="--initial-peers",
+        help="URLs of nodes already in the swarm (http://host:port)",
+        metavar="URL",
+        many=True,
+    ),
+    "identity": NetworkOption(
+        flag="--identity",
+        help="Ed25519 key file, created (mode 0600) on first run; default: a fresh identity",
+        metavar="FILE",
+    ),
+    "swarm_key_file": NetworkOption(
+        flag="--swarm-key-file",
+        help="shared secret of a private swarm (or env VP_SWARM_KEY); requests without its "
+        "HMAC are refused",
+        metavar="FILE",
+    ),
+    "tls_cert": NetworkOption(
+        flag="--tls-cert", help="serve HTTPS with this PEM cert", metavar="FILE"
+    ),
+    "tls_key": NetworkOption(flag="--tls-key", help="private key of --tls-cert", metavar="FILE"),
+    "tls_ca": NetworkOption(
+        flag="--tls-ca", help="CA bundle to verify other nodes' HTTPS certificates", metavar="FILE"
+    ),
+}
+
+
+def add_network_args(
+    parser: argparse.ArgumentParser,
+    names: tuple[str, ...] = tuple(NETWORK_OPTIONS),
+    *,
+    required: tuple[str, ...] = (),
+    help_of: dict[str, str] | None = None,
+) -> None:
+    """Add the network options ``names`` to ``parser`` (in a group of their own).
+
+    Args:
+        parser: the command's parser.
+        names: which options (keys of :data:`NETWORK_OPTIONS`).
+        required: those of them that must be given.
+        help_of: a command's own wording of some options' help.
+    """
+    group = parser.add_argument_group("network")
+    for name in names:
+        option = NETWORK_OPTIONS[name]
+        text = (help_of or {}).get(name, option.help)
+        kwargs: dict[str, Any] = {"metavar": option.metavar, "help": text}
+        if option.many:
+            kwargs.update(nargs="+" if name in required else "*", default=[])
+        elif isinstance(option.default, int):
+            kwargs.update(type=int, default=option.default, help=f"{text} (default: %(default)s)")
+        else:
+            kwargs.update(default=option.default)
+            if option.default is not None:
+                kwargs["help"] = f"{text} (default: %(default)s)"
+        if name in required:
+            kwargs["required"] = True
+        group.add_argument(option.flag, **kwargs)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, AsyncExitStack
 
-from dht.options import positive_float, positive_int
+from dht.options import add_network_args, positive_float, positive_int
 
 # Bound on the one read of ``--once``, in seconds (start-up and bootstrap come on top).
 ONCE_TIMEOUT_S = 30.0
@@ -37,13 +37,14 @@ def add_monitor_command(sub, *, backends: Mapping[str, OpenRecords] | None = Non
         "peers, progress toward the target batch size, rounds, loss and bottleneck live. "
         "Without a terminal, one plain line per interval.",
     )
-    parser.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="ADDR",
-        help="URLs of nodes in the swarm (http://host:port); with --backend hivemind, libp2p "
-        "multiaddrs (/ip4/HOST/tcp/PORT/p2p/ID)",
+    add_network_args(
+        parser,
+        ("initial_peers", "swarm_key_file", "tls_ca"),
+        required=("initial_peers",),
+        help_of={
+            "initial_peers": "URLs of nodes in the swarm (http://host:port); with --backend "
+            "hivemind, libp2p multiaddrs (/ip4/HOST/tcp/PORT/p2p/ID)"
+        },
     )
     parser.add_argument(
         "--backend",
@@ -68,15 +69,6 @@ def add_monitor_command(sub, *, backends: Mapping[str, OpenRecords] | None = Non
         default=None,
         metavar="N",
         help="samples per swarm epoch (default: as the peers publish it)",
-    )
-    parser.add_argument(
-        "--swarm-key-file",
-        default=None,
-        metavar="FILE",
-        help="shared secret of a private swarm (or env VP_SWARM_KEY)",
-    )
-    parser.add_argument(
-        "--tls-ca", default=None, metavar="FILE", help="CA bundle to verify HTTPS nodes"
     )
     parser.set_defaults(run=lambda args: run_monitor(args, backends))
 

@@ -11,54 +11,7 @@ import sys
 from dht.errors import ConfigError
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity, short_id
-from dht.options import peer_url, positive_int, read_swarm_key
-
-
-def add_network_args(parser: argparse.ArgumentParser) -> None:
-    """Options every networked command shares (listening, identity, swarm access, TLS)."""
-    net = parser.add_argument_group("network")
-    net.add_argument(
-        "--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)"
-    )
-    net.add_argument(
-        "--port", type=int, default=0, help="TCP port; 0 picks a free one (default: 0)"
-    )
-    net.add_argument(
-        "--announce-host",
-        default=None,
-        help="host that others use to reach this node (default: --host)",
-    )
-    net.add_argument(
-        "--initial-peers",
-        nargs="*",
-        default=[],
-        metavar="URL",
-        help="URLs of nodes already in the swarm (http://host:port)",
-    )
-    net.add_argument(
-        "--identity",
-        default=None,
-        metavar="FILE",
-        help="Ed25519 key file, created (mode 0600) on first run; "
-        "default: a fresh identity for this run",
-    )
-    net.add_argument(
-        "--swarm-key-file",
-        default=None,
-        metavar="FILE",
-        help="shared secret of a private swarm (or env VP_SWARM_KEY); "
-        "requests without its HMAC are refused",
-    )
-    net.add_argument(
-        "--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this PEM cert"
-    )
-    net.add_argument("--tls-key", default=None, metavar="FILE", help="private key of --tls-cert")
-    net.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="CA bundle to verify other nodes' HTTPS certificates",
-    )
+from dht.options import add_network_args, peer_url, positive_int, read_swarm_key
 
 
 def transport_config(args: argparse.Namespace, *, client_mode: bool = False) -> TransportConfig:

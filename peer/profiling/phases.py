@@ -30,18 +30,10 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-PHASES: tuple[str, ...] = (
-    "data",
-    "h2d",
-    "forward",
-    "backward",
-    "optimizer",
-    "matchmaking",
-    "allreduce",
-    "state_sync",
-    "idle",
-    "other",
-)
+from peer.records.profile import PROFILE_PHASES
+
+# Every second of a peer goes to one of these (the metrics stream's and profile record's phases).
+PHASES: tuple[str, ...] = PROFILE_PHASES
 _OTHER = PHASES.index("other")
 # Called with (phase, start_s, end_s) for every closed stretch of time, in order.
 SegmentListener = Callable[[str, float, float], None]

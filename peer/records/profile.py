@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from dht.validation import subkey_owner
 
 PROFILE_KEY_SUFFIX = "profile"
-# The phases of :mod:`peer.profiling.phases`, repeated here to keep this module free of torch-side
-# imports.
+# The phases a peer's time is attributed to (:mod:`peer.profiling.phases` keeps the clock of them;
+# the metrics stream and the profile record carry them in this order).
 PROFILE_PHASES: tuple[str, ...] = (
     "data",
     "h2d",

@@ -30,6 +30,7 @@ from dht.config import DHTConfig
 from dht.errors import ConfigError
 from dht.http_config import TransportConfig
 from dht.options import ENV_PREFIX, peer_url, read_swarm_key
+from dht.options import NETWORK_OPTIONS as NET
 from peer.swarm.progress import ProgressConfig
 from peer.train.schedules import LRSchedule, make_lr_schedule
 
@@ -54,15 +55,13 @@ class PeerConfig(BaseModel):
     )
     backend: Literal["native", "hivemind"] = Field("native", description="networking backend")
     # the network
-    host: str = Field("127.0.0.1", description="interface to listen on")
-    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one")
-    announce_host: str | None = Field(None, description="host others use to reach this peer")
-    initial_peers: list[str] = Field(
-        default_factory=list, description="URLs of peers already in the swarm (http://host:port)"
-    )
+    host: str = Field(NET["host"].default, description=NET["host"].help)
+    port: int = Field(NET["port"].default, ge=0, le=65535, description=NET["port"].help)
+    announce_host: str | None = Field(None, description=NET["announce_host"].help)
+    initial_peers: list[str] = Field(default_factory=list, description=NET["initial_peers"].help)
     client_mode: bool = Field(False, description="run no server (behind NAT); still contributes")
-    identity: Path | None = Field(None, description="Ed25519 key file (created on first run)")
-    swarm_key_file: Path | None = Field(None, description="shared secret of a private swarm")
+    identity: Path | None = Field(None, description=NET["identity"].help)
+    swarm_key_file: Path | None = Field(None, description=NET["swarm_key_file"].help)
     # training
     target_batch_size: int = Field(2048, gt=0, description="samples the swarm gathers per epoch")
     lr: float = Field(1e-3, gt=0, description="learning rate of the optimizer")
