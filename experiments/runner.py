@@ -22,6 +22,7 @@ from experiments.analysis import STATUS_FILE, CurvePoint, loss_curve, read_json
 from experiments.launch_base import LaunchError, ProcessPlan, Session
 from experiments.spec import ExperimentSpec, RunConfig, cpu_split
 from peer.profiling.metrics_reader import read_metrics
+from peer.run.config import join_command
 
 WATCH_INTERVAL_S = 0.5
 # (bootstrap URL, session) -> a context manager showing the swarm while it is open.
@@ -82,26 +83,23 @@ def peer_plans(spec: ExperimentSpec, config: RunConfig) -> list[ProcessPlan]:
     plans = []
     for index, cpus in enumerate(blocks):
         env, device_args = _gpu_env(spec, index)
-        args = [
-            "-m", "peer", "--log-level", "INFO", "join",
-            "--run-id", run_id(spec, config),
-            "--backend", train.backend,
-            "--target-batch-size", str(train.target_batch_size),
-            "--lr", str(train.lr),
-            "--optimizer", train.optimizer,
-            "--mode", train.mode,
-            "--compression", train.compression,
-            "--seed", str(config.seed * 1000 + index),
-            "--torch-threads", str(len(cpus)),
-            "--wait-for-peers", str(num_peers),
-            "--metrics-interval", str(spec.metrics_interval_s),
-            "--json",
-            *_task_args(spec, config), *_stop_args(spec), *device_args,
-        ]  # fmt: skip
-        if train.delay_update:
-            args.append("--delay-update")
-        if train.matchmaking_time_s is not None:
-            args += ["--matchmaking-time", str(train.matchmaking_time_s)]
+        args = join_command(
+            log_level="INFO",
+            run_id=run_id(spec, config),
+            backend=train.backend,
+            target_batch_size=train.target_batch_size,
+            lr=train.lr,
+            optimizer=train.optimizer,
+            mode=train.mode,
+            compression=train.compression,
+            seed=config.seed * 1000 + index,
+            torch_threads=len(cpus),
+            wait_for_peers=num_peers,
+            metrics_interval=spec.metrics_interval_s,
+            delay_update=True if train.delay_update else None,
+            matchmaking_time=train.matchmaking_time_s,
+        )
+        args += [*_task_args(spec, config), *_stop_args(spec), *device_args]
         args += train.join_args
         plans.append(
             ProcessPlan(

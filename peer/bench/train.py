@@ -46,6 +46,7 @@ from dht.config import DHTConfig
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
+from peer.run.config import join_command
 from peer.train.allocator import steady_allocator
 
 logger = logging.getLogger(__name__)
@@ -119,34 +120,28 @@ class TrainBenchConfig:
 
 def peer_command(config: TrainBenchConfig, url: str, index: int) -> list[str]:
     """The ``peer join`` command line of peer ``index``."""
-    threads = max(1, config.num_threads // config.num_peers)
-    command = [
-        sys.executable, "-m", "peer", "--log-level", "WARNING", "join",
-        "--backend", config.backend,
-        "--run-id", RUN_ID,
-        "--initial-peers", url,
-        "--task", config.task,
-        "--torch-threads", str(threads),
-        "--target-batch-size", str(config.target_batch_size),
-        "--lr", str(config.lr),
-        "--mode", config.mode,
-        "--seed", str(index),
-        "--wait-for-peers", str(config.num_peers),
-        "--json",
-    ]  # fmt: skip
-    if config.epochs is None:
-        command += ["--max-time", str(config.seconds)]
-    else:
-        command += ["--max-epochs", str(config.epochs)]
-    if config.lr_schedule != "constant" or config.warmup_epochs:
-        command += [
-            "--lr-schedule", config.lr_schedule,
-            "--warmup-epochs", str(config.warmup_epochs),
-            "--min-lr-ratio", str(config.min_lr_ratio),
-        ]  # fmt: skip
-    for option in config.all_task_options():
-        command += ["--task-option", option]
-    return command
+    schedule = config.lr_schedule != "constant" or config.warmup_epochs
+    return [
+        sys.executable,
+        *join_command(
+            backend=config.backend,
+            run_id=RUN_ID,
+            initial_peers=[url],
+            task=config.task,
+            torch_threads=max(1, config.num_threads // config.num_peers),
+            target_batch_size=config.target_batch_size,
+            lr=config.lr,
+            mode=config.mode,
+            seed=index,
+            wait_for_peers=config.num_peers,
+            max_time=config.seconds if config.epochs is None else None,
+            max_epochs=config.epochs,
+            lr_schedule=config.lr_schedule if schedule else None,
+            warmup_epochs=config.warmup_epochs if schedule else None,
+            min_lr_ratio=config.min_lr_ratio if schedule else None,
+            task_option=config.all_task_options(),
+        ),
+    ]
 
 
 async def _run_peers(config: TrainBenchConfig) -> list[dict]:

@@ -30,6 +30,7 @@ from dht.identity import PeerIdentity, short_id
 from dht.launch import open_node
 from dht.node import DHTNode
 from peer.records.progress import PeerProgress, parse_record
+from peer.run.config import join_command
 
 RUN_ID = "demo"
 REFRESH_S = 0.5
@@ -48,27 +49,16 @@ def _peer_command(
 ) -> list[str]:
     return [
         sys.executable,
-        "-m",
-        "peer",
-        "--log-level",
-        "WARNING",
-        "join",
-        "--backend",
-        backend,
-        "--run-id",
-        RUN_ID,
-        "--initial-peers",
-        url,
-        "--max-time",
-        str(seconds),
-        "--torch-threads",
-        str(threads),
-        "--target-batch-size",
-        str(target),
-        # start together: a peer that starts alone runs ahead, stepping alone
-        "--wait-for-peers",
-        str(num_peers),
-        "--json",
+        *join_command(
+            backend=backend,
+            run_id=RUN_ID,
+            initial_peers=[url],
+            max_time=seconds,
+            torch_threads=threads,
+            target_batch_size=target,
+            # start together: a peer that starts alone runs ahead, stepping alone
+            wait_for_peers=num_peers,
+        ),
     ]
 
 

@@ -285,6 +285,42 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(_flag(name), **kwargs)
 
 
+def join_command(
+    *, log_level: str = "WARNING", json_summary: bool = True, **options: Any
+) -> list[str]:
+    """The arguments of a ``python -m peer join`` process (after the interpreter) with these
+    :class:`PeerConfig` options: the inverse of :func:`add_config_arguments`, the one place the
+    demo, the train benchmark and the experiments spell a peer's command line.
+
+    Args:
+        log_level: the ``peer --log-level``.
+        json_summary: end with the JSON summary line (``--json``).
+        options: field names of :class:`PeerConfig` and their values; None leaves one unset.
+
+    Raises:
+        ConfigError: a name that is no option.
+    """
+    args = ["-m", "peer", "--log-level", log_level, "join"]
+    for name, value in options.items():
+        field = PeerConfig.model_fields.get(name)
+        if field is None:
+            raise ConfigError(f"peer join has no option {name!r}")
+        if value is None:
+            continue
+        if field.annotation is bool:
+            args.append(_flag(name) if value else "--no-" + _flag(name)[2:])
+        elif name == "initial_peers":
+            args += [_flag(name), *map(str, value)]
+        elif get_origin(field.annotation) is list:
+            for item in value:
+                args += [_flag(name), str(item)]
+        else:
+            args += [_flag(name), str(value)]
+    if json_summary:
+        args.append("--json")
+    return args
+
+
 def _from_env() -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, field in PeerConfig.model_fields.items():

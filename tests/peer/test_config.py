@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from dht.errors import ConfigError
-from peer.run.config import PeerConfig, add_config_arguments, load_config
+from peer.run.config import PeerConfig, add_config_arguments, join_command, load_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -78,3 +78,24 @@ def test_bad_toml_and_unknown_keys(tmp_path):
     unknown.write_text("learning_rate = 1\n")
     with pytest.raises(ConfigError, match="learning_rate"):
         parse("--config", str(unknown))
+
+
+def test_join_command_is_the_inverse_of_the_flags():
+    options = dict(
+        run_id="r1",
+        initial_peers=["http://127.0.0.1:1", "http://127.0.0.1:2"],
+        task_option=["hidden_dim=8", "input_dim=4"],
+        target_batch_size=64,
+        lr=0.5,
+        mode="params",
+        delay_update=False,
+        client_mode=True,
+        max_epochs=None,
+    )
+    args = join_command(log_level="INFO", **options)
+    assert args[:5] == ["-m", "peer", "--log-level", "INFO", "join"] and args[-1] == "--json"
+    parsed = parse(*args[5:-1])
+    expected = {name: value for name, value in options.items() if value is not None}
+    assert parsed == PeerConfig(**expected)
+    with pytest.raises(ConfigError, match="no option 'nope'"):
+        join_command(nope=1)
