@@ -41,15 +41,18 @@ import psutil
 from rich.console import Console
 
 from dht.node import DHTNode
+from dht.owned_record import OwnedRecord
 from dht.runtime import EventLoopThread
 from dht.transport import ByteCounters
 from peer.profiling.phases import PHASES, PhaseClock
-from peer.profiling.publisher import ProfilePublisher
 from peer.profiling.summary import StretchSummary, breakdown_table, nonnegative
 from peer.profiling.trace import DEFAULT_MAX_BYTES, TraceWriter
-from peer.records.profile import ProfileRecord
+from peer.records.profile import ProfileRecord, profile_key
 
 logger = logging.getLogger(__name__)
+# A profile record outlives this many publishing periods (and at least MIN_PROFILE_TTL_S).
+PROFILE_TTL_PERIODS = 4
+MIN_PROFILE_TTL_S = 20.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -195,7 +198,7 @@ class Profiler:
         self._window: collections.deque[_Mark] = collections.deque([self._start])
         self._epoch_mark = self._start
         self._last_bottleneck: str | None = None
-        self.publisher: ProfilePublisher | None = None
+        self.publisher: OwnedRecord | None = None
         self.last_record: ProfileRecord | None = None
         self._loop_thread: EventLoopThread | None = None
 
@@ -357,13 +360,21 @@ class Profiler:
         """Publish the rolling summary on the DHT every ``interval_s`` until :meth:`close`."""
         if self.publisher is not None:
             return
-        publisher = ProfilePublisher(
+
+        def make_value(time_s: float) -> tuple[dict, float]:
+            record = self.make_record(peer_id=peer_id, time_s=time_s)
+            return record.to_wire(), record.time
+
+        publisher = OwnedRecord(
             dht=dht,
-            run_id=run_id,
-            make_record=lambda time_s: self.make_record(peer_id=peer_id, time_s=time_s),
+            key=profile_key(run_id),
+            make_value=make_value,
+            # a record outlives a few periods, so a late store does not blink the peer away
+            ttl_s=max(PROFILE_TTL_PERIODS * self.config.interval_s, MIN_PROFILE_TTL_S),
             interval_s=self.config.interval_s,
+            name="profile record",
         )
-        loop_thread.run(publisher.start(), timeout_s=timeout_s)
+        loop_thread.run(publisher.__aenter__(), timeout_s=timeout_s)
         self.publisher, self._loop_thread = publisher, loop_thread
 
     def close(self, *, timeout_s: float = 30.0) -> None:

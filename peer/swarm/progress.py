@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from dht.config import get_dht_time
 from dht.errors import ConfigError
 from dht.node import DHTNode
-from dht.validation import owner_subkey
+from dht.owned_record import OwnedRecord
+from dht.periodic import Periodic
 from peer.records.progress import PeerProgress, parse_record, progress_key
-from peer.swarm.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +173,14 @@ class ProgressTracker:
         self.version = 0
         self._round_peers: dict[str, tuple[int, float]] = {}
         self._refresh_lock = asyncio.Lock()
+        self._own = OwnedRecord(
+            dht=dht,
+            key=self.key,
+            make_value=self._own_value,
+            ttl_s=config.record_ttl_s,
+            interval_s=None,  # stored by ``refresh``, which also reads
+            name="progress record",
+        )
         self._publisher = Periodic(self.refresh, config.publish_interval_s, "progress-tracker")
 
     def report_local_progress(self, epoch: int, samples: int) -> None:
@@ -227,7 +235,7 @@ class ProgressTracker:
         async with self._refresh_lock:  # two stores racing: the older would be refused
             return await self._refresh()
 
-    async def _refresh(self) -> GlobalProgress:
+    def _own_value(self, now: float) -> tuple[dict, float]:
         own = self._own_record()
         value = {
             "epoch": own.epoch,
@@ -237,16 +245,13 @@ class ProgressTracker:
             "address": own.address,
             "client_mode": own.client_mode,
         }
-        stored = await self.dht.store(
-            self.key,
-            value,
-            # from now, not from the record's date (the last report, which a long round can
-            # leave far behind): every refresh extends the record, and is newer than the last
-            get_dht_time() + self.config.record_ttl_s,
-            subkey=owner_subkey(own.peer_id),
-        )
-        if not stored:
-            logger.warning("progress record of epoch %d was not stored", own.epoch)
+        # expiring from now, not from the record's date (the last report, which a long round
+        # can leave far behind): every refresh extends the record, and is newer than the last
+        return value, now
+
+    async def _refresh(self) -> GlobalProgress:
+        own = self._own_record()
+        await self._own.publish()
         found = await self.dht.get(self.key, latest=True)
         records = []
         if found is not None and isinstance(found.value, dict):

@@ -11,9 +11,10 @@ import time
 from dataclasses import dataclass
 
 from dht.config import get_dht_time
-from dht.errors import ConfigError, DHTError
+from dht.errors import ConfigError
 from dht.node import DHTNode
-from dht.validation import owner_subkey
+from dht.owned_record import OwnedRecord
+from dht.periodic import Periodic
 from peer.records.rounds import (
     RoundEntry,
     RoundLogRecord,
@@ -21,7 +22,6 @@ from peer.records.rounds import (
     parse_rounds,
     rounds_key,
 )
-from peer.swarm.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,14 @@ class RoundLog:
         self._counts = (0, 0, 0)  # rounds, failed, local steps
         self._version = 0
         self._published: tuple[int, float] | None = None  # (version, monotonic s)
+        self._store = OwnedRecord(
+            dht=dht,
+            key=self.key,
+            make_value=self._value,
+            ttl_s=config.record_ttl_s,
+            interval_s=None,  # stored when it changed or is due (``publish``)
+            name="round record",
+        )
         self._publisher = Periodic(self.publish, config.publish_interval_s, "round-log")
 
     def add(self, entry: RoundEntry) -> None:
@@ -118,20 +126,14 @@ class RoundLog:
             last_version, last_s = self._published
             if version == last_version and now - last_s < self.config.record_ttl_s / 3:
                 return False
-        record = self.record()
-        try:
-            stored = await self.dht.store(
-                self.key,
-                record.to_wire(),
-                record.time + self.config.record_ttl_s,
-                subkey=owner_subkey(record.peer_id),
-            )
-        except DHTError as e:  # the next period tries again
-            logger.warning("round record not stored: %s", e)
-            return False
+        stored = await self._store.publish()
         if stored:
             self._published = (version, now)
         return stored
+
+    def _value(self, time_s: float) -> tuple[dict, float]:
+        record = self.record()
+        return record.to_wire(), record.time
 
     async def __aenter__(self) -> RoundLog:
         self._publisher.start()

@@ -30,9 +30,9 @@ import torch
 from dht.config import get_dht_time
 from dht.errors import ConfigError, DHTError
 from dht.node import DHTNode
+from dht.periodic import Periodic
 from dht.transport import IncomingStream, Transport
 from dht.validation import owner_subkey, subkey_owner
-from peer.swarm.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 STREAM_NAME = "state.get"
