@@ -304,11 +304,6 @@ class Trainer:
             return "stop_event"
         return None
 
-    def train_step(self, batch: Batch) -> StepReport:
-        """One local step on ``batch`` (already drawn): h2d, forward, backward, hook."""
-        with self.clock.sequence("h2d") as phase:
-            return self._step(batch, phase)
-
     def _step(self, batch: Batch, phase: PhaseSequence) -> StepReport:
         # The phases follow each other in one sequence: a single clock boundary between two.
         # On CPU there is no copy to time (to_device returns the batch): no h2d boundary.
