@@ -10,6 +10,7 @@ one WARNING line and a retry at the next period, never an exception that stops t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,7 +37,8 @@ class OwnedRecord:
         ttl_s: seconds a record lives after the time it describes.
         interval_s: seconds between two stores; None publishes only when asked.
         name: what the record is, for log lines and the task's name.
-        after: awaited after every periodic store (a reader that follows the write).
+        after: awaited with the outcome (stored or not) after every periodic store: the
+            owner's bookkeeping, or a read of everyone's records that follows the write.
     """
 
     def __init__(
@@ -48,7 +50,7 @@ class OwnedRecord:
         ttl_s: float,
         interval_s: float | None,
         name: str,
-        after: Callable[[], Awaitable[object]] | None = None,
+        after: Callable[[bool], Awaitable[object]] | None = None,
     ):
         if not ttl_s > 0:
             raise ValueError(f"{name}: ttl_s must be > 0, got {ttl_s}")
@@ -61,6 +63,8 @@ class OwnedRecord:
         self.name = name
         self.num_published = 0
         self._after = after
+        # two stores racing: the older value would be refused as stale by the replicas
+        self._lock = asyncio.Lock()
         self._periodic = (
             Periodic(self._tick, interval_s, f"{name}-publisher") if interval_s else None
         )
@@ -72,9 +76,10 @@ class OwnedRecord:
             return False
         value, time_s = made
         try:
-            stored = await self.dht.store(
-                self.key, value, time_s + self.ttl_s, subkey=owner_subkey(self.dht.peer_id)
-            )
+            async with self._lock:
+                stored = await self.dht.store(
+                    self.key, value, time_s + self.ttl_s, subkey=owner_subkey(self.dht.peer_id)
+                )
         except DHTError as e:  # the next period tries again
             logger.warning("%s not stored: %s", self.name, e)
             return False
@@ -85,9 +90,9 @@ class OwnedRecord:
         return True
 
     async def _tick(self) -> None:
-        await self.publish()
+        stored = await self.publish()
         if self._after is not None:
-            await self._after()
+            await self._after(stored)
 
     def start(self) -> None:
         """Publish now and then every ``interval_s`` (on the event loop)."""

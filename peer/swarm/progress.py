@@ -24,7 +24,6 @@ from dht.config import get_dht_time
 from dht.errors import ConfigError
 from dht.node import DHTNode
 from dht.owned_record import OwnedRecord
-from dht.periodic import Periodic
 from peer.records.progress import PeerProgress, parse_record, progress_key
 
 logger = logging.getLogger(__name__)
@@ -172,16 +171,16 @@ class ProgressTracker:
         # bumped when the records or the last round's members change (see ``current``)
         self.version = 0
         self._round_peers: dict[str, tuple[int, float]] = {}
-        self._refresh_lock = asyncio.Lock()
+        self._read_lock = asyncio.Lock()
         self._own = OwnedRecord(
             dht=dht,
             key=self.key,
             make_value=self._own_value,
             ttl_s=config.record_ttl_s,
-            interval_s=None,  # stored by ``refresh``, which also reads
+            interval_s=config.publish_interval_s,
             name="progress record",
+            after=lambda stored: self._read(),
         )
-        self._publisher = Periodic(self.refresh, config.publish_interval_s, "progress-tracker")
 
     def report_local_progress(self, epoch: int, samples: int) -> None:
         """This peer is at ``epoch`` with ``samples`` accumulated toward its target.
@@ -232,8 +231,8 @@ class ProgressTracker:
 
     async def refresh(self) -> GlobalProgress:
         """Publish the own record, read everyone's and update :attr:`global_progress`."""
-        async with self._refresh_lock:  # two stores racing: the older would be refused
-            return await self._refresh()
+        await self._own.publish()
+        return await self._read()
 
     def _own_value(self, now: float) -> tuple[dict, float]:
         own = self._own_record()
@@ -249,9 +248,12 @@ class ProgressTracker:
         # can leave far behind): every refresh extends the record, and is newer than the last
         return value, now
 
-    async def _refresh(self) -> GlobalProgress:
+    async def _read(self) -> GlobalProgress:
+        async with self._read_lock:  # the later read wins, not the slower one
+            return await self._read_records()
+
+    async def _read_records(self) -> GlobalProgress:
         own = self._own_record()
-        await self._own.publish()
         found = await self.dht.get(self.key, latest=True)
         records = []
         if found is not None and isinstance(found.value, dict):
@@ -284,7 +286,7 @@ class ProgressTracker:
         self.version += 1
 
     async def __aenter__(self) -> ProgressTracker:
-        self._publisher.start()
+        self._own.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -292,4 +294,4 @@ class ProgressTracker:
 
     async def close(self) -> None:
         """Stop publishing; safe to call twice."""
-        await self._publisher.stop()
+        await self._own.close()

@@ -14,7 +14,6 @@ from dht.config import get_dht_time
 from dht.errors import ConfigError
 from dht.node import DHTNode
 from dht.owned_record import OwnedRecord
-from dht.periodic import Periodic
 from peer.records.rounds import (
     RoundEntry,
     RoundLogRecord,
@@ -74,15 +73,17 @@ class RoundLog:
         self._counts = (0, 0, 0)  # rounds, failed, local steps
         self._version = 0
         self._published: tuple[int, float] | None = None  # (version, monotonic s)
+        self._pending: tuple[int, float] | None = None  # what the store in flight publishes
+        self._force = False
         self._store = OwnedRecord(
             dht=dht,
             key=self.key,
-            make_value=self._value,
+            make_value=self._due_value,
             ttl_s=config.record_ttl_s,
-            interval_s=None,  # stored when it changed or is due (``publish``)
+            interval_s=config.publish_interval_s,
             name="round record",
+            after=self._after_store,
         )
-        self._publisher = Periodic(self.publish, config.publish_interval_s, "round-log")
 
     def add(self, entry: RoundEntry) -> None:
         """Record a finished round (any thread)."""
@@ -121,22 +122,31 @@ class RoundLog:
 
     async def publish(self, *, force: bool = False) -> bool:
         """Store the record if it changed or is due; True when a store happened and took."""
-        version, now = self._version, time.monotonic()
-        if not force and self._published is not None:
-            last_version, last_s = self._published
-            if version == last_version and now - last_s < self.config.record_ttl_s / 3:
-                return False
-        stored = await self._store.publish()
-        if stored:
-            self._published = (version, now)
+        self._force = force
+        try:
+            stored = await self._store.publish()
+        finally:
+            self._force = False
+        await self._after_store(stored)
         return stored
 
-    def _value(self, time_s: float) -> tuple[dict, float]:
+    def _due_value(self, time_s: float) -> tuple[dict, float] | None:
+        """The record to store, or None when it is unchanged and not yet due again."""
+        version, now = self._version, time.monotonic()
+        if not self._force and self._published is not None:
+            last_version, last_s = self._published
+            if version == last_version and now - last_s < self.config.record_ttl_s / 3:
+                return None
+        self._pending = (version, now)
         record = self.record()
         return record.to_wire(), record.time
 
+    async def _after_store(self, stored: bool) -> None:
+        if stored and self._pending is not None:
+            self._published, self._pending = self._pending, None
+
     async def __aenter__(self) -> RoundLog:
-        self._publisher.start()
+        self._store.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -144,7 +154,7 @@ class RoundLog:
 
     async def close(self) -> None:
         """Stop publishing; safe to call twice."""
-        await self._publisher.stop()
+        await self._store.close()
 
 
 __all__ = [
