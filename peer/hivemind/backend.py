@@ -33,6 +33,7 @@ import os
 import threading
 from typing import Any
 
+from averaging.result import RoundResult
 from dht.errors import ConfigError
 from peer.hivemind.hook import (
     EstimatedCounters,
@@ -49,7 +50,7 @@ from peer.hivemind.records import HivemindRecordPublisher, LocalProgress
 from peer.profiling.profiler import StepProgress
 from peer.run.config import PeerConfig
 from peer.run.skeleton import Companion, RunSkeleton
-from peer.swarm.round import EpochStats
+from peer.swarm.round import EpochStats, round_entry
 from peer.train.trainer import StepReport
 
 __all__ = ["HivemindBootstrap", "HivemindPeerRun", "check_config", "listen_maddrs"]
@@ -232,10 +233,12 @@ class HivemindPeerRun(RunSkeleton):
         samples = tracked.samples_accumulated if tracked.epoch == opt.local_epoch else 0
         return LocalProgress(opt.local_epoch, samples, self.trainer.total_samples, round_s)
 
-    def _on_round(self, entry: Any) -> None:
+    def _on_round(self, result: RoundResult, group_size: int) -> None:
         loss = self._recent_loss()
-        finite = loss is not None and math.isfinite(loss)
-        self.records.add_round(dataclasses.replace(entry, loss=loss if finite else None))
+        entry = round_entry(
+            result, epoch=result.epoch, loss=loss if math.isfinite(loss or 0.0) else None
+        )
+        self.records.add_round(dataclasses.replace(entry, group_size=group_size))
 
     def _resume(self) -> int:
         return self._resume_checkpoint()

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from averaging.result import RoundResult
 from dht.errors import ConfigError
 from peer.profiling.phases import PhaseClock
-from peer.records.rounds import RoundEntry, group_name
 from peer.swarm.round import EpochStats
 from peer.train.trainer import StepContext
 
@@ -160,8 +160,9 @@ class HivemindHook:
         clock: the trainer's phase clock.
         compression: our name of the gradient wire format (for the byte estimate).
         counters: where the estimated bytes go.
-        on_round: called in the training thread with every epoch transition as a round entry
-            (``loss`` None: the caller knows it); see :meth:`_timed_update_epoch`.
+        on_round: called in the training thread with every epoch transition as a round result
+            and the group's size (hivemind does not name a parameter round's members); see
+            :meth:`_timed_update_epoch`.
         leave: set when the peer stops: a round still looking for a group is cancelled.
     """
 
@@ -172,7 +173,7 @@ class HivemindHook:
         *,
         compression: str,
         counters: EstimatedCounters,
-        on_round: Callable[[RoundEntry], None] | None = None,
+        on_round: Callable[[RoundResult, int], None] | None = None,
         leave: threading.Event | None = None,
     ):
         self.opt = opt
@@ -183,7 +184,7 @@ class HivemindHook:
         self.leave = leave
         self._bytes_per_value = BYTES_PER_VALUE[compression]
         self._num_values = sum(p.numel() for g in opt.param_groups for p in g["params"])
-        self._round: RoundEntry | None = None  # the gradient round of the epoch transition
+        self._round: RoundResult | None = None  # the gradient round of the epoch transition
         # hivemind calls these through ``self``: instance attributes take precedence
         self._average = opt._average_gradients_and_load_into_optimizer
         opt._average_gradients_and_load_into_optimizer = self._timed_average
@@ -213,39 +214,32 @@ class HivemindHook:
         self.clock.transfer(allreduce_s, "matchmaking", "allreduce")
         if control is None:
             return  # hivemind skipped the round: no other peer
-        self.stats.num_rounds += 1
-        self.stats.matchmaking_s += end - start - allreduce_s
-        self.stats.allreduce_s += allreduce_s
-        self._round = self._gradient_round(control, end - start)
-        if self._round.status == "failed":
-            self.stats.num_failed_rounds += 1
-        else:
-            self.counters.add_round(self._num_values, self._round.group_size, self._bytes_per_value)
+        self._round = self._gradient_round(control, end - start - allreduce_s, allreduce_s)
+        self.stats.add(self._round)
+        if self._round.ok:
+            self.counters.add_round(self._num_values, self._round.num_peers, self._bytes_per_value)
 
-    def _gradient_round(self, control: Any, duration_s: float) -> RoundEntry:
-        epoch, end_time = self.opt.local_epoch, dht_time()
+    def _gradient_round(
+        self, control: Any, matchmaking_s: float, allreduce_s: float
+    ) -> RoundResult:
+        times = dict(
+            matchmaking_s=matchmaking_s, allreduce_s=allreduce_s, epoch=self.opt.local_epoch
+        )
         if control.cancelled():
-            reason = "cancelled: the peer is leaving"
-        elif not control.done():
-            reason = "no result within averaging_timeout"
-        elif control.exception() is not None:
-            reason = repr(control.exception())
-        else:
-            members = [swarm_peer_id(peer_id) for peer_id in control.result()]
-            one_way = butterfly_bytes(self._num_values, len(members), self._bytes_per_value)
-            return RoundEntry(
-                epoch=epoch,
-                end_time=end_time,
-                status="ok" if len(members) > 1 else "alone",
-                group_size=len(members),
-                group_id=group_name(members),
-                duration_s=duration_s,
-                sent_bytes=one_way,
-                recv_bytes=one_way,
-                averaged_fraction=1.0 if len(members) > 1 else 0.0,
-            )
-        return RoundEntry(
-            epoch=epoch, end_time=end_time, status="failed", duration_s=duration_s, reason=reason
+            return RoundResult("failed", "cancelled: the peer is leaving", **times)
+        if not control.done():
+            return RoundResult("failed", "no result within averaging_timeout", **times)
+        if control.exception() is not None:
+            return RoundResult("failed", repr(control.exception()), **times)
+        members = tuple(swarm_peer_id(peer_id) for peer_id in control.result())
+        one_way = butterfly_bytes(self._num_values, len(members), self._bytes_per_value)
+        return RoundResult(
+            "ok" if len(members) > 1 else "alone",
+            members=members,
+            bytes_sent=one_way,
+            bytes_received=one_way,
+            averaged_fraction=1.0 if len(members) > 1 else 0.0,
+            **times,
         )
 
     def _timed_update_epoch(self, *args: Any, **kwargs: Any) -> None:
@@ -263,24 +257,25 @@ class HivemindHook:
         if self.opt.use_local_updates:
             with self.clock.phase("matchmaking"):
                 self._update_epoch(*args, **kwargs)
-            self.stats.num_rounds += 1
-            self.stats.matchmaking_s += time.perf_counter() - start
         else:
             self._update_epoch(*args, **kwargs)
-        entry, self._round = self._round, None
-        if entry is None:
-            averaged = self.opt.use_local_updates and num_peers > 1
-            entry = RoundEntry(
+        result, self._round = self._round, None
+        group_size = result.num_peers if result is not None else 1
+        if result is None and self.opt.use_local_updates and num_peers > 1:
+            result = RoundResult(
+                "ok",
+                matchmaking_s=time.perf_counter() - start,
+                averaged_fraction=1.0,
                 epoch=epoch,
-                end_time=dht_time(),
-                status="ok" if averaged else "alone",
-                group_size=max(1, num_peers) if averaged else 1,
-                duration_s=time.perf_counter() - start if averaged else 0.0,
-                averaged_fraction=1.0 if averaged else 0.0,
-                reason="" if averaged else f"no round started ({num_peers} peers in its view)",
             )
+            group_size = num_peers
+        if result is None:
+            reason = f"no round started ({num_peers} peers in its view)"
+            result = RoundResult("alone", reason, epoch=epoch)
+        if self.opt.use_local_updates:
+            self.stats.add(result)
         if self.on_round is not None:
-            self.on_round(entry)
+            self.on_round(result, group_size)
 
     def _timed_load_state(self, **kwargs: Any) -> None:
         with self.clock.phase("state_sync"):
