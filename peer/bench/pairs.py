@@ -16,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 #: measures one side for one window of the given seconds; returns its rate (work per second),
 #: or None when the window could not be measured (the pair is then left out)
@@ -148,6 +151,18 @@ def interleave(a: Measure, b: Measure, *, num_pairs: int, window_s: float) -> In
     if not ratios:
         raise ValueError("no pair of windows was measured on both sides")
     return Interleaved(tuple(rates[0]), tuple(rates[1]), spread(ratios), window_s)
+
+
+def paired_runs(
+    a: Callable[[], T], b: Callable[[], T], *, num_pairs: int
+) -> tuple[list[T], list[T]]:
+    """Run ``a`` and ``b`` ``num_pairs`` times each, taking turns (A B B A A B ...): whole short
+    runs, for benchmarks whose sides cannot be paused (each run starts its own processes)."""
+    sides, results = (a, b), ([], [])
+    for order in pair_order(num_pairs):
+        for side in order:
+            results[side].append(sides[side]())
+    return results
 
 
 def aba(a: Measure, b: Measure, *, seconds: float) -> float | None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from collections.abc import Callable
 
 from dht.errors import ConfigError
 from dht.options import positive_float, positive_int
@@ -51,20 +53,56 @@ def add_bench_allreduce_command(bench_sub) -> None:
         help="native, or hivemind's DecentralizedAverager ([hivemind] extra) (default: native)",
     )
     parser.add_argument("--phases", action="store_true", help="also report seconds per phase")
+    parser.add_argument(
+        "--compare",
+        choices=["native", "hivemind"],
+        default=None,
+        help="also run this other backend, the two taking turns in --pairs pairs of runs; the "
+        "JSON gets `compare`: its figures and the median of the pairs' round-time ratios "
+        "(its round s / this backend's), with their spread",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=positive_int,
+        default=3,
+        help="with --compare: runs per backend (default: 3)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(run=run_bench_allreduce)
 
 
-def run_bench_allreduce(args: argparse.Namespace) -> int:
-    if args.backend == "hivemind":
+def allreduce_runner(args: argparse.Namespace, backend: str) -> Callable[[], dict]:
+    """One ``peer bench allreduce`` run of ``backend`` with the options in ``args``."""
+    if backend == "hivemind":
         from peer.hivemind.bench import run_hivemind_allreduce_bench
 
-        result = run_hivemind_allreduce_bench(args.peers, args.size, args.compression, args.rounds)
-    else:
-        from averaging.bench import run_allreduce_bench
+        return functools.partial(
+            run_hivemind_allreduce_bench, args.peers, args.size, args.compression, args.rounds
+        )
+    from averaging.bench import run_allreduce_bench
 
-        result = run_allreduce_bench(
-            args.peers, args.size, args.compression, args.rounds, include_phases=args.phases
+    return functools.partial(
+        run_allreduce_bench,
+        args.peers,
+        args.size,
+        args.compression,
+        args.rounds,
+        include_phases=args.phases,
+    )
+
+
+def run_bench_allreduce(args: argparse.Namespace) -> int:
+    if args.compare is None:
+        result = allreduce_runner(args, args.backend)()
+    elif args.compare == args.backend:
+        raise ConfigError(f"--compare {args.compare}: the same backend as --backend")
+    else:
+        from peer.bench.compare import paired_allreduce
+
+        result = paired_allreduce(
+            allreduce_runner(args, args.backend),
+            allreduce_runner(args, args.compare),
+            num_pairs=args.pairs,
         )
     if not args.json:
         for name, value in result.items():
@@ -262,7 +300,8 @@ def add_bench_compare_command(bench_sub) -> None:
 def run_bench_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from peer.bench.compare import CompareConfig, render_markdown, run_compare
+    from peer.bench.compare import CompareConfig, run_compare
+    from peer.bench.compare_markdown import render_markdown
 
     options = {
         "parts": args.parts,

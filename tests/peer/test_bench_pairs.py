@@ -13,6 +13,7 @@ from peer.bench.pairs import (
     aba,
     interleave,
     pair_order,
+    paired_runs,
     pairwise_ratios,
     quartiles,
     rate_between,
@@ -114,3 +115,9 @@ def test_metrics_files_read_lines_as_they_grow(tmp_path):
     assert files.started()
     assert files.points[0] == [(0.0, 0.0), (1.0, 64.0), (2.0, 64.0)]
     assert files.rate(0.0, 2.0) == pytest.approx(64.0 + 32.0)
+
+
+def test_paired_runs_take_turns():
+    calls = []
+    a, b = paired_runs(lambda: calls.append("a") or 1, lambda: calls.append("b") or 2, num_pairs=3)
+    assert calls == ["a", "b", "b", "a", "a", "b"] and a == [1, 1, 1] and b == [2, 2, 2]
