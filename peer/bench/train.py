@@ -75,6 +75,9 @@ logger = logging.getLogger(__name__)
 RUN_ID = "bench-train"
 # Seconds a peer may take to start (imports, joining, waiting for the others) on a loaded machine.
 START_GRACE_S = 120.0
+# AUTOGROUP_NOTE: a session of its own would put each peer in a scheduler autogroup of its own
+# (/proc/sys/kernel/sched_autogroup_enabled): on a loaded host N peers would then get N shares
+# of the CPU against the baseline's one. Every process of the bench shares the bench's session.
 # The longest window: a pause must stay well under a peer's shortest timeout (5 s) and its
 # DHT records' 20-s lifetime.
 MAX_WINDOW_S = 3.0
@@ -211,8 +214,9 @@ async def _run_peers(config: TrainBenchConfig, during: Schedule | None = None) -
                 *peer_command(config, address, index, metrics[index] if during else None),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                # its own process group: hivemind's processes and p2pd daemons go with it
-                start_new_session=True,
+                # its own process group, which hivemind's processes and p2pd daemons join; the
+                # bench's session (see AUTOGROUP_NOTE)
+                process_group=0,
             )
             for index in range(config.num_peers)
         ]

@@ -3,8 +3,9 @@
 Both sides are processes in their own sessions, measured the same way (their metrics streams)
 and paused the same way (SIGSTOP of their process groups): the plain loop is
 :mod:`peer.bench.baseline_run` with all the cores' torch threads, the swarm the N ``peer join``
-processes. Neither side shares an interpreter, a GIL or an OpenMP pool with the bench, and on a
-host with scheduler autogroups (a group per session) both get the same kind of share. See
+processes. Neither side shares an interpreter, a GIL or an OpenMP pool with the bench, and all
+of them stay in the bench's session: on a host with scheduler autogroups (one per session) both
+sides draw on the same share of the CPU. See
 :mod:`peer.bench.train` for the design.
 """
 
@@ -70,7 +71,7 @@ async def run_windows(config, peers, peer_metrics: list[Path], *, start_grace_s:
             *baseline_command(config, path, max_time_s),
             stdout=asyncio.subprocess.PIPE,
             stderr=stderr_file,
-            start_new_session=True,
+            process_group=0,  # a group to pause, in the bench's session (autogroup) as the peers
         )
     try:
         swarm = PausedGroups([p.pid for p in peers], MetricsFiles(peer_metrics), settle_s=settle_s)

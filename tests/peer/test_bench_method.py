@@ -25,9 +25,10 @@ import pytest
 from peer.bench.pairs import aba, interleave
 from peer.bench.windows import MetricsFiles, PausedGroups, signal_groups
 
-pytestmark = pytest.mark.timeout(120)
-NUM_PAIRS = 10
-WINDOW_S = 0.3
+pytestmark = pytest.mark.timeout(150)
+NUM_PAIRS = 12
+WINDOW_S = 1.0
+ABA_S = 8.0
 LINE_S = 0.02
 
 LOOP = f"""
@@ -46,7 +47,7 @@ HOG = "while True: pass"
 
 def _start(stack: ExitStack, code: str, *args: str) -> int:
     process = subprocess.Popen(
-        [sys.executable, "-c", code, *args], start_new_session=True, stdout=subprocess.DEVNULL
+        [sys.executable, "-c", code, *args], process_group=0, stdout=subprocess.DEVNULL
     )
 
     def stop() -> None:
@@ -68,6 +69,8 @@ class _Hog:
         self._thread: threading.Thread | None = None
 
     def run_from(self, on_s: float, off_s: float) -> None:
+        self._stop()
+
         def toggle() -> None:
             start = time.monotonic()
             if self._cancel.wait(max(0.0, start + on_s - time.monotonic())):
@@ -100,10 +103,10 @@ def sides(tmp_path):
 
 def test_interleaved_windows_hold_under_a_hog_that_a_b_a_does_not(sides):
     (a, b), hog = sides
-    total_s = 2 * NUM_PAIRS * WINDOW_S
     # the hog runs during the middle half: in A-B-A, exactly while B runs
-    hog.run_from(total_s / 4, 3 * total_s / 4)
-    biased = aba(a, b, seconds=total_s / 2)
+    hog.run_from(ABA_S / 4, 3 * ABA_S / 4)
+    biased = aba(a, b, seconds=ABA_S / 2)
+    total_s = 2 * NUM_PAIRS * WINDOW_S
     hog.run_from(total_s / 4, 3 * total_s / 4)
     result = interleave(a, b, num_pairs=NUM_PAIRS, window_s=WINDOW_S)
     spread = result.spread
