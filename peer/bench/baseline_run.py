@@ -7,12 +7,16 @@ each loss divided by their number, then one optimizer step) on all the CPUs it i
 the DESIGN.md metrics stream so that experiment reports read it exactly as they read the peers'.
 The phase clock only brackets data, forward, backward and optimizer; ``epoch`` is the number of
 optimizer steps taken (one swarm epoch is one optimizer step too), ``net`` is always zero.
-SIGTERM or SIGINT ends the run after the current step, with a last metrics line.
+SIGTERM or SIGINT ends the run after the current step, with a last metrics line. The summary (the
+last line of stdout) holds ``epoch, num_steps, num_samples, final_loss`` (the last micro-batch's),
+``recent_loss`` (the mean over the last ``RECENT_LOSS_SAMPLES`` samples, as a peer's
+``final_loss``) and ``eval_loss``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import signal
@@ -32,6 +36,7 @@ from peer.train.tasks import DataShard, TaskError, load_task
 from peer.train.trainer import evaluate
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+RECENT_LOSS_SAMPLES = 2048
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +89,8 @@ def train(args: argparse.Namespace, stop: threading.Event) -> dict:
         interval_s=args.metrics_interval,
     )
     batches = iter(task.make_loader(DataShard(seed=args.seed), pin_memory=False))
+    # the last RECENT_LOSS_SAMPLES samples' losses: ``recent_loss``, as a peer's final_loss
+    recent = collections.deque(maxlen=max(1, math.ceil(RECENT_LOSS_SAMPLES / task.batch_size)))
     deadline = time.monotonic() + (args.max_time or math.inf)
     step = epoch = micro = samples = 0
     loss = None
@@ -97,6 +104,7 @@ def train(args: argparse.Namespace, stop: threading.Event) -> dict:
                 loss = task.loss_fn(model(inputs), targets)
             with clock.phase("backward"):
                 (loss / num_micro).backward()
+            recent.append(loss.detach())
             step, micro, samples = step + 1, micro + 1, samples + len(targets)
             if micro == num_micro:
                 with clock.phase("optimizer"):
@@ -115,6 +123,7 @@ def train(args: argparse.Namespace, stop: threading.Event) -> dict:
         "num_steps": step,
         "num_samples": samples,
         "final_loss": None if loss is None else float(loss.detach()),
+        "recent_loss": float(torch.stack(list(recent)).mean()) if recent else None,
         "eval_loss": evaluate(task, model, device=device),
     }
 

@@ -8,12 +8,19 @@ this run. A workload that fails on one backend gets its error in the table; the 
 
 Ratios: for times (all-reduce round, DHT latency) and memory, hivemind's value / ours (how many
 times faster or smaller we are); for samples/s, ours / hivemind's.
+
+Each cell runs ``pairs`` times, the two backends taking turns (native, hivemind, hivemind, native,
+...: :func:`peer.bench.pairs.pair_order`), and each pair gives one ratio: a row's ratio is the
+median of its pairs' ratios, shown with their IQR and count, and each cell's figures are those of
+its run with the median value. Runs next to each other in time see nearly the same machine,
+which one run per backend, minutes apart on a shared host, does not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import platform
 import time
@@ -21,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import psutil
+
+from peer.bench.pairs import paired_runs, pairwise_ratios, spread
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("native", "hivemind")
@@ -42,6 +51,7 @@ class CompareConfig:
         train_seconds: training seconds per train cell.
         threads: cores the train benchmark uses (peers split them).
         dht_nodes, dht_keys: nodes and values of the DHT benchmark.
+        pairs: runs of each cell per backend, the backends taking turns.
     """
 
     parts: tuple[str, ...] = PARTS
@@ -55,6 +65,7 @@ class CompareConfig:
     threads: int | None = None
     dht_nodes: int = 8
     dht_keys: int = 50
+    pairs: int = 3
 
     def __post_init__(self) -> None:
         unknown = set(self.parts) - set(PARTS)
@@ -62,20 +73,35 @@ class CompareConfig:
             raise ValueError(f"parts: {sorted(unknown)} not in {', '.join(PARTS)}")
         if any(n < 2 for n in self.allreduce_peers):
             raise ValueError("allreduce_peers: an all-reduce needs at least 2 peers")
-        for name in ("rounds", "dht_nodes", "dht_keys"):
+        for name in ("rounds", "dht_nodes", "dht_keys", "pairs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass
 class Cell:
-    """One workload on one backend: the command that reproduces it and its JSON (or error)."""
+    """One workload on one backend: the command that reproduces it and its JSON (or error).
+
+    After :func:`paired_row`: ``result`` is the run with the median value, ``runs`` every run's
+    result (None for a failed one) and ``ratio`` the row's pairwise ratios (both cells of a row
+    hold the same).
+    """
 
     backend: str
     command: str
     result: dict[str, Any] | None = None
     error: str | None = None
     seconds: float = 0.0
+    runs: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
+    ratio: dict[str, Any] | None = None
+
+
+# per part: (field, whether the native / hivemind ratio is hivemind's value over ours)
+RATIO_FIELDS = {
+    "allreduce": ("round_s_p50", True),
+    "train": ("samples_per_s", False),
+    "dht": ("get_p50_ms", True),
+}
 
 
 def _measure(backend: str, command: str, run: Callable[[], dict[str, Any]]) -> Cell:
@@ -91,6 +117,55 @@ def _measure(backend: str, command: str, run: Callable[[], dict[str, Any]]) -> C
     return cell
 
 
+def paired_row(part: str, num_pairs: int, measures: dict[str, Callable[[], Cell]]) -> list[Cell]:
+    """Run each backend's ``measure`` ``num_pairs`` times, taking turns; returns one cell per
+    backend (see :class:`Cell`) with the pairwise ratios of ``RATIO_FIELDS[part]``."""
+    field, hivemind_over_native = RATIO_FIELDS[part]
+    runs = dict(
+        zip(
+            BACKENDS,
+            paired_runs(*(measures[b] for b in BACKENDS), num_pairs=num_pairs),
+            strict=True,
+        )
+    )
+    values = {b: [(c.result or {}).get(field) for c in cells] for b, cells in runs.items()}
+    top, bottom = ("hivemind", "native") if hivemind_over_native else ("native", "hivemind")
+    ratios = pairwise_ratios(values[top], values[bottom])
+    ratio = {"field": field, **spread(ratios).fields(3)} if ratios else None
+    row = []
+    for cells in runs.values():
+        good = sorted((c for c in cells if c.result is not None), key=lambda c: c.result[field])
+        cell = good[(len(good) - 1) // 2] if good else cells[0]
+        cell.seconds = sum(c.seconds for c in cells)
+        cell.runs = [c.result for c in cells]
+        cell.ratio = ratio
+        row.append(cell)
+    return row
+
+
+def paired_allreduce(
+    run: Callable[[], dict[str, Any]], other: Callable[[], dict[str, Any]], *, num_pairs: int
+) -> dict[str, Any]:
+    """``peer bench allreduce --compare``: ``run`` and ``other`` take turns ``num_pairs`` times.
+
+    Returns the contract fields of ``run``'s run with the median ``round_s_p50``, ``pairs`` and
+    ``compare``: ``other``'s median run, with ``ratio_p50, ratio_iqr, ratio_min, ratio_max,
+    num_pairs, ratios`` of ``other``'s round_s_p50 / ``run``'s (above 1: ``run`` is faster).
+    """
+    mine, theirs = paired_runs(run, other, num_pairs=num_pairs)
+    ratios = pairwise_ratios([r["round_s_p50"] for r in theirs], [r["round_s_p50"] for r in mine])
+
+    def median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
+        return sorted(results, key=lambda r: r["round_s_p50"])[(len(results) - 1) // 2]
+
+    return median_run(mine) | {
+        "pairs": num_pairs,
+        "runs_round_s_p50": [r["round_s_p50"] for r in mine],
+        "compare": median_run(theirs)
+        | {"runs_round_s_p50": [r["round_s_p50"] for r in theirs], **spread(ratios).fields(3)},
+    }
+
+
 def allreduce_cells(config: CompareConfig) -> list[list[Cell]]:
     from averaging.bench import run_allreduce_bench
     from peer.hivemind.bench import run_hivemind_allreduce_bench
@@ -101,18 +176,18 @@ def allreduce_cells(config: CompareConfig) -> list[list[Cell]]:
         for num_peers in config.allreduce_peers:
             for compression in config.compressions:
                 args = (num_peers, size, compression, config.rounds)
-                rows.append(
-                    [
-                        _measure(
-                            backend,
-                            f"peer bench allreduce --backend {backend} --peers {num_peers} "
-                            f"--size {size} --compression {compression} "
-                            f"--rounds {config.rounds} --json",
-                            lambda run=runners[backend], args=args: run(*args),
-                        )
-                        for backend in BACKENDS
-                    ]
-                )
+                measures = {
+                    backend: functools.partial(
+                        _measure,
+                        backend,
+                        f"peer bench allreduce --backend {backend} --peers {num_peers} "
+                        f"--size {size} --compression {compression} "
+                        f"--rounds {config.rounds} --json",
+                        functools.partial(runners[backend], *args),
+                    )
+                    for backend in BACKENDS
+                }
+                rows.append(paired_row("allreduce", config.pairs, measures))
     return rows
 
 
@@ -124,7 +199,7 @@ def train_cells(config: CompareConfig) -> list[list[Cell]]:
     threads_flag = "" if config.threads is None else f" --threads {config.threads}"
     for task in config.tasks:
         for num_peers in config.train_peers:
-            row = []
+            measures = {}
             for backend in BACKENDS:
                 bench = TrainBenchConfig(
                     backend=backend,
@@ -134,15 +209,14 @@ def train_cells(config: CompareConfig) -> list[list[Cell]]:
                     run_baseline=False,
                     **threads,
                 )
-                row.append(
-                    _measure(
-                        backend,
-                        f"peer bench train --backend {backend} --peers {num_peers} --task {task} "
-                        f"--seconds {config.train_seconds:g}{threads_flag} --no-baseline --json",
-                        lambda bench=bench: run_train_bench(bench),
-                    )
+                measures[backend] = functools.partial(
+                    _measure,
+                    backend,
+                    f"peer bench train --backend {backend} --peers {num_peers} --task {task} "
+                    f"--seconds {config.train_seconds:g}{threads_flag} --no-baseline --json",
+                    functools.partial(run_train_bench, bench),
                 )
-            rows.append(row)
+            rows.append(paired_row("train", config.pairs, measures))
     return rows
 
 
@@ -155,17 +229,17 @@ def dht_cells(config: CompareConfig) -> list[list[Cell]]:
         "native": lambda: asyncio.run(run_dht_bench(**kwargs)),
         "hivemind": lambda: run_hivemind_dht_bench(**kwargs),
     }
-    return [
-        [
-            _measure(
-                backend,
-                f"peer bench dht --backend {backend} --nodes {config.dht_nodes} "
-                f"--keys {config.dht_keys} --json",
-                runners[backend],
-            )
-            for backend in BACKENDS
-        ]
-    ]
+    measures = {
+        backend: functools.partial(
+            _measure,
+            backend,
+            f"peer bench dht --backend {backend} --nodes {config.dht_nodes} "
+            f"--keys {config.dht_keys} --json",
+            runners[backend],
+        )
+        for backend in BACKENDS
+    }
+    return [paired_row("dht", config.pairs, measures)]
 
 
 def run_compare(config: CompareConfig) -> dict[str, Any]:
@@ -199,168 +273,3 @@ def machine_state() -> dict[str, Any]:
         "hivemind": hivemind_version,
         "time_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-
-
-# ---- Markdown ---------------------------------------------------------------------------------
-
-
-def _value(cell: dict[str, Any], field: str) -> Any:
-    result = cell.get("result") or {}
-    return result.get(field)
-
-
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:.0f}"
-    return str(value)
-
-
-def _ratio(numerator: Any, denominator: Any) -> str:
-    if not numerator or not denominator:
-        return "-"
-    return f"{numerator / denominator:.2f}x"
-
-
-def _shown(cell: dict[str, Any], field: str, digits: int = 3) -> str:
-    if cell.get("error"):
-        return "failed"
-    return _fmt(_value(cell, field), digits)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
-
-
-def _commands(rows: list[list[dict[str, Any]]]) -> list[str]:
-    lines = ["", "Commands (one per cell, in the order run):", "", "```"]
-    lines += [cell["command"] for row in rows for cell in row]
-    lines.append("```")
-    errors = [f"- `{c['command']}`: {c['error']}" for row in rows for c in row if c["error"]]
-    if errors:
-        lines += ["", "Failed cells:", "", *errors]
-    return lines
-
-
-def _allreduce_md(rows: list[list[dict[str, Any]]]) -> list[str]:
-    body = []
-    for native, hive in rows:
-        result = native.get("result") or hive.get("result") or {}
-        body.append(
-            [
-                _fmt(result.get("size")),
-                _fmt(result.get("peers")),
-                str(result.get("compression", "-")),
-                _shown(native, "round_s_p50"),
-                _shown(hive, "round_s_p50"),
-                _ratio(_value(hive, "round_s_p50"), _value(native, "round_s_p50")),
-                _shown(native, "allreduce_s_p50"),
-                _shown(hive, "allreduce_s_p50"),
-                _shown(native, "matchmaking_s_p50"),
-                _shown(hive, "matchmaking_s_p50"),
-                _shown(native, "max_abs_err", 2),
-                _shown(hive, "max_abs_err", 2),
-            ]
-        )
-    header = [
-        "values", "peers", "compression", "native round s", "hivemind round s",
-        "native speedup", "native all-reduce s", "hivemind all-reduce s",
-        "native matchmaking s", "hivemind matchmaking s", "native max err", "hivemind max err",
-    ]  # fmt: skip
-    return ["### All-reduce round (p50 of the slowest peer)", "", *_table(header, body)]
-
-
-def _train_md(rows: list[list[dict[str, Any]]]) -> list[str]:
-    body, memory = [], []
-    for native, hive in rows:
-        result = native.get("result") or hive.get("result") or {}
-        task, peers = str(result.get("task", "-")), _fmt(result.get("peers"))
-        body.append(
-            [
-                task,
-                peers,
-                _shown(native, "samples_per_s", 4),
-                _shown(hive, "samples_per_s", 4),
-                _ratio(_value(native, "samples_per_s"), _value(hive, "samples_per_s")),
-                _shown(native, "final_loss"),
-                _shown(hive, "final_loss"),
-                _shown(native, "eval_loss"),
-                _shown(hive, "eval_loss"),
-                _shown(native, "rounds"),
-                _shown(hive, "rounds"),
-                _shown(native, "round_overhead_s"),
-                _shown(hive, "round_overhead_s"),
-            ]
-        )
-        memory.append(
-            [
-                task,
-                peers,
-                _shown(native, "peak_rss_mb_per_peer", 4),
-                _shown(hive, "peak_rss_mb_per_peer", 4),
-                _shown(native, "peak_pss_mb_per_peer", 4),
-                _shown(hive, "peak_pss_mb_per_peer", 4),
-                _ratio(*(_value(c, "peak_pss_mb_per_peer") for c in (hive, native))),
-            ]
-        )
-    header = [
-        "task", "peers", "native samples/s", "hivemind samples/s", "native / hivemind",
-        "native final loss", "hivemind final loss", "native eval loss", "hivemind eval loss",
-        "native epochs", "hivemind epochs", "native s/round waiting", "hivemind s/round waiting",
-    ]  # fmt: skip
-    memory_header = [
-        "task", "peers", "native RSS MiB", "hivemind RSS MiB (+p2pd)", "native PSS MiB",
-        "hivemind PSS MiB (+p2pd)", "hivemind / native (PSS)",
-    ]  # fmt: skip
-    return [
-        "### End to end (samples/s summed over peers; losses after the fixed time)",
-        "",
-        *_table(header, body),
-        "",
-        "### Resident memory per training peer (peak of its process tree)",
-        "",
-        *_table(memory_header, memory),
-    ]
-
-
-def _dht_md(rows: list[list[dict[str, Any]]]) -> list[str]:
-    body = []
-    for native, hive in rows:
-        body.append(
-            [
-                _fmt(_value(native, "nodes") or _value(hive, "nodes")),
-                _shown(native, "get_p50_ms"),
-                _shown(hive, "get_p50_ms"),
-                _ratio(_value(hive, "get_p50_ms"), _value(native, "get_p50_ms")),
-                _shown(native, "store_p50_ms"),
-                _shown(hive, "store_p50_ms"),
-                _ratio(_value(hive, "store_p50_ms"), _value(native, "store_p50_ms")),
-                _shown(native, "get_ok"),
-                _shown(hive, "get_ok"),
-                _shown(native, "rss_mb_per_node"),
-                _shown(hive, "rss_mb_per_node"),
-            ]
-        )
-    header = [
-        "nodes", "native get p50 ms", "hivemind get p50 ms", "native speedup (get)",
-        "native store p50 ms", "hivemind store p50 ms", "native speedup (store)",
-        "native get ok", "hivemind get ok", "native MiB/node", "hivemind MiB/node",
-    ]  # fmt: skip
-    return ["### DHT latency", "", *_table(header, body)]
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    """The sweep's tables, commands and machine state as Markdown."""
-    machine = report["machine"]
-    lines = [
-        f"Measured {machine['time_utc']} on {machine['cpu_count']} cores, "
-        f"{machine['memory_gb']} GiB, load average {machine['load_average']} at the start; "
-        f"Python {machine['python']}, torch {machine['torch']}, hivemind {machine['hivemind']}.",
-    ]
-    for part, render in (("allreduce", _allreduce_md), ("train", _train_md), ("dht", _dht_md)):
-        if report.get(part):
-            lines += ["", *render(report[part]), *_commands(report[part])]
-    return "\n".join(lines) + "\n"

@@ -18,7 +18,10 @@ a machine whose load drifts affects every kind alike:
 
 ``overhead_ratio`` (what profiling costs) is the median over repetitions of (on block time / off
 block time); ``vs_pytorch_ratio`` is the same for on / plain (profiling plus everything the
-trainer's loop adds: stop checks, the step hook, reports). Medians of paired ratios shrug off the
+trainer's loop adds: stop checks, the step hook, reports). Their spread over the pairs
+(:mod:`peer.bench.pairs`) comes as ``overhead_ratio_iqr``, ``overhead_ratio_min``,
+``overhead_ratio_max`` (the same with ``vs_pytorch_``) and ``num_pairs``: a ratio whose IQR
+straddles a budget has not shown that it meets it. Medians of paired ratios shrug off the
 blocks that another process's burst slowed down; short blocks pair them closely in time. Mixed
 precision is off on every side, and a GPU is synchronized at block ends only.
 
@@ -29,9 +32,9 @@ its own process, as a peer does (:mod:`peer.train.allocator`; every kind of bloc
 same
 allocator).
 
-Result fields: ``overhead_ratio, vs_pytorch_ratio, step_ms_plain, step_ms_off, step_ms_profiled,
-fractions {phase: share of the profiled blocks' wall time}, repetitions, steps_per_block,
-threads, device, task, trace_bytes, trace_events``.
+Result fields: ``overhead_ratio, vs_pytorch_ratio`` (and their spread), ``step_ms_plain,
+step_ms_off, step_ms_profiled, fractions {phase: share of the profiled blocks' wall time},
+repetitions, steps_per_block, threads, device, task, trace_bytes, trace_events``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from pathlib import Path
 import torch
 
 from dht.transport import ByteCounters
+from peer.bench.pairs import RatioSpread, pairwise_ratios, spread
 from peer.profiling.metrics_stream import MetricsStream
 from peer.profiling.phases import PHASES, NullClock
 from peer.profiling.profiler import Profiler, ProfilerConfig, StepProgress
@@ -224,16 +228,19 @@ def run_profiler_bench(config: ProfilerBenchConfig | None = None) -> dict:
     wall_s = sum(bench.profiled_seconds.values())
     steps = config.steps_per_block
 
-    def median_ratio(kind: str, baseline: str) -> float:
-        pairs = zip(block_s[kind], block_s[baseline], strict=True)
-        return round(statistics.median(a / b for a, b in pairs), 4)
+    def ratios(kind: str, baseline: str) -> RatioSpread:
+        return spread(pairwise_ratios(block_s[kind], block_s[baseline]))
+
+    overhead, vs_pytorch = ratios("on", "off"), ratios("on", "plain")
 
     def step_ms(kind: str) -> float:
         return round(1e3 * statistics.median(block_s[kind]) / steps, 4)
 
     return {
-        "overhead_ratio": median_ratio("on", "off"),
-        "vs_pytorch_ratio": median_ratio("on", "plain"),
+        "overhead_ratio": round(overhead.ratio_p50, 4),
+        "vs_pytorch_ratio": round(vs_pytorch.ratio_p50, 4),
+        **_spread_fields("overhead", overhead),
+        **_spread_fields("vs_pytorch", vs_pytorch),
         "step_ms_plain": step_ms("plain"),
         "step_ms_off": step_ms("off"),
         "step_ms_profiled": step_ms("on"),
@@ -245,4 +252,15 @@ def run_profiler_bench(config: ProfilerBenchConfig | None = None) -> dict:
         "task": TASK,
         "trace_bytes": trace_bytes,
         "trace_events": trace_events,
+    }
+
+
+def _spread_fields(name: str, ratios: RatioSpread) -> dict[str, float | int]:
+    """``{name}_ratio_iqr``, ``_min``, ``_max`` and ``num_pairs`` (the per-pair list is long)."""
+    fields = ratios.fields()
+    return {
+        f"{name}_ratio_iqr": fields["ratio_iqr"],
+        f"{name}_ratio_min": fields["ratio_min"],
+        f"{name}_ratio_max": fields["ratio_max"],
+        "num_pairs": fields["num_pairs"],
     }

@@ -1,31 +1,51 @@
 """``peer bench train``: a swarm of real ``peer join`` processes against one plain PyTorch loop.
 
-The baseline (:mod:`peer.bench.baseline`) runs alone on the machine, with torch threads = the
-machine's cores, in two halves of ``seconds / 2``: one before the swarm and one after it, the
-second continuing the first's model, optimizer and data (an A-B-A design: when the machine's
-speed drifts during the run, as a shared cloud host's does by several percent over tens of
-seconds, both sides see the same average). In between, a bootstrap node (in this process) and N
-peer processes, whose torch threads sum to the same cores, train for ``seconds``. In ``epochs``
-mode the baseline trains its steps in one go, first. The baseline's process fixes glibc's malloc
-thresholds as every peer does by default (:mod:`peer.train.allocator`): the ratio measures the
-peers' machinery, not the allocator. Peers wait for each other before their
-clocks start (``--wait-for-peers``), so start-up (imports, joining) is outside the measured time
-and every peer's rate is measured while all of them run. Peer ``i`` reads data seed ``i`` and the
-baseline seed 0, as peer 0 does: one peer and the baseline see the same batches, so their losses
-compare sample for sample.
+The baseline (:mod:`peer.bench.baseline_run`: a plain PyTorch loop in a process of its own,
+torch threads = the machine's cores) and the swarm (a bootstrap node in this process and N peer
+processes whose torch threads sum to the same cores) are measured in alternate windows over the
+same stretch of time: about ``seconds / window_s`` pairs (10 at the defaults: 2-s windows), in
+the order baseline-swarm, swarm-baseline, ... (:mod:`peer.bench.pairs`,
+:mod:`peer.bench.train_windows`). While one side is measured, the other's process groups are
+stopped (SIGSTOP), and continued (SIGCONT) for its own window (:mod:`peer.bench.windows`): the
+whole swarm pauses at once, so no peer sees another stall; its clocks jump by the pause, which
+stays under every peer timeout (the shortest is 5 s) and its DHT records' 20-s lifetime. With
+``--peers 1`` the lone peer talks only to the bootstrap node, which keeps serving in this
+process throughout. The first ``SETTLE_S`` of each window are not measured on either side (right
+after a pause the peers extrapolate each other's progress records by the pause). A machine whose
+speed drifts, or another process's burst, then slows both sides of a pair alike, or one pair
+only: the ratio is the median of the pairs' ratios (``ratio_p50``, also ``ratio``),
+``samples_per_s`` and ``baseline_samples_per_s`` the medians over windows, and ``ratio_iqr``,
+``ratio_min``, ``ratio_max`` say how much one pair can be trusted.
+
+A window's rate is read from the side's metrics streams (a line every ``METRICS_INTERVAL_S``):
+the samples of the lines written inside the window, after the first one, over the time between
+the first and the last (summed over peers). Both sides being processes of their own, measured
+and paused alike, neither shares an interpreter or a thread pool with the bench (a 2-thread
+OpenMP pool collapses very differently from one process to another on a loaded host). The peers
+wait for each other before their clocks start (``--wait-for-peers``), and the windows start once
+each one has reported samples, so start-up (imports, joining) is outside the measured time. Peer
+``i`` reads data seed ``i`` and the baseline seed 0, as peer 0 does: one peer and the baseline
+see the same batches. The baseline's process fixes glibc's malloc thresholds as every peer does
+by default (:mod:`peer.train.allocator`): the ratio measures the peers' machinery, not the
+allocator.
+
+In ``epochs`` mode the baseline (:mod:`peer.bench.baseline`, in this process) trains its steps
+first, then the swarm (this compares losses, not rates); without the baseline the swarm trains
+``seconds`` unpaused.
 
 Contract fields (DESIGN.md): ``backend, peers, task, seconds, samples_per_s,
 baseline_samples_per_s, final_loss, baseline_final_loss, rounds``. Extra fields: ``ratio``
-(samples_per_s / baseline_samples_per_s), ``samples`` and ``baseline_samples`` (samples seen),
-``baseline_loss_at_samples`` (the baseline's loss when it had seen as many samples as the swarm:
-loss per sample seen), ``baseline_samples_per_s_halves`` (the baseline's rate before and after
-the swarm: how much the machine drifted), ``runs_ratio`` and ``runs_samples_per_s`` (every
-run's figures with ``--repeat``), ``failed_rounds`` and ``round_overhead_s`` (mean
-seconds per round spent outside the all-reduce transfer: matchmaking and waiting for the
-group), ``peak_rss_mb_per_peer`` and ``peak_pss_mb_per_peer`` (each peer's process tree,
-hivemind's processes and its p2pd included; RSS sampled every second, PSS every 10 s, which
-is enough for memory that is flat once training runs; the mean over peers of each one's
-peak).
+(``ratio_p50``; without windows, samples_per_s / baseline_samples_per_s), ``ratio_p50,
+ratio_iqr, ratio_min, ratio_max, num_pairs, ratios`` (every pair's swarm / baseline),
+``window_s``, ``windows_samples_per_s`` and ``baseline_windows_samples_per_s`` (each window's
+rate, in order), ``samples`` and ``baseline_samples`` (samples seen, windows and untimed starts
+included), ``baseline_loss_at_samples`` (the baseline's loss when it had seen as many samples as
+the swarm: loss per sample seen), ``runs_ratio`` and ``runs_samples_per_s`` (every run's figures
+with ``--repeat``), ``failed_rounds`` and ``round_overhead_s`` (mean seconds per round spent
+outside the all-reduce transfer: matchmaking and waiting for the group),
+``peak_rss_mb_per_peer`` and ``peak_pss_mb_per_peer`` (each peer's process tree, hivemind's
+processes and its p2pd included; RSS sampled every second, PSS every 10 s, which is enough for
+memory that is flat once training runs; the mean over peers of each one's peak).
 """
 
 from __future__ import annotations
@@ -34,18 +54,21 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
-import time
+import tempfile
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-
-import psutil
+from pathlib import Path
 
 from dht.config import DHTConfig
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
+from peer.bench.processes import STOP_GRACE_S, sample_memory, stop_process_group
+from peer.bench.train_windows import METRICS_INTERVAL_S, run_windows, window_fields
 from peer.run.config import join_command
 from peer.train.allocator import steady_allocator
 
@@ -53,15 +76,14 @@ logger = logging.getLogger(__name__)
 RUN_ID = "bench-train"
 # Seconds a peer may take to start (imports, joining, waiting for the others) on a loaded machine.
 START_GRACE_S = 120.0
-# Seconds a peer gets to leave the swarm after SIGTERM before it is killed.
-STOP_GRACE_S = 20.0
-# Seconds between two samples of the peers' resident memory (RSS: cheap to read).
-MEMORY_SAMPLE_S = 1.0
-# PSS is read less often, from a few seconds after the peers start (past their imports):
-# reading it walks the process's page tables (smaps_rollup), and a read every second slowed
-# a 2-thread peer on 2 cores by about 2.5%.
-PSS_FIRST_S = 5.0
-PSS_SAMPLE_S = 10.0
+# AUTOGROUP_NOTE: a session of its own would put each peer in a scheduler autogroup of its own
+# (/proc/sys/kernel/sched_autogroup_enabled): on a loaded host N peers would then get N shares
+# of the CPU against the baseline's one. Every process of the bench shares the bench's session.
+# The longest window: a pause must stay well under a peer's shortest timeout (5 s) and its
+# DHT records' 20-s lifetime.
+MAX_WINDOW_S = 3.0
+# what runs while the peers train: handed their processes and metrics files
+Schedule = Callable[[list, list[Path]], Awaitable[None]]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +107,9 @@ class TrainBenchConfig:
         lr_schedule, warmup_epochs, min_lr_ratio: the LR schedule over epochs (baseline: over
             its optimizer steps), as ``peer join`` takes them.
         timeout_s: bound on the whole swarm run in ``epochs`` mode.
+        window_s: seconds of each measured window when the baseline and the swarm take turns
+            (``seconds`` of each side are split into about ``seconds / window_s`` pairs, at
+            least 2, of windows of at most ``MAX_WINDOW_S``).
     """
 
     backend: str = "native"
@@ -103,6 +128,7 @@ class TrainBenchConfig:
     warmup_epochs: int = 0
     min_lr_ratio: float = 0.0
     timeout_s: float = 3600.0
+    window_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("num_peers", "target_batch_size", "num_threads"):
@@ -110,6 +136,14 @@ class TrainBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.seconds > 0 or not self.lr > 0:
             raise ValueError("seconds and lr must be > 0")
+        if not 0 < self.window_s <= MAX_WINDOW_S:
+            raise ValueError(f"window_s must be in (0, {MAX_WINDOW_S}], got {self.window_s}")
+
+    def windows(self) -> tuple[int, float]:
+        """The number of pairs of windows and each window's seconds."""
+        num_pairs = max(2, round(self.seconds / self.window_s))
+        num_pairs = max(num_pairs, math.ceil(self.seconds / MAX_WINDOW_S))
+        return num_pairs, self.seconds / num_pairs
 
     def all_task_options(self) -> list[str]:
         options = list(self.task_options)
@@ -118,9 +152,19 @@ class TrainBenchConfig:
         return options
 
 
-def peer_command(config: TrainBenchConfig, url: str, index: int) -> list[str]:
-    """The ``peer join`` command line of peer ``index``."""
+def peer_command(
+    config: TrainBenchConfig, url: str, index: int, metrics_file: Path | None = None
+) -> list[str]:
+    """The ``peer join`` command line of peer ``index``; with ``metrics_file`` (interleaved
+    windows), a fine metrics stream there and a time bound that the bench's own stop precedes.
+    """
     schedule = config.lr_schedule != "constant" or config.warmup_epochs
+    if metrics_file is not None:
+        stop = dict(max_time=4 * config.seconds + START_GRACE_S)
+    elif config.epochs is None:
+        stop = dict(max_time=config.seconds)
+    else:
+        stop = dict(max_epochs=config.epochs)
     return [
         sys.executable,
         *join_command(
@@ -134,17 +178,21 @@ def peer_command(config: TrainBenchConfig, url: str, index: int) -> list[str]:
             mode=config.mode,
             seed=index,
             wait_for_peers=config.num_peers,
-            max_time=config.seconds if config.epochs is None else None,
-            max_epochs=config.epochs,
+            metrics_file=metrics_file,
+            metrics_interval=METRICS_INTERVAL_S if metrics_file is not None else None,
             lr_schedule=config.lr_schedule if schedule else None,
             warmup_epochs=config.warmup_epochs if schedule else None,
             min_lr_ratio=config.min_lr_ratio if schedule else None,
             task_option=config.all_task_options(),
+            **stop,
         ),
     ]
 
 
-async def _run_peers(config: TrainBenchConfig) -> list[dict]:
+async def _run_peers(config: TrainBenchConfig, during: Schedule | None = None) -> list[dict]:
+    """Start the bootstrap node and the peers; with ``during``, run it once they train (it is
+    handed the peers' processes and metrics files) and then stop them; returns their summaries.
+    """
     async with AsyncExitStack() as stack:
         if config.backend == "hivemind":
             from peer.hivemind.backend import HivemindBootstrap
@@ -155,26 +203,44 @@ async def _run_peers(config: TrainBenchConfig) -> list[dict]:
                 open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
             )
             address = node.address
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="vp-bench-train-"))
+        metrics = [Path(directory) / f"metrics-{i}.jsonl" for i in range(config.num_peers)]
         processes = [
             await asyncio.create_subprocess_exec(
-                *peer_command(config, address, index),
+                *peer_command(config, address, index, metrics[index] if during else None),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                # its own process group: hivemind's processes and p2pd daemons go with it
-                start_new_session=True,
+                # its own process group, which hivemind's processes and p2pd daemons join; the
+                # bench's session (see AUTOGROUP_NOTE)
+                process_group=0,
             )
             for index in range(config.num_peers)
         ]
         peaks = [[0, 0] for _ in processes]
-        sampler = asyncio.create_task(_sample_memory(processes, peaks))
+        sampler = asyncio.create_task(sample_memory(processes, peaks))
+        talks = [asyncio.create_task(p.communicate()) for p in processes]
         try:
-            bound_s = config.seconds if config.epochs is None else config.timeout_s
+            if during is not None:
+                await during(processes, metrics)
+                for process in processes:  # SIGTERM: each peer leaves and prints its summary
+                    os.killpg(process.pid, signal.SIGCONT)
+                    process.terminate()
+                bound_s = STOP_GRACE_S
+            else:
+                bound_s = config.seconds if config.epochs is None else config.timeout_s
             async with asyncio.timeout(bound_s + START_GRACE_S):
-                outputs = await asyncio.gather(*(p.communicate() for p in processes))
+                outputs = await asyncio.gather(*talks)
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
             await asyncio.gather(*(stop_process_group(p) for p in processes))
+            for talk in talks:
+                talk.cancel()
+            await asyncio.gather(*talks, return_exceptions=True)
+    return _summaries(processes, outputs, peaks)
+
+
+def _summaries(processes, outputs, peaks) -> list[dict]:
     summaries = []
     for process, (stdout, stderr) in zip(processes, outputs, strict=True):
         lines = stdout.decode().strip().splitlines()
@@ -187,98 +253,48 @@ async def _run_peers(config: TrainBenchConfig) -> list[dict]:
     return summaries
 
 
-def tree_memory_bytes(process: psutil.Process, *, pss: bool = True) -> tuple[int, int]:
-    """Resident and proportional (PSS) bytes of ``process`` and all its descendants.
-
-    RSS counts the pages forked processes share once per process; PSS splits each shared page
-    among its sharers, so the PSS of a process tree is what it really occupies. Processes that
-    are gone, or whose PSS cannot be read, count 0 (PSS falls back to RSS). ``pss=False`` reads
-    RSS alone (cheap; the PSS returned is 0): PSS walks the process's page tables.
-    """
-    rss = proportional = 0
-    try:
-        members = [process, *process.children(recursive=True)]
-    except psutil.Error:
-        return 0, 0
-    for member in members:
-        try:
-            info = member.memory_full_info() if pss else member.memory_info()
-        except psutil.Error:
-            continue
-        rss += info.rss
-        proportional += getattr(info, "pss", info.rss) if pss else 0
-    return rss, proportional
-
-
-async def _sample_memory(processes: list, peaks: list[list[int]]) -> None:
-    """Each peer's process tree (hivemind's processes and p2pd included): the peak RSS, read
-    every ``MEMORY_SAMPLE_S``, and the peak PSS, read every ``PSS_SAMPLE_S`` from
-    ``PSS_FIRST_S`` on, go into ``peaks``."""
-    trees = [psutil.Process(p.pid) for p in processes]
-    start_s = time.monotonic()
-    next_pss_s = start_s + PSS_FIRST_S
-    while True:
-        with_pss = time.monotonic() >= next_pss_s
-        if with_pss:
-            next_pss_s += PSS_SAMPLE_S
-        for tree, peak in zip(trees, peaks, strict=True):
-            rss, pss = await asyncio.to_thread(tree_memory_bytes, tree, pss=with_pss)
-            peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
-        await asyncio.sleep(MEMORY_SAMPLE_S)
-
-
-async def stop_process_group(process: asyncio.subprocess.Process) -> None:
-    """Stop ``process`` (SIGTERM, then SIGKILL after ``STOP_GRACE_S``) and whatever it left
-    behind in its process group (hivemind's forked processes and p2pd daemons)."""
-    if process.returncode is None:
-        process.terminate()
-        try:
-            async with asyncio.timeout(STOP_GRACE_S):
-                await process.wait()
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # the group is empty: everything exited
-
-
 def run_train_bench(config: TrainBenchConfig) -> dict:
-    """Run the baseline, then the swarm; returns the contract JSON object."""
+    """Run the baseline and the swarm (interleaved in windows when both train for ``seconds``);
+    returns the contract JSON object."""
     # the peers fix glibc's malloc thresholds (peer join's default): so does the baseline, so
     # that the ratio measures the peers' machinery, not the allocator (peer.train.allocator)
     steady_allocator()
+    if config.run_baseline and config.epochs is None:
+        runs: list[dict] = []
+
+        async def schedule(processes, metrics: list[Path]) -> None:
+            runs.append(await run_windows(config, processes, metrics, start_grace_s=START_GRACE_S))
+
+        result = _swarm_fields(config, asyncio.run(_run_peers(config, during=schedule)))
+        return result | window_fields(runs[0], result["samples"])
     baseline = _baseline(config) if config.run_baseline else None
     if baseline is not None:
-        if config.epochs is None:
-            baseline.train(seconds=config.seconds / 2)
-        else:
-            baseline.train(max_steps=config.epochs)
-    summaries = asyncio.run(_run_peers(config))
-    if baseline is not None and config.epochs is None:
-        baseline.train(seconds=config.seconds / 2)
-    samples = sum(s["num_samples"] for s in summaries)
+        baseline.train(max_steps=config.epochs)
+    result = _swarm_fields(config, asyncio.run(_run_peers(config)))
+    if baseline is not None:
+        result |= _baseline_fields(baseline.result(), result)
+    return result
+
+
+def _swarm_fields(config: TrainBenchConfig, summaries: list[dict]) -> dict:
     losses = [s["final_loss"] for s in summaries if s["final_loss"] is not None]
-    rounds = max(s["epoch"] for s in summaries)
     num_rounds = sum(s["num_rounds"] for s in summaries)
     overhead_s = sum(s.get("matchmaking_s", 0.0) for s in summaries)
-    samples_per_s = sum(s["samples_per_s"] for s in summaries)
     eval_losses = [s["eval_loss"] for s in summaries if s.get("eval_loss") is not None]
-    result = {
+    return {
         "backend": config.backend,
         "peers": config.num_peers,
         "task": config.task,
         "seconds": config.seconds
         if config.epochs is None
         else round(max(s["seconds"] for s in summaries), 2),
-        "samples_per_s": round(samples_per_s, 1),
+        "samples_per_s": round(sum(s["samples_per_s"] for s in summaries), 1),
         "baseline_samples_per_s": None,
         "final_loss": round(sum(losses) / len(losses), 4) if losses else None,
         "baseline_final_loss": None,
-        "rounds": rounds,
+        "rounds": max(s["epoch"] for s in summaries),
         "ratio": None,
-        "samples": samples,
+        "samples": sum(s["num_samples"] for s in summaries),
         "baseline_samples": None,
         "baseline_loss_at_samples": None,
         "failed_rounds": sum(s["num_failed_rounds"] for s in summaries),
@@ -288,22 +304,18 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
         "peak_rss_mb_per_peer": _mean_mb(s["peak_rss_bytes"] for s in summaries),
         "peak_pss_mb_per_peer": _mean_mb(s["peak_pss_bytes"] for s in summaries),
     }
-    if baseline is not None:
-        halves = [round(n / s, 1) for n, s in baseline.stretches]
-        baseline = baseline.result()
-        at_samples = baseline.loss_at(samples)
-        result |= {
-            "baseline_samples_per_s_halves": halves,
-            "baseline_samples_per_s": round(baseline.samples_per_s, 1),
-            "baseline_final_loss": round(baseline.final_loss, 4),
-            "ratio": round(samples_per_s / baseline.samples_per_s, 3),
-            "baseline_samples": baseline.num_samples,
-            "baseline_loss_at_samples": None if at_samples is None else round(at_samples, 4),
-            "baseline_eval_loss": None
-            if baseline.eval_loss is None
-            else round(baseline.eval_loss, 4),
-        }
-    return result
+
+
+def _baseline_fields(baseline, swarm: dict) -> dict:
+    at_samples = baseline.loss_at(swarm["samples"])
+    return {
+        "baseline_samples_per_s": round(baseline.samples_per_s, 1),
+        "baseline_final_loss": round(baseline.final_loss, 4),
+        "ratio": round(swarm["samples_per_s"] / baseline.samples_per_s, 3),
+        "baseline_samples": baseline.num_samples,
+        "baseline_loss_at_samples": None if at_samples is None else round(at_samples, 4),
+        "baseline_eval_loss": None if baseline.eval_loss is None else round(baseline.eval_loss, 4),
+    }
 
 
 def run_train_bench_repeated(config: TrainBenchConfig, repeat: int) -> dict:

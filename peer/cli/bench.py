@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from collections.abc import Callable
 
 from dht.errors import ConfigError
 from dht.options import positive_float, positive_int
@@ -51,20 +53,56 @@ def add_bench_allreduce_command(bench_sub) -> None:
         help="native, or hivemind's DecentralizedAverager ([hivemind] extra) (default: native)",
     )
     parser.add_argument("--phases", action="store_true", help="also report seconds per phase")
+    parser.add_argument(
+        "--compare",
+        choices=["native", "hivemind"],
+        default=None,
+        help="also run this other backend, the two taking turns in --pairs pairs of runs; the "
+        "JSON gets `compare`: its figures and the median of the pairs' round-time ratios "
+        "(its round s / this backend's), with their spread",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=positive_int,
+        default=3,
+        help="with --compare: runs per backend (default: 3)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(run=run_bench_allreduce)
 
 
-def run_bench_allreduce(args: argparse.Namespace) -> int:
-    if args.backend == "hivemind":
+def allreduce_runner(args: argparse.Namespace, backend: str) -> Callable[[], dict]:
+    """One ``peer bench allreduce`` run of ``backend`` with the options in ``args``."""
+    if backend == "hivemind":
         from peer.hivemind.bench import run_hivemind_allreduce_bench
 
-        result = run_hivemind_allreduce_bench(args.peers, args.size, args.compression, args.rounds)
-    else:
-        from averaging.bench import run_allreduce_bench
+        return functools.partial(
+            run_hivemind_allreduce_bench, args.peers, args.size, args.compression, args.rounds
+        )
+    from averaging.bench import run_allreduce_bench
 
-        result = run_allreduce_bench(
-            args.peers, args.size, args.compression, args.rounds, include_phases=args.phases
+    return functools.partial(
+        run_allreduce_bench,
+        args.peers,
+        args.size,
+        args.compression,
+        args.rounds,
+        include_phases=args.phases,
+    )
+
+
+def run_bench_allreduce(args: argparse.Namespace) -> int:
+    if args.compare is None:
+        result = allreduce_runner(args, args.backend)()
+    elif args.compare == args.backend:
+        raise ConfigError(f"--compare {args.compare}: the same backend as --backend")
+    else:
+        from peer.bench.compare import paired_allreduce
+
+        result = paired_allreduce(
+            allreduce_runner(args, args.backend),
+            allreduce_runner(args, args.compare),
+            num_pairs=args.pairs,
         )
     if not args.json:
         for name, value in result.items():
@@ -78,9 +116,11 @@ def add_bench_train_command(bench_sub) -> None:
         "train",
         help="N peer processes against one plain PyTorch loop: samples/s and loss",
         description="Train the task with N `peer join` processes on loopback whose torch "
-        "threads sum to the machine's cores, and with one plain PyTorch process using all cores "
-        "(the baseline, half of its time before the swarm and half after), each for --seconds. "
-        "The defaults are the benchmark contract. The last line of stdout is one JSON object.",
+        "threads sum to the machine's cores, and with one plain PyTorch loop using all cores "
+        "(the baseline), each for --seconds, in alternate windows of about --window seconds "
+        "(the side not measured is paused); ratio_p50 is the median of the windows' pairwise "
+        "ratios, with ratio_iqr, ratio_min and ratio_max. The defaults are the benchmark "
+        "contract. The last line of stdout is one JSON object.",
     )
     parser.add_argument("--peers", type=positive_int, default=2, help="peers (default: 2)")
     parser.add_argument("--task", default="synthetic", help="task (default: synthetic)")
@@ -119,6 +159,13 @@ def add_bench_train_command(bench_sub) -> None:
     parser.add_argument(
         "--min-lr-ratio", type=float, default=0.0, help="final LR / --lr of the decay"
     )
+    parser.add_argument(
+        "--window",
+        type=positive_float,
+        default=2.0,
+        help="seconds of each measured window, at most 3 (default: 2; --seconds 20 gives 10 "
+        "pairs of windows)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline")
     parser.add_argument(
         "--backend", choices=["native", "hivemind"], default="native", help="default: native"
@@ -141,23 +188,27 @@ def run_bench_train(args: argparse.Namespace) -> int:
         if "=" not in option:
             raise ConfigError(f"--task-option: {option!r} is not KEY=VALUE")
     extra = {} if args.threads is None else {"num_threads": args.threads}
-    config = TrainBenchConfig(
-        backend=args.backend,
-        num_peers=args.peers,
-        task=args.task,
-        task_options=tuple(args.task_option),
-        seconds=args.seconds,
-        batch_size=args.batch_size,
-        target_batch_size=args.target_batch_size,
-        lr=args.lr,
-        mode=args.mode,
-        run_baseline=not args.no_baseline,
-        epochs=args.epochs,
-        lr_schedule=args.lr_schedule,
-        warmup_epochs=args.warmup_epochs,
-        min_lr_ratio=args.min_lr_ratio,
-        **extra,
-    )
+    try:
+        config = TrainBenchConfig(
+            backend=args.backend,
+            num_peers=args.peers,
+            task=args.task,
+            task_options=tuple(args.task_option),
+            seconds=args.seconds,
+            batch_size=args.batch_size,
+            target_batch_size=args.target_batch_size,
+            lr=args.lr,
+            mode=args.mode,
+            run_baseline=not args.no_baseline,
+            epochs=args.epochs,
+            lr_schedule=args.lr_schedule,
+            warmup_epochs=args.warmup_epochs,
+            min_lr_ratio=args.min_lr_ratio,
+            window_s=args.window,
+            **extra,
+        )
+    except ValueError as e:
+        raise ConfigError(f"peer bench train: {e}") from None
     result = run_train_bench_repeated(config, args.repeat)
     if not args.json:
         for name, value in result.items():
@@ -229,10 +280,17 @@ def add_bench_compare_command(bench_sub) -> None:
     parser.add_argument("--dht-nodes", type=positive_int, default=full.dht_nodes)
     parser.add_argument("--dht-keys", type=positive_int, default=full.dht_keys)
     parser.add_argument(
+        "--pairs",
+        type=positive_int,
+        default=full.pairs,
+        help="runs of each cell per backend, the backends taking turns; the ratio is the "
+        f"median of the pairs' ratios (default: {full.pairs})",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: all-reduce of 10000 values, 2 peers, no compression, 1 round; "
-        "DHT of 3 nodes; no training (overrides those options)",
+        "DHT of 3 nodes; no training; 1 pair (overrides those options)",
     )
     parser.add_argument("--out", default=None, help="also write the Markdown to this file")
     parser.add_argument("--json", action="store_true", help="last line: the results as JSON")
@@ -242,7 +300,8 @@ def add_bench_compare_command(bench_sub) -> None:
 def run_bench_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from peer.bench.compare import CompareConfig, render_markdown, run_compare
+    from peer.bench.compare import CompareConfig, run_compare
+    from peer.bench.compare_markdown import render_markdown
 
     options = {
         "parts": args.parts,
@@ -256,6 +315,7 @@ def run_bench_compare(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "dht_nodes": args.dht_nodes,
         "dht_keys": args.dht_keys,
+        "pairs": args.pairs,
     }
     if args.quick:
         options |= {
@@ -266,6 +326,7 @@ def run_bench_compare(args: argparse.Namespace) -> int:
             "rounds": 1,
             "dht_nodes": 3,
             "dht_keys": 5,
+            "pairs": 1,
         }
     try:
         config = CompareConfig(**options)

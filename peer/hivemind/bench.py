@@ -30,7 +30,7 @@ import numpy as np
 import psutil
 
 from averaging.bench import _exact_mean, _values
-from peer.bench.train import tree_memory_bytes
+from peer.bench.processes import tree_memory_bytes
 from peer.hivemind.hook import BYTES_PER_VALUE, AllreduceWatch, hivemind_compression
 from peer.hivemind.hook import import_hivemind as _import_hivemind
 

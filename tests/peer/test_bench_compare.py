@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from peer.bench.compare import render_markdown
+from peer.bench.compare import Cell, paired_allreduce, paired_row
+from peer.bench.compare_markdown import render_markdown
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,6 +24,7 @@ DHT_CONTRACT = {
     "nodes", "store_ok", "get_ok", "get_p50_ms", "get_p99_ms", "store_p50_ms", "bootstrap_s",
     "rss_mb",
 }  # fmt: skip
+TRAIN = {"task": "synthetic", "peers": 2, "final_loss": 1.0, "eval_loss": 1.0, "rounds": 3}
 MACHINE = {
     "cpu_count": 2, "memory_gb": 8.0, "load_average": [1.0, 1.0, 1.0], "platform": "x",
     "python": "3.11", "torch": "2", "hivemind": "1.1.12", "time_utc": "now",
@@ -71,7 +74,9 @@ def test_quick_compare_runs_both_backends_and_reports_their_ratio(tmp_path):
     markdown = out.read_text()
     assert markdown in done.stdout
     ratio = hive["result"]["round_s_p50"] / native["result"]["round_s_p50"]
-    assert f"| {ratio:.2f}x |" in markdown
+    assert native["ratio"]["num_pairs"] == 1  # --quick: one run per backend
+    assert native["ratio"]["ratio_p50"] == pytest.approx(ratio, abs=1e-3)
+    assert f"| {native['ratio']['ratio_p50']:.2f}x (1 pair) |" in markdown
     assert native["command"] in markdown and hive["command"] in markdown
 
 
@@ -106,3 +111,40 @@ def test_bad_arguments_exit_2_with_one_line():
         done = _run([sys.executable, "-m", "peer", "bench", "compare", *bad], timeout_s=60)
         assert done.returncode == 2, (bad, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def test_paired_row_takes_turns_and_reports_the_median_of_pairwise_ratios():
+    order, rates = [], {"native": iter([900.0, 1000.0, 700.0]), "hivemind": iter([100.0] * 3)}
+
+    def measure(backend: str) -> Cell:
+        order.append(backend)
+        value = next(rates[backend])
+        return Cell(backend, f"x --backend {backend}", result={"samples_per_s": value})
+
+    native, hive = paired_row(
+        "train", 3, {b: (lambda b=b: measure(b)) for b in ("native", "hivemind")}
+    )
+    assert order == ["native", "hivemind", "hivemind", "native", "native", "hivemind"]
+    assert native.result == {"samples_per_s": 900.0}  # the run with the median value
+    assert native.runs == [{"samples_per_s": v} for v in (900.0, 1000.0, 700.0)]
+    assert native.ratio == hive.ratio
+    assert native.ratio["ratios"] == [9.0, 10.0, 7.0] and native.ratio["ratio_p50"] == 9.0
+    assert native.ratio["ratio_iqr"] == pytest.approx(1.5)  # quartiles 8.0 and 9.5
+    row = [dataclasses.asdict(c) | {"result": c.result | TRAIN} for c in (native, hive)]
+    markdown = render_markdown({"machine": MACHINE, "allreduce": [], "train": [row], "dht": []})
+    assert "| 9.00x (IQR 1.50, 3 pairs) |" in markdown
+
+
+def test_paired_allreduce_reports_the_other_backend_and_the_ratio_spread():
+    mine, theirs = iter([0.10, 0.12, 0.11]), iter([0.40, 0.36, 0.55])
+    result = paired_allreduce(
+        lambda: {"backend": "native", "round_s_p50": next(mine)},
+        lambda: {"backend": "hivemind", "round_s_p50": next(theirs)},
+        num_pairs=3,
+    )
+    assert result["backend"] == "native" and result["round_s_p50"] == 0.11
+    assert result["runs_round_s_p50"] == [0.10, 0.12, 0.11] and result["pairs"] == 3
+    compare = result["compare"]
+    assert compare["backend"] == "hivemind" and compare["round_s_p50"] == 0.40
+    assert compare["ratios"] == [4.0, 3.0, 5.0] and compare["ratio_p50"] == 4.0
+    assert (compare["ratio_min"], compare["ratio_max"], compare["num_pairs"]) == (3.0, 5.0, 3)

@@ -297,6 +297,11 @@ def test_bench_profiler_prints_the_contract_json():
     result = subprocess.run(command, capture_output=True, text=True, timeout=100, check=True)
     fields = json.loads(result.stdout.strip().splitlines()[-1])
     assert fields["overhead_ratio"] > 0 and fields["vs_pytorch_ratio"] > 0
+    for name in ("overhead", "vs_pytorch"):  # the median of 4 pairwise ratios, with its spread
+        low, high = fields[f"{name}_ratio_min"], fields[f"{name}_ratio_max"]
+        assert low <= fields[f"{name}_ratio"] <= high
+        assert 0 <= fields[f"{name}_ratio_iqr"] <= high - low + 1e-4
+    assert fields["num_pairs"] == 4
     assert fields["step_ms_off"] > 0 and fields["step_ms_profiled"] > 0
     fractions = fields["fractions"]
     assert set(fractions) == set(PHASES)
