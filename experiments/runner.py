@@ -75,6 +75,16 @@ def _gpu_env(spec: ExperimentSpec, index: int) -> tuple[dict[str, str], list[str
     return env, ["--device", "cuda"]
 
 
+def tuned_threads(config: RunConfig, num_cpus: int, env: dict[str, str]) -> int:
+    """The calibrated torch threads for a process on ``num_cpus`` CPUs (its OpenMP wait policy
+    goes into ``env``); without calibration, one thread per CPU and the spec's environment."""
+    tuning = (config.tuning or {}).get("per_cpus", {}).get(str(num_cpus))
+    if tuning is None:
+        return num_cpus
+    env["OMP_WAIT_POLICY"] = tuning["wait_policy"]
+    return int(tuning["torch_threads"])
+
+
 def peer_plans(spec: ExperimentSpec, config: RunConfig) -> list[ProcessPlan]:
     """The ``peer join`` processes of a swarm configuration."""
     train, num_peers = config.train, config.train.peers
@@ -82,6 +92,7 @@ def peer_plans(spec: ExperimentSpec, config: RunConfig) -> list[ProcessPlan]:
     plans = []
     for index, cpus in enumerate(blocks):
         env, device_args = _gpu_env(spec, index)
+        threads = tuned_threads(config, len(cpus), env)
         args = [
             "-m", "peer", "--log-level", "INFO", "join",
             "--run-id", run_id(spec, config),
@@ -92,7 +103,8 @@ def peer_plans(spec: ExperimentSpec, config: RunConfig) -> list[ProcessPlan]:
             "--mode", train.mode,
             "--compression", train.compression,
             "--seed", str(config.seed * 1000 + index),
-            "--torch-threads", str(len(cpus)),
+            "--torch-threads", str(threads),
+            "--num-workers", str(train.num_workers),
             "--wait-for-peers", str(num_peers),
             "--metrics-interval", str(spec.metrics_interval_s),
             "--json",
@@ -125,9 +137,12 @@ def bootstrap_plan(config: RunConfig) -> ProcessPlan:
 
 
 def baseline_plan(spec: ExperimentSpec, config: RunConfig) -> ProcessPlan:
-    """The single-node baseline: every CPU, torch threads = total CPUs."""
+    """The single-node baseline: every CPU, in its calibrated setting (without calibration:
+    torch threads = total CPUs, no loader workers)."""
     train, total = config.train, spec.resources.total_cpus
     env, device_args = _gpu_env(spec, 0)
+    threads = tuned_threads(config, total, env)
+    workers = int((config.tuning or {}).get("num_workers", 0))
     args = [
         "-m", "peer.bench.baseline_run",
         "--run-id", run_id(spec, config),
@@ -135,10 +150,12 @@ def baseline_plan(spec: ExperimentSpec, config: RunConfig) -> ProcessPlan:
         "--lr", str(train.lr),
         "--optimizer", train.optimizer,
         "--seed", str(config.seed * 1000),
-        "--torch-threads", str(total),
+        "--torch-threads", str(threads),
         "--metrics-interval", str(spec.metrics_interval_s),
         *_task_args(spec, config), *_stop_args(spec), *device_args,
     ]  # fmt: skip
+    if workers:
+        args += ["--num-workers", str(workers)]
     cpus = list(range(total)) if spec.resources.pin_cpus else None
     return ProcessPlan(name="baseline", args=args, cpus=cpus, env=env, listens=False)
 
