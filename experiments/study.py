@@ -208,7 +208,7 @@ def study_lines(groups: list[Group], target: float | None, total_cpus: int) -> l
     baseline = next((g for g in groups if g.baseline), None)
     base_time = baseline.spread("time_to_target_s") if baseline else None
     header = [
-        "config", "seeds", "time to target s", "vs baseline", "speedup", "samples to target",
+        "config", "reached", "time to target s", "vs baseline", "speedup", "samples to target",
         "samples/s per CPU", "final loss", "data %", "compute %", "comm %", "swarm %", "bound",
     ]  # fmt: skip
     rows = []
@@ -221,7 +221,7 @@ def study_lines(groups: list[Group], target: float | None, total_cpus: int) -> l
         rows.append(
             [
                 group.key,
-                str(len(group.results)),
+                _reached(group),
                 spread_text(time_to),
                 "-" if group.baseline else compare(time_to, base_time, lower_is_better=True),
                 spread_text(group.spread("speedup"), 2),
@@ -237,11 +237,17 @@ def study_lines(groups: list[Group], target: float | None, total_cpus: int) -> l
         )
     groups_text = ", ".join(f"{g} = {'+'.join(p)}" for g, p in VERDICT_GROUPS.items())
     note = (
-        "Mean over seeds [min-max]. `vs baseline`: time to target compared with the tuned "
-        "baseline's; `noise` where the two min-max ranges overlap. Phase shares are % of all "
-        f"peer-seconds ({groups_text})."
+        "Mean over seeds [min-max]; `reached`: seeds whose run reached the target loss (the "
+        "time and samples to target are over those). `vs baseline`: time to target compared "
+        "with the tuned baseline's; `noise` where the two min-max ranges overlap. Phase shares "
+        f"are % of all peer-seconds ({groups_text})."
     )
     return ["## Study: seeds pooled", "", note, "", *_table(header, rows), ""]
+
+
+def _reached(group: Group) -> str:
+    reached = sum(r.time_to_target_s is not None for r in group.results)
+    return f"{reached}/{len(group.results)}"
 
 
 def _level_means(groups: list[Group], factor: str) -> dict[str, dict[int, list[float]]]:
