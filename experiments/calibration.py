@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -71,21 +72,39 @@ class Calibration:
 
     key: str
     trials: list[Trial]
+    load_average: list[float] = dataclasses.field(default_factory=list)
 
     def best(self, role: str, cpus: int, num_workers: int | None = None) -> Trial | None:
-        """The fastest successful trial of ``role`` on ``cpus`` (with ``num_workers``)."""
-        matching = [
-            t
-            for t in self.trials
-            if t.role == role
-            and t.setting.cpus == cpus
-            and t.samples_per_s is not None
-            and (num_workers is None or t.setting.num_workers == num_workers)
+        """The fastest setting of ``role`` on ``cpus`` (with ``num_workers``), by the median of
+        its repeats; its trial carries that median."""
+        medians = [
+            trial
+            for trial in self.medians()
+            if trial.role == role
+            and trial.setting.cpus == cpus
+            and trial.samples_per_s is not None
+            and (num_workers is None or trial.setting.num_workers == num_workers)
         ]
-        return max(matching, key=lambda t: t.samples_per_s or 0.0, default=None)
+        return max(medians, key=lambda t: t.samples_per_s or 0.0, default=None)
+
+    def medians(self) -> list[Trial]:
+        """One trial per (role, setting), in first-tried order: the median of its successful
+        repeats (None with the first error when none succeeded)."""
+        found: dict[tuple[str, Setting], list[Trial]] = {}
+        for trial in self.trials:
+            found.setdefault((trial.role, trial.setting), []).append(trial)
+        merged = []
+        for (role, setting), trials in found.items():
+            rates = [t.samples_per_s for t in trials if t.samples_per_s is not None]
+            if rates:
+                merged.append(Trial(role, setting, statistics.median(rates)))
+            else:
+                merged.append(Trial(role, setting, None, trials[0].error))
+        return merged
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "trials": [dataclasses.asdict(t) for t in self.trials]}
+        trials = [dataclasses.asdict(t) for t in self.trials]
+        return {"key": self.key, "trials": trials, "load_average": self.load_average}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Calibration:
@@ -93,7 +112,7 @@ class Calibration:
             Trial(t["role"], Setting(**t["setting"]), t["samples_per_s"], t.get("error", ""))
             for t in data["trials"]
         ]
-        return cls(data["key"], trials)
+        return cls(data["key"], trials, list(data.get("load_average", [])))
 
 
 def peer_worker_counts(spec: ExperimentSpec) -> list[int]:
@@ -197,20 +216,25 @@ def calibrate(spec: ExperimentSpec, out_dir: Path, console: Console | None = Non
             console.print(f"calibration: reusing {path}")
             return cached
     tried = settings(spec)
-    console.print(f"calibration: {len(tried)} settings, ~{spec.calibration.measure_s:.0f} s each")
-    trials = []
-    for role, setting in tried:
-        start = time.monotonic()
-        trial = probe(spec, role, setting)
-        rate = (
-            "failed: " + trial.error
-            if trial.samples_per_s is None
-            else (f"{trial.samples_per_s:.1f} samples/s")
-        )
-        took = time.monotonic() - start
-        console.print(f"  {role}: {setting.text()}: {rate} ({took:.0f} s)", highlight=False)
-        trials.append(trial)
-    calibration = Calibration(key, trials)
+    repeats = spec.calibration.repeats
+    console.print(
+        f"calibration: {len(tried)} settings x {repeats}, ~{spec.calibration.measure_s:.0f} s each"
+    )
+    trials, load_before = [], os.getloadavg()[0]
+    for repeat in range(repeats):
+        # every other round in reverse: a drift in the machine's load favours no setting
+        for role, setting in tried if repeat % 2 == 0 else tried[::-1]:
+            start = time.monotonic()
+            trial = probe(spec, role, setting)
+            rate = (
+                "failed: " + trial.error
+                if trial.samples_per_s is None
+                else (f"{trial.samples_per_s:.1f} samples/s")
+            )
+            took = time.monotonic() - start
+            console.print(f"  {role}: {setting.text()}: {rate} ({took:.0f} s)", highlight=False)
+            trials.append(trial)
+    calibration = Calibration(key, trials, [load_before, os.getloadavg()[0]])
     out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(calibration.to_json(), indent=2) + "\n", encoding="utf-8")
     return calibration
@@ -248,18 +272,26 @@ def apply(spec: ExperimentSpec, configs: list[RunConfig], calibration: Calibrati
 
 
 def settings_table(calibration: Calibration) -> list[list[str]]:
-    """Rows for the report: role, CPUs, threads, wait policy, workers, samples/s, chosen."""
+    """Rows for the report: role, CPUs, threads, wait policy, workers, samples/s (median of the
+    repeats, then every repeat), chosen."""
     chosen = set()
-    for trial in calibration.trials:
+    for trial in calibration.medians():
         workers = None if trial.role == "baseline" else trial.setting.num_workers
         best = calibration.best(trial.role, trial.setting.cpus, workers)
         if best is not None:
-            chosen.add(id(best))
+            chosen.add((best.role, best.setting))
     rows = []
-    for trial in calibration.trials:
+    for trial in calibration.medians():
         s = trial.setting
+        repeats = [
+            "-" if t.samples_per_s is None else f"{t.samples_per_s:.1f}"
+            for t in calibration.trials
+            if (t.role, t.setting) == (trial.role, s)
+        ]
         rate = "-" if trial.samples_per_s is None else f"{trial.samples_per_s:.1f}"
-        mark = "fastest" if id(trial) in chosen else (trial.error or "")
+        if len(repeats) > 1:
+            rate += f" ({', '.join(repeats)})"
+        mark = "fastest" if (trial.role, s) in chosen else (trial.error or "")
         rows.append(
             [trial.role, str(s.cpus), str(s.torch_threads), s.wait_policy, str(s.num_workers),
              rate, mark]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -40,6 +41,8 @@ class Outcome:
     exit_codes: dict[str, int | None] = dataclasses.field(default_factory=dict)
     started_at: str = ""
     seconds: float = 0.0
+    # the machine's 1-minute load average when it started and ended (a shared machine's noise)
+    load_average: list[float] = dataclasses.field(default_factory=list)
 
 
 def run_id(spec: ExperimentSpec, config: RunConfig) -> str:
@@ -228,6 +231,7 @@ def run_config(
     nor delays the stopping rules) and closed before they are stopped, also on Ctrl-C.
     """
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    load_before = os.getloadavg()[0]
     start = time.monotonic()
     try:
         view: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
@@ -250,6 +254,7 @@ def run_config(
         session.collect()
     outcome.started_at = started_at
     outcome.seconds = round(time.monotonic() - start, 2)
+    outcome.load_average = [load_before, os.getloadavg()[0]]
     if outcome.status == "done" and not any(session.run_dir.glob("*.jsonl")):
         outcome.status, outcome.reason = "failed", "no metrics stream was written"
     return outcome

@@ -174,6 +174,7 @@ class CalibrationSpec(_Strict):
     baseline_num_workers: list[int] = Field(
         default_factory=lambda: [0], min_length=1, description="loader workers the baseline tries"
     )
+    repeats: int = Field(1, ge=1, description="rounds over the settings (median; alternate order)")
     probe_timeout_s: float = Field(120.0, gt=0, description="bound on one setting's process")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import statistics
 from collections.abc import Callable, Iterable
@@ -157,7 +158,19 @@ def baseline_lines(out_dir: Path, results: list[ConfigResult]) -> list[str]:
     if path.is_file():
         calibration = Calibration.from_json(json.loads(path.read_text(encoding="utf-8")))
         header = ["role", "CPUs", "threads", "OMP_WAIT_POLICY", "workers", "samples/s", ""]
-        lines += ["Calibration (each setting trained alone, pinned as in the sweep):", ""]
+        load = calibration.load_average
+        during = (
+            f" The machine's 1-minute load average was {load[0]:.1f} before and {load[-1]:.1f} "
+            f"after it, on {os.cpu_count()} CPUs: a load above the CPU count makes every rate "
+            "here (and in the sweep) noisy."
+            if load
+            else ""
+        )
+        lines += [
+            "Calibration (each setting trained alone, pinned as in the sweep; samples/s is the "
+            f"median of the repeats, each repeat in brackets).{during}",
+            "",
+        ]
         lines += [*_table(header, settings_table(calibration)), ""]
     return lines
 
@@ -242,7 +255,26 @@ def study_lines(groups: list[Group], target: float | None, total_cpus: int) -> l
         "with the tuned baseline's; `noise` where the two min-max ranges overlap. Phase shares "
         f"are % of all peer-seconds ({groups_text})."
     )
-    return ["## Study: seeds pooled", "", note, "", *_table(header, rows), ""]
+    return ["## Study: seeds pooled", "", note, "", *_table(header, rows), "", *load_lines(groups)]
+
+
+def load_lines(groups: list[Group]) -> list[str]:
+    """The machine's load while the configurations ran (from their status files)."""
+    loads = [value for group in groups for result in group.results for value in result.load_average]
+    if not loads:
+        return []
+    cpus = os.cpu_count() or 1
+    verdict = (
+        "above the CPU count: other work shared the CPUs, so rates and times carry its noise "
+        "(the seeds' spread shows how much)"
+        if max(loads) > cpus
+        else "at most the CPU count"
+    )
+    return [
+        f"Machine load (1-minute load average at each configuration's start and end): "
+        f"{min(loads):.1f}-{max(loads):.1f} on {cpus} CPUs, {verdict}.",
+        "",
+    ]
 
 
 def _reached(group: Group) -> str:

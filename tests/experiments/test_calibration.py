@@ -11,10 +11,13 @@ import pytest
 from experiments.calibration import (
     CALIBRATION_FILE,
     Calibration,
+    Setting,
+    Trial,
     apply,
     calibrate,
     calibration_key,
     settings,
+    settings_table,
 )
 from experiments.runner import baseline_plan, peer_plans
 from experiments.spec import expand, parse_spec
@@ -86,3 +89,19 @@ def test_a_failing_setting_is_recorded_and_never_chosen(tmp_path: Path):
     assert all(t.samples_per_s is None and "hidden_dim" in t.error for t in calibration.trials)
     assert all(c.tuning is None for c in apply(spec, expand(spec), calibration))
     assert Calibration.from_json(calibration.to_json()) == calibration
+
+
+def test_repeats_are_pooled_by_their_median():
+    fast, slow = Setting(2, 1, "PASSIVE", 0), Setting(2, 2, "PASSIVE", 0)
+    trials = [
+        Trial("baseline", fast, 100.0), Trial("baseline", slow, 300.0),
+        Trial("baseline", slow, 50.0), Trial("baseline", fast, 90.0),
+        Trial("baseline", slow, 60.0), Trial("baseline", fast, None, "exit 1"),
+    ]  # fmt: skip
+    calibration = Calibration("k", trials)
+    best = calibration.best("baseline", 2)
+    # slow's one lucky repeat (300) does not win: medians 95 (fast) against 60 (slow)
+    assert best is not None and best.setting == fast and best.samples_per_s == 95.0
+    rows = {row[2]: row for row in settings_table(calibration)}
+    assert rows["1"][5] == "95.0 (100.0, 90.0, -)" and rows["1"][6] == "fastest"
+    assert rows["2"][5] == "60.0 (300.0, 50.0, 60.0)" and rows["2"][6] == ""

@@ -69,7 +69,8 @@ def make_sweep(out: Path, seeds=(0, 1)) -> None:
             grid = {} if baseline else {"target_batch_size": int(key.rpartition("-")[2])}
             described = {"name": name, "seed": seed, "baseline": baseline, "grid": grid}
             (directory / "config.json").write_text(json.dumps(described))
-            (directory / "status.json").write_text(json.dumps({"status": "done"}))
+            status = {"status": "done", "load_average": [1.0 + seed, 1.5]}
+            (directory / "status.json").write_text(json.dumps(status))
             for index in range(processes):
                 peer = "baseline" if baseline else f"peer-{index}"
                 write_stream(directory / f"{peer}.jsonl", peer, samples, reach[seed])
@@ -106,6 +107,9 @@ def test_spreads_noise_fairness_and_findings(tmp_path: Path):
     # samples to target: every process's samples up to the reaching line (seed 0: 5 lines x 2)
     assert rows["target_batch_size-128"]["samples to target"].startswith("7700 [7000-8400]")
     assert rows["target_batch_size-128"]["data %"] == "20.0 [20.0-20.0]"
+    assert rows["target_batch_size-128"]["reached"] == "2/2"
+    assert "Machine load (1-minute load average at each configuration's start and end): " in report
+    assert "1.0-2.0 on" in report
     findings = section(report, "Findings")
     ratio = ((9 + 12) / 2) / ((5 + 6) / 2)
     assert "1. **target_batch_size** moved time to target most" in findings
