@@ -67,6 +67,7 @@ class ConfigResult:
         (:func:`peer.profiling.metrics_reader.aggregate`).
         rounds: the highest epoch any peer reached.
         time_to_target_s: see :func:`time_to_target`.
+        load_average: the machine's 1-minute load average at its start and end.
     """
 
     name: str
@@ -81,6 +82,7 @@ class ConfigResult:
     rounds: int
     time_to_target_s: float | None
     num_bad_lines: int
+    load_average: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def final_loss(self) -> float | None:
@@ -125,4 +127,5 @@ def load_result(config_dir: Path, target_loss: float | None) -> ConfigResult:
         rounds=max((lines[-1].epoch for lines in found.peers.values() if lines), default=0),
         time_to_target_s=time_to_target(curve, target_loss),
         num_bad_lines=sum(found.num_bad_lines.values()),
+        load_average=[float(v) for v in status.get("load_average", [])],
     )

@@ -41,6 +41,26 @@ def _loss_plot(results: list[ConfigResult], x: str, target: float | None, path: 
     return _save(figure, path)
 
 
+def _efficiency_plot(results: list[ConfigResult], target: float | None, path: Path) -> Path:
+    """Loss against samples (statistical efficiency) beside loss against time, same legend."""
+    figure, (by_samples, by_time) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for result in results:
+        style = {"color": "black", "linewidth": 2.2} if result.baseline else {"linewidth": 1.2}
+        losses = [p.loss for p in result.curve]
+        by_samples.plot([p.samples for p in result.curve], losses, label=result.name, **style)
+        by_time.plot([p.t_s for p in result.curve], losses, label=result.name, **style)
+    for axes, label in ((by_samples, "samples processed (all peers)"), (by_time, "wall time (s)")):
+        if target is not None:
+            axes.axhline(target, color="grey", linestyle="--", linewidth=1)
+        axes.set_xlabel(label)
+        axes.grid(alpha=0.3)
+    by_samples.set_ylabel("training loss (swarm mean)")
+    by_samples.set_title("Statistical efficiency: loss vs samples")
+    by_time.set_title("Loss vs wall time")
+    by_time.legend(fontsize="x-small")
+    return _save(figure, path)
+
+
 def _bar_plot(names: list[str], values: list[float], ylabel: str, title: str, path: Path) -> Path:
     figure, axes = plt.subplots(figsize=(max(6, 0.6 * len(names) + 3), 4.5))
     axes.bar(range(len(names)), values, color="tab:blue")
@@ -79,6 +99,7 @@ def write_plots(
     paths = [
         _loss_plot(with_data, "time", target, plot_dir / "loss_vs_time.png"),
         _loss_plot(with_data, "samples", target, plot_dir / "loss_vs_samples.png"),
+        _efficiency_plot(with_data, target, plot_dir / "loss_vs_samples_and_time.png"),
         _bar_plot(
             [r["config"] for r in rows],
             [float(r["samples_per_s"] or 0.0) for r in rows],

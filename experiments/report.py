@@ -94,6 +94,26 @@ def _target_loss(out_dir: Path, override: float | None) -> tuple[float | None, s
     return target, f"{spec.name} (launcher {spec.launcher}, task {spec.task.name})"
 
 
+def study_sections(
+    out_dir: Path, results: list[ConfigResult], rows: list[dict[str, object]], target: float | None
+) -> list[str]:
+    """The baseline's setting, fairness, the seed-pooled table and the findings
+    (:mod:`experiments.study`)."""
+    from experiments import study
+
+    spec = load_spec(out_dir / "spec.toml")
+    groups = study.make_groups(results, rows)
+    factors = [key for key, values in spec.grid.items() if len(values) > 1]
+    return [
+        *study.baseline_lines(out_dir, results),
+        *study.suspect_lines(
+            groups, spec.resources.total_cpus, calibrated=spec.calibration.enabled
+        ),
+        *study.study_lines(groups, target, spec.resources.total_cpus),
+        *study.findings_lines(groups, factors),
+    ]
+
+
 def write_report(out_dir: Path, *, target_loss: float | None = None) -> Path:
     """Write ``report.md``, ``plots/*.png`` and ``tables/*.csv`` into ``out_dir``.
 
@@ -133,7 +153,8 @@ def write_report(out_dir: Path, *, target_loss: float | None = None) -> Path:
         list(SUMMARY_COLUMNS),
         [[_cell(row[c], DIGITS.get(c, 1)) for c in SUMMARY_COLUMNS] for row in rows],
     )
-    lines += ["", "## Where the time goes (% of wall time per phase, all peers)", ""]
+    lines += ["", *study_sections(out_dir, results, rows, target)]
+    lines += ["## Where the time goes (% of wall time per phase, all peers)", ""]
     lines += _markdown_table(
         ["config", *PROFILE_PHASES, "verdict"],
         [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -41,6 +42,8 @@ class Outcome:
     exit_codes: dict[str, int | None] = dataclasses.field(default_factory=dict)
     started_at: str = ""
     seconds: float = 0.0
+    # the machine's 1-minute load average when it started and ended (a shared machine's noise)
+    load_average: list[float] = dataclasses.field(default_factory=list)
 
 
 def run_id(spec: ExperimentSpec, config: RunConfig) -> str:
@@ -76,6 +79,16 @@ def _gpu_env(spec: ExperimentSpec, index: int) -> tuple[dict[str, str], list[str
     return env, ["--device", "cuda"]
 
 
+def tuned_threads(config: RunConfig, num_cpus: int, env: dict[str, str]) -> int:
+    """The calibrated torch threads for a process on ``num_cpus`` CPUs (its OpenMP wait policy
+    goes into ``env``); without calibration, one thread per CPU and the spec's environment."""
+    tuning = (config.tuning or {}).get("per_cpus", {}).get(str(num_cpus))
+    if tuning is None:
+        return num_cpus
+    env["OMP_WAIT_POLICY"] = tuning["wait_policy"]
+    return int(tuning["torch_threads"])
+
+
 def peer_plans(spec: ExperimentSpec, config: RunConfig) -> list[ProcessPlan]:
     """The ``peer join`` processes of a swarm configuration."""
     train, num_peers = config.train, config.train.peers
@@ -93,7 +106,8 @@ def peer_plans(spec: ExperimentSpec, config: RunConfig) -> list[ProcessPlan]:
             mode=train.mode,
             compression=train.compression,
             seed=config.seed * 1000 + index,
-            torch_threads=len(cpus),
+            torch_threads=tuned_threads(config, len(cpus), env),
+            num_workers=train.num_workers,
             wait_for_peers=num_peers,
             metrics_interval=spec.metrics_interval_s,
             delay_update=True if train.delay_update else None,
@@ -123,9 +137,12 @@ def bootstrap_plan(config: RunConfig) -> ProcessPlan:
 
 
 def baseline_plan(spec: ExperimentSpec, config: RunConfig) -> ProcessPlan:
-    """The single-node baseline: every CPU, torch threads = total CPUs."""
+    """The single-node baseline: every CPU, in its calibrated setting (without calibration:
+    torch threads = total CPUs, no loader workers)."""
     train, total = config.train, spec.resources.total_cpus
     env, device_args = _gpu_env(spec, 0)
+    threads = tuned_threads(config, total, env)
+    workers = int((config.tuning or {}).get("num_workers", 0))
     args = [
         "-m", "peer.bench.baseline_run",
         "--run-id", run_id(spec, config),
@@ -133,10 +150,12 @@ def baseline_plan(spec: ExperimentSpec, config: RunConfig) -> ProcessPlan:
         "--lr", str(train.lr),
         "--optimizer", train.optimizer,
         "--seed", str(config.seed * 1000),
-        "--torch-threads", str(total),
+        "--torch-threads", str(threads),
         "--metrics-interval", str(spec.metrics_interval_s),
         *_task_args(spec, config), *_stop_args(spec), *device_args,
     ]  # fmt: skip
+    if workers:
+        args += ["--num-workers", str(workers)]
     cpus = list(range(total)) if spec.resources.pin_cpus else None
     return ProcessPlan(name="baseline", args=args, cpus=cpus, env=env, listens=False)
 
@@ -209,6 +228,7 @@ def run_config(
     nor delays the stopping rules) and closed before they are stopped, also on Ctrl-C.
     """
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    load_before = os.getloadavg()[0]
     start = time.monotonic()
     try:
         view: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
@@ -231,6 +251,7 @@ def run_config(
         session.collect()
     outcome.started_at = started_at
     outcome.seconds = round(time.monotonic() - start, 2)
+    outcome.load_average = [load_before, os.getloadavg()[0]]
     if outcome.status == "done" and not any(session.run_dir.glob("*.jsonl")):
         outcome.status, outcome.reason = "failed", "no metrics stream was written"
     return outcome

@@ -56,6 +56,7 @@ class TrainSpec(_Strict):
     optimizer: Literal["adam", "sgd"] = "adam"
     delay_update: bool = False
     matchmaking_time_s: float | None = Field(None, gt=0, description="--matchmaking-time")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per peer")
     join_args: list[str] = Field(default_factory=list, description="extra `peer join` flags")
 
 
@@ -160,6 +161,23 @@ class SshSpec(_Strict):
     connect_timeout_s: float = Field(10.0, gt=0)
 
 
+class CalibrationSpec(_Strict):
+    """``[calibration]``: before the sweep, find the fastest setting of the baseline for all
+    the CPUs and of a peer for its share (see :mod:`experiments.calibration`)."""
+
+    enabled: bool = Field(False, description="calibrate before the sweep")
+    measure_s: float = Field(6.0, gt=0, description="seconds each setting trains, measured")
+    warmup_s: float = Field(2.0, ge=0, description="seconds each setting trains first, unmeasured")
+    wait_policies: list[Literal["PASSIVE", "ACTIVE"]] = Field(
+        default_factory=lambda: ["PASSIVE", "ACTIVE"], min_length=1, description="OMP_WAIT_POLICY"
+    )
+    baseline_num_workers: list[int] = Field(
+        default_factory=lambda: [0], min_length=1, description="loader workers the baseline tries"
+    )
+    repeats: int = Field(1, ge=1, description="rounds over the settings (median; alternate order)")
+    probe_timeout_s: float = Field(120.0, gt=0, description="bound on one setting's process")
+
+
 class ExperimentSpec(_Strict):
     """The whole experiment file."""
 
@@ -175,6 +193,7 @@ class ExperimentSpec(_Strict):
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     stop: StopSpec
     ssh: SshSpec = Field(default_factory=SshSpec)
+    calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +206,8 @@ class RunConfig:
         seed: the repeat's seed (peer i uses ``seed * 1000 + i``).
         baseline: the single-node baseline instead of a swarm.
         grid_values: the grid key -> value of this configuration (empty for the baseline).
+        tuning: the calibrated setting its processes run with (``torch_threads``,
+            ``wait_policy``, ``num_workers``); None: the defaults (threads = CPUs).
     """
 
     name: str
@@ -194,15 +215,19 @@ class RunConfig:
     seed: int
     baseline: bool = False
     grid_values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tuning: dict[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {
+        described = {
             "name": self.name,
             "seed": self.seed,
             "baseline": self.baseline,
             "grid": self.grid_values,
             "train": self.train.model_dump(),
         }
+        if self.tuning is not None:
+            described["tuning"] = self.tuning
+        return described
 
 
 def _error(e: ValidationError, prefix: str = "") -> SpecError:

@@ -40,6 +40,23 @@ def make_launcher(spec: ExperimentSpec) -> Launcher:
     return LocalLauncher()
 
 
+def calibrated(
+    spec: ExperimentSpec, configs: list[RunConfig], out_dir: Path, console: Console
+) -> list[RunConfig]:
+    """``configs`` in their fastest calibrated settings, when ``[calibration]`` is enabled and
+    the processes run on this machine (see :mod:`experiments.calibration`)."""
+    if not spec.calibration.enabled:
+        return configs
+    if spec.launcher not in ("local", "netns") or spec.resources.gpus:
+        where = f"launcher {spec.launcher}, GPUs {spec.resources.gpus}"
+        console.print(f"calibration: skipped ({where}): it measures this machine's CPUs")
+        return configs
+    from experiments.calibration import apply, calibrate
+
+    with sigterm_as_interrupt():
+        return apply(spec, configs, calibrate(spec, out_dir, console))
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt in the main thread, so cleanup runs as on Ctrl-C."""
@@ -77,6 +94,7 @@ def run_sweep(
     launcher.check()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "spec.toml").write_text(spec_text, encoding="utf-8")
+    configs = calibrated(spec, configs, out_dir, console)
     outcomes: dict[str, Outcome | None] = {}
     screen = SweepScreen(console, spec.name, len(configs), watch)
     sweep = _Sweep(spec, out_dir, launcher, force, screen, len(configs))

@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-time", type=float, default=None, help="seconds to train")
     parser.add_argument("--max-epochs", type=int, default=None, help="optimizer steps to take")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, auto")
     parser.add_argument("--seed", type=int, default=0, help="data seed")
     parser.add_argument("--run-id", default="baseline", help="the run field of metrics lines")
@@ -88,7 +89,10 @@ def train(args: argparse.Namespace, stop: threading.Event) -> dict:
         counters=ByteCounters(),
         interval_s=args.metrics_interval,
     )
-    batches = iter(task.make_loader(DataShard(seed=args.seed), pin_memory=False))
+    loader = task.make_loader(
+        DataShard(seed=args.seed), num_workers=args.num_workers, pin_memory=False
+    )
+    batches = iter(loader)
     # the last RECENT_LOSS_SAMPLES samples' losses: ``recent_loss``, as a peer's final_loss
     recent = collections.deque(maxlen=max(1, math.ceil(RECENT_LOSS_SAMPLES / task.batch_size)))
     deadline = time.monotonic() + (args.max_time or math.inf)

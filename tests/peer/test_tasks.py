@@ -181,7 +181,7 @@ def test_string_options_are_converted(tmp_path):
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
-        ("imagenet", {}, "unknown task 'imagenet': use one of charlm, synthetic"),
+        ("imagenet", {}, "unknown task 'imagenet': use one of charlm, images, synthetic"),
         ("synthetic", {"widht": 3}, "task 'synthetic' has no option widht"),
         ("synthetic", {"hidden_dim": "wide"}, "option hidden_dim must be int, got 'wide'"),
         ("synthetic", {"batch_size": 0}, "option batch_size must be >= 1"),

@@ -6,8 +6,9 @@ Batches are ``(inputs, targets)`` pairs of tensors: the model is called as ``mod
 loss as ``loss_fn(outputs, targets)``, and the number of samples in a batch is
 ``len(targets)``.
 
-Tasks are found by :func:`load_task`: the built-ins ``synthetic`` and ``charlm``, or a user's
-``package.module:function`` (or ``path/to/file.py:function``) that returns a :class:`Task`.
+Tasks are found by :func:`load_task`: the built-ins ``synthetic``, ``charlm`` and ``images``, or
+a user's ``package.module:function`` (or ``path/to/file.py:function``) that returns a
+:class:`Task`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 BUILTIN_TASKS: dict[str, str] = {
     "synthetic": "peer.train.tasks.synthetic:make_task",
     "charlm": "peer.train.tasks.charlm:make_task",
+    "images": "peer.train.tasks.images:make_task",
 }
 
 
@@ -151,7 +153,7 @@ def load_task(name_or_path: str, options: Mapping[str, Any] | None = None) -> Ta
     """Resolve a task by name and build it with ``options``.
 
     Args:
-        name_or_path: ``synthetic``, ``charlm``, ``package.module:function`` or
+        name_or_path: ``synthetic``, ``charlm``, ``images``, ``package.module:function`` or
             ``path/to/file.py:function``; the function is called with the options as keyword
             arguments and must return a :class:`Task`.
         options: task options; strings are converted to the built-in tasks' field types, so
