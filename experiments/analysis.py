@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,10 @@ class ConfigResult:
         (:func:`peer.profiling.metrics_reader.aggregate`).
         rounds: the highest epoch any peer reached.
         time_to_target_s: see :func:`time_to_target`.
+        rtt_ms: the median of the peers' measured RTTs (``net.rtt_ms`` of every line that has
+            one); None without any.
+        sent_mbit_per_s: bits a peer sent per second of its wall time, Mbit/s, averaged over
+            peers; None without peers.
     """
 
     name: str
@@ -81,6 +86,8 @@ class ConfigResult:
     rounds: int
     time_to_target_s: float | None
     num_bad_lines: int
+    rtt_ms: float | None = None
+    sent_mbit_per_s: float | None = None
 
     @property
     def final_loss(self) -> float | None:
@@ -125,4 +132,17 @@ def load_result(config_dir: Path, target_loss: float | None) -> ConfigResult:
         rounds=max((lines[-1].epoch for lines in found.peers.values() if lines), default=0),
         time_to_target_s=time_to_target(curve, target_loss),
         num_bad_lines=sum(found.num_bad_lines.values()),
+        rtt_ms=_median_rtt_ms(found.peers),
+        sent_mbit_per_s=_sent_mbit_per_s(summaries),
     )
+
+
+def _median_rtt_ms(peers: dict[str, list[MetricsLine]]) -> float | None:
+    rtts = [line.net.rtt_ms for lines in peers.values() for line in lines]
+    rtts = [rtt for rtt in rtts if rtt is not None]
+    return statistics.median(rtts) if rtts else None
+
+
+def _sent_mbit_per_s(summaries: list[StretchSummary]) -> float | None:
+    rates = [s.sent_bytes * 8 / s.wall_s / 1e6 for s in summaries if s.wall_s > 0]
+    return sum(rates) / len(rates) if rates else None
