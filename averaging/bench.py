@@ -15,6 +15,7 @@ import multiprocessing as mp
 import queue
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,9 @@ def _exact_mean(seed: int, num_peers: int, round_index: int, size: int) -> np.nd
 
 async def _peer(rank: int, spec: dict[str, Any], barrier, results) -> None:
     identity = PeerIdentity.generate()
-    transport = HttpTransport(identity, TransportConfig())
+    places = spec.get("places")
+    host = places[rank][1] if places else TransportConfig.host
+    transport = HttpTransport(identity, TransportConfig(host=host))
     node = DHTNode(
         transport=transport,
         identity=identity,
@@ -110,6 +113,8 @@ def _worker(rank: int, spec: dict[str, Any], barrier, results) -> None:
     )
     logging.getLogger("averaging").setLevel(spec["log_level"])
     try:
+        if spec.get("places"):
+            spec["places"][rank][0]()  # into this peer's network before any socket exists
         asyncio.run(_peer(rank, spec, barrier, results))
     except BaseException as e:  # report, then let the process die
         results.put(("error", rank, f"{type(e).__name__}: {e}"))
@@ -128,6 +133,7 @@ def run_allreduce_bench(
     include_phases: bool = False,
     timeout_s: float = 600.0,
     log_level: str = "WARNING",
+    places: list[tuple[Callable[[], None], str]] | None = None,
 ) -> dict[str, Any]:
     """Run ``num_rounds`` measured rounds (after ``num_warmup``) of ``num_peers`` processes.
 
@@ -142,6 +148,8 @@ def run_allreduce_bench(
     Every peer uses ``config`` (default: groups of exactly ``num_peers``, the given compression,
     the other settings at their defaults); ``log_level`` is the peers' ``averaging`` log level
     (their log lines go to stderr with wall-clock timestamps, for cross-process timelines).
+    ``places`` (one per peer, picklable): a function the peer's process calls first (e.g. to move
+    into a network namespace) and the address it listens on; default: all on 127.0.0.1.
 
     Raises:
         ValueError: bad arguments.
@@ -149,6 +157,8 @@ def run_allreduce_bench(
     """
     if num_peers < 2 or size < 1 or num_rounds < 1 or num_warmup < 0:
         raise ValueError("need num_peers >= 2, size >= 1, num_rounds >= 1, num_warmup >= 0")
+    if places is not None and len(places) != num_peers:
+        raise ValueError(f"places: need one per peer ({num_peers}), got {len(places)}")
     compression = Compression(compression).value
     config = config or AveragerConfig(
         target_group_size=num_peers, min_group_size=num_peers, compression=compression
@@ -162,6 +172,7 @@ def run_allreduce_bench(
         "config": config,
         "initial_peers": [],
         "log_level": log_level,
+        "places": places,
     }
     context = mp.get_context("spawn")
     barrier = context.Barrier(num_peers)

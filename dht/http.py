@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import logging
 import ssl
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,7 +35,13 @@ from dht.frames import FrameReader, FrameWriter
 from dht.http_config import TransportConfig
 from dht.http_streams import ClientStream, ServerStream
 from dht.identity import PeerIdentity, is_peer_id
-from dht.transport import ByteCounters, RequestContext, RpcHandler, StreamHandler
+from dht.transport import (
+    SMALL_RPC_BYTES,
+    ByteCounters,
+    RequestContext,
+    RpcHandler,
+    StreamHandler,
+)
 from dht.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -307,6 +314,7 @@ class HttpTransport:
         body = pack(payload)
         headers = self._request_headers(path, body_digest(body))
         timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
+        sent_s = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._session.post(address + path, data=body, headers=headers) as resp:
@@ -326,6 +334,8 @@ class HttpTransport:
         remote = resp.headers.get("x-vp-peer", address)
         self.counters.add_sent(remote, len(body))
         self.counters.add_recv(remote, len(data))
+        if max(len(body), len(data)) <= SMALL_RPC_BYTES:
+            self.counters.add_rtt(remote, time.monotonic() - sent_s)
         return unpack(data, self.limits)
 
     def open_stream(

@@ -13,6 +13,9 @@ Handlers raise :class:`dht.errors.BadMessageError` (answered 400), :class:`dht.e
 
 from __future__ import annotations
 
+import collections
+import statistics
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -34,13 +37,39 @@ class PeerBytes:
     recv: int = 0
 
 
+# A request and its response both at most this big time a round trip (little serialization).
+SMALL_RPC_BYTES = 4096
+# Round-trip samples kept (a bounded memory for a busy interval; older ones drop out).
+MAX_RTT_SAMPLES = 4096
+
+
 @dataclass
 class ByteCounters:
-    """Totals and per-peer byte counts; the profiler reads these."""
+    """Totals and per-peer byte counts, and round-trip times of small requests; the profiler
+    and the metrics stream read these."""
 
     sent: int = 0
     recv: int = 0
     per_peer: dict[str, PeerBytes] = field(default_factory=dict)
+    # (monotonic time, peer, seconds) of each small request this side made
+    rtt_samples: collections.deque[tuple[float, str, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=MAX_RTT_SAMPLES)
+    )
+
+    def add_rtt(self, peer: str, rtt_s: float) -> None:
+        """A small request to ``peer`` was answered ``rtt_s`` seconds after it was sent."""
+        self.rtt_samples.append((time.monotonic(), peer, rtt_s))
+
+    def median_rtt_s(self, since_s: float) -> float | None:
+        """The median over peers of each peer's fastest small request since ``since_s``
+        (monotonic seconds); None if there was none. The fastest, because some requests wait
+        at the server (a matchmaking leader holds a join) and a round trip is their floor."""
+        fastest: dict[str, float] = {}
+        for at_s, peer, rtt_s in reversed(self.rtt_samples):
+            if at_s < since_s:
+                break
+            fastest[peer] = min(rtt_s, fastest.get(peer, rtt_s))
+        return statistics.median(fastest.values()) if fastest else None
 
     def add_sent(self, peer: str, num_bytes: int) -> None:
         self.sent += num_bytes

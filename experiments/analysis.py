@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,10 @@ class ConfigResult:
         rounds: the highest epoch any peer reached.
         time_to_target_s: see :func:`time_to_target`.
         load_average: the machine's 1-minute load average at its start and end.
+        rtt_ms: the median of the peers' measured RTTs (``net.rtt_ms`` of every line that has
+            one); None without any.
+        sent_mbit_per_s: bits a peer sent per second of its wall time, Mbit/s, averaged over
+            peers; None without peers.
     """
 
     name: str
@@ -83,6 +88,8 @@ class ConfigResult:
     time_to_target_s: float | None
     num_bad_lines: int
     load_average: list[float] = dataclasses.field(default_factory=list)
+    rtt_ms: float | None = None
+    sent_mbit_per_s: float | None = None
 
     @property
     def final_loss(self) -> float | None:
@@ -128,4 +135,17 @@ def load_result(config_dir: Path, target_loss: float | None) -> ConfigResult:
         time_to_target_s=time_to_target(curve, target_loss),
         num_bad_lines=sum(found.num_bad_lines.values()),
         load_average=[float(v) for v in status.get("load_average", [])],
+        rtt_ms=_median_rtt_ms(found.peers),
+        sent_mbit_per_s=_sent_mbit_per_s(summaries),
     )
+
+
+def _median_rtt_ms(peers: dict[str, list[MetricsLine]]) -> float | None:
+    rtts = [line.net.rtt_ms for lines in peers.values() for line in lines]
+    rtts = [rtt for rtt in rtts if rtt is not None]
+    return statistics.median(rtts) if rtts else None
+
+
+def _sent_mbit_per_s(summaries: list[StretchSummary]) -> float | None:
+    rates = [s.sent_bytes * 8 / s.wall_s / 1e6 for s in summaries if s.wall_s > 0]
+    return sum(rates) / len(rates) if rates else None

@@ -3,14 +3,17 @@
 Per configuration: a hub namespace ``<prefix>-hub`` holding a bridge (``br0``, 10.213.0.1/16,
 where the bootstrap node listens) and one namespace ``<prefix>-p<i>`` per peer, joined to the
 bridge by a veth pair (``eth0`` in the peer, ``v<i>`` in the hub; 10.213.x.y). Nothing is added
-to the host's own network. Each peer's link is shaped in both directions as its spec says: a
-``netem`` qdisc (delay, jitter, loss) with a ``tbf`` rate limiter under it, on the peer's
-``eth0`` (upload) and the hub's ``v<i>`` (download). The baseline runs outside any namespace.
+to the host's own network. Each peer's link is shaped in both directions as its spec says, by
+kernel qdiscs (``tc``: netem + tbf) or, where the kernel lacks ``sch_netem``, by the user-space
+link emulator (:mod:`experiments.linkemu`); a peer with ``nat = true`` sits behind a home router
+namespace ``<prefix>-r<i>`` and runs in client mode. See :mod:`experiments.netns_links`. The
+baseline runs outside any namespace.
 
 Cleanup is always done: closing a session kills what runs in its namespaces and deletes them
 (the veths go with them); the launcher also starts a guard process that deletes the sweep's
 namespaces if this process dies without cleaning up (SIGKILL); ``peer experiment cleanup``
-deletes every namespace whose name starts with :data:`PREFIX`. Needs root, ``ip`` and ``tc``.
+deletes every namespace whose name starts with :data:`PREFIX`; link forwarders exit when the
+launcher does. Needs root, ``ip`` and ``tc`` (and ``nft`` for NAT).
 
 The host has no route into the emulated network; a sweep's dashboard reaches the swarm by moving
 its own thread into the hub namespace (:meth:`NetnsSession.network_entry`).
@@ -27,6 +30,7 @@ import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from experiments.launch_base import (
     Launcher,
@@ -37,33 +41,26 @@ from experiments.launch_base import (
     pinned,
     python,
 )
-from experiments.spec import LinkSpec, NetworkSpec
+from experiments.netns_links import (
+    LAN_PEER_ADDRESS,
+    home_router,
+    ip,
+    run_command,
+    shaping_commands,
+    veth_link,
+)
+from experiments.spec import NetworkSpec
+
+if TYPE_CHECKING:
+    from experiments.linkemu.emulator import EmulatedLink
+
+__all__ = ["NetnsLauncher", "NetnsSession", "ip", "shaping_commands"]
 
 PREFIX = "vpx-"
 HUB_ADDRESS = "10.213.0.1"
 PREFIX_LEN = 16
 COMMAND_TIMEOUT_S = 20.0
-# Bytes the rate limiter may send at once: 10 ms at the link's rate, at least 32 KiB.
-MIN_BURST_BYTES = 32 * 1024
 CLONE_NEWNET = 0x40000000
-
-
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``ip ARGS``.
-
-    Raises:
-        LaunchError: it failed (with ``check``); the message holds its stderr.
-    """
-    return _run(["ip", *args], check=check)
-
-
-def _run(command: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
-    )
-    if check and done.returncode != 0:
-        raise LaunchError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
-    return done
 
 
 def list_namespaces(prefix: str = PREFIX) -> list[str]:
@@ -117,33 +114,26 @@ def address_of(index: int) -> str:
     return f"10.213.{host // 256}.{host % 256}"
 
 
-def shaping_commands(device: str, link: LinkSpec) -> list[list[str]]:
-    """``tc`` arguments that shape egress of ``device`` as ``link`` says."""
-    commands, parent = [], ["root"]
-    if link.needs_netem:
-        netem = ["netem", "limit", "10000"]
-        if link.latency_ms or link.jitter_ms:
-            netem += ["delay", f"{link.latency_ms}ms"]
-            if link.jitter_ms:
-                netem += [f"{link.jitter_ms}ms", "distribution", "normal"]
-        if link.loss_percent:
-            netem += ["loss", f"{link.loss_percent}%"]
-        commands.append(["qdisc", "add", "dev", device, "root", "handle", "1:", *netem])
-        parent = ["parent", "1:"]
-    if link.bandwidth_mbit is not None:
-        burst = max(MIN_BURST_BYTES, int(link.bandwidth_mbit * 1e6 / 8 / 100))
-        tbf = ["tbf", "rate", f"{link.bandwidth_mbit}mbit", "burst", str(burst), "latency", "100ms"]
-        commands.append(["qdisc", "add", "dev", device, *parent, "handle", "2:", *tbf])
-    return commands
-
-
 class NetnsSession(Session):
     """One configuration's namespaces; see the module docstring."""
 
-    def __init__(self, run_dir: Path, prefix: str, num_peers: int, network: NetworkSpec):
+    def __init__(
+        self,
+        run_dir: Path,
+        prefix: str,
+        num_peers: int,
+        network: NetworkSpec,
+        *,
+        emulator: Literal["tc", "linkemu"] = "tc",
+    ):
         super().__init__(run_dir)
         self.hub = f"{prefix}-hub"
         self.namespaces = [f"{prefix}-p{index}" for index in range(num_peers)]
+        self.routers = {
+            index: f"{prefix}-r{index}" for index in range(num_peers) if network.behind_nat(index)
+        }
+        self.emulator = emulator
+        self.links: list[EmulatedLink] = []
         self._closed = False
         if num_peers:
             try:
@@ -153,30 +143,57 @@ class NetnsSession(Session):
                 raise
 
     def _build(self, network: NetworkSpec) -> None:
-        ip("netns", "add", self.hub)
+        self._add_namespace(self.hub)
         hub = ["-n", self.hub]
-        ip(*hub, "link", "set", "lo", "up")
         ip(*hub, "link", "add", "br0", "type", "bridge")
-        ip(*hub, "addr", "add", f"{HUB_ADDRESS}/16", "dev", "br0")
+        ip(*hub, "addr", "add", f"{HUB_ADDRESS}/{PREFIX_LEN}", "dev", "br0")
         ip(*hub, "link", "set", "br0", "up")
         for index, name in enumerate(self.namespaces):
-            ip("netns", "add", name)
-            ip("-n", name, "link", "set", "lo", "up")
-            veth = ["type", "veth", "peer", "name", "eth0", "netns", name]
-            ip(*hub, "link", "add", f"v{index}", *veth)
+            self._add_namespace(name)
+            router = self.routers.get(index)
+            if router is not None:
+                self._add_namespace(router)
+            wan_ns, wan_if = (router, "wan0") if router else (name, "eth0")
+            self._uplink(index, wan_ns, wan_if, network)
             ip(*hub, "link", "set", f"v{index}", "master", "br0", "up")
-            ip("-n", name, "addr", "add", f"{address_of(index)}/16", "dev", "eth0")
-            ip("-n", name, "link", "set", "eth0", "up")
-            link = network.link_for(index)
-            for args in shaping_commands("eth0", link):
-                _run(["ip", "netns", "exec", name, "tc", *args])
-            for args in shaping_commands(f"v{index}", link):
-                _run(["ip", "netns", "exec", self.hub, "tc", *args])
+            ip("-n", wan_ns, "addr", "add", f"{address_of(index)}/{PREFIX_LEN}", "dev", wan_if)
+            ip("-n", wan_ns, "link", "set", wan_if, "up")
+            if router is not None:
+                home_router(router, name)
+
+    @staticmethod
+    def _add_namespace(name: str) -> None:
+        ip("netns", "add", name)
+        ip("-n", name, "link", "set", "lo", "up")
+
+    def _uplink(self, index: int, wan_ns: str, wan_if: str, network: NetworkSpec) -> None:
+        link = network.link_for(index)
+        if self.emulator == "tc" or not link.shaped:
+            veth_link(self.hub, f"v{index}", wan_ns, wan_if, link)
+            return
+        from experiments.linkemu.emulator import EmulatedLink, Endpoint, shape_from
+
+        shape = shape_from(**link.model_dump())
+        self.links.append(
+            EmulatedLink(
+                Endpoint(ifname=wan_if, netns=wan_ns),
+                Endpoint(ifname=f"v{index}", netns=self.hub),
+                a_to_b=shape,
+                b_to_a=shape,
+                log_file=self.run_dir / f"linkemu-{index}.log",
+            )
+        )
 
     def network_entry(self) -> Callable[[], None] | None:
         """Into the hub namespace, where the bootstrap listens and every peer is on the bridge
         (the host has no route there: its own network is left alone)."""
         return functools.partial(enter_namespace, self.hub) if self.namespaces else None
+
+    def listen_address(self, index: int | None) -> str:
+        """Where the peer ``index`` (None: the bootstrap node) listens."""
+        if index is None:
+            return HUB_ADDRESS
+        return LAN_PEER_ADDRESS if index in self.routers else address_of(index)
 
     def namespace_of(self, plan: ProcessPlan) -> str | None:
         if plan.index is not None:
@@ -187,8 +204,9 @@ class NetnsSession(Session):
         namespace = self.namespace_of(plan)
         command = [python(), *plan.args]
         if plan.listens:
-            host = HUB_ADDRESS if plan.index is None else address_of(plan.index)
-            command += ["--host", host]
+            command += ["--host", self.listen_address(plan.index)]
+            if plan.index in self.routers:
+                command.append("--client-mode")  # nobody can dial in: no relay exists yet
         if plan.metrics:
             command += ["--metrics-file", str(self.run_dir / f"{plan.name}.jsonl")]
         command = pinned(command, plan.cpus)
@@ -205,7 +223,9 @@ class NetnsSession(Session):
         try:
             self.stop_all(grace_s=5.0)
         finally:
-            for name in [*self.namespaces, self.hub]:
+            for link in self.links:
+                link.close()
+            for name in [*self.namespaces, *self.routers.values(), self.hub]:
                 delete_namespace(name)
 
 
@@ -217,6 +237,7 @@ class NetnsLauncher(Launcher):
     def __init__(self, network: NetworkSpec):
         self.network = network
         self.prefix = PREFIX + secrets.token_hex(3)
+        self.emulator: Literal["tc", "linkemu"] = "tc"
         self._guard: subprocess.Popen | None = None
 
     def check(self) -> None:
@@ -225,11 +246,27 @@ class NetnsLauncher(Launcher):
         for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
                 raise LaunchError(f"the netns launcher needs `{tool}` (install iproute2)")
-        if self.network.needs_netem and not netem_available():
+        if any(group.nat for group in self.network.groups) and shutil.which("nft") is None:
+            raise LaunchError("network.groups: nat = true needs `nft` (install nftables)")
+        self.emulator = self._choose_emulator()
+
+    def _choose_emulator(self) -> Literal["tc", "linkemu"]:
+        from experiments.linkemu.emulator import available as linkemu_available
+
+        choice = self.network.emulator
+        if choice == "auto":
+            if not self.network.needs_netem or netem_available():
+                return "tc"
+            choice = "linkemu"
+        if choice == "tc" and self.network.needs_netem and not netem_available():
             raise LaunchError(
                 "network: latency, jitter and loss need the kernel's sch_netem module, which "
-                "this machine lacks (modprobe sch_netem); bandwidth alone can be shaped"
+                "this machine lacks (modprobe sch_netem); emulator = 'auto' or 'linkemu' "
+                "emulates them in user space"
             )
+        if choice == "linkemu" and not linkemu_available():
+            raise LaunchError("network.emulator: linkemu needs root and /dev/net/tun")
+        return choice
 
     def open_session(self, run_dir: Path, num_peers: int) -> NetnsSession:
         if self._guard is None:
@@ -238,7 +275,7 @@ class NetnsLauncher(Launcher):
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # outlives a SIGKILL of this process group
             )
-        return NetnsSession(run_dir, self.prefix, num_peers, self.network)
+        return NetnsSession(run_dir, self.prefix, num_peers, self.network, emulator=self.emulator)
 
     def close(self) -> None:
         cleanup_all(self.prefix)
@@ -253,7 +290,7 @@ def netem_available() -> bool:
     probe = f"{PREFIX}probe-{secrets.token_hex(3)}"
     try:
         ip("netns", "add", probe)
-        done = _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root",
+        done = run_command(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root",
                      "netem", "delay", "1ms"], check=False)  # fmt: skip
         return done.returncode == 0
     except LaunchError:

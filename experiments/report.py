@@ -4,7 +4,8 @@ Reads only ``DIR/spec.toml`` (for the target loss) and each ``DIR/<config>/`` (i
 streams, ``config.json`` and ``status.json``). Per configuration: wall time, samples, swarm
 samples/s, final loss, rounds, time to the target loss and the speedup over the baseline of the
 same seed (its time to target over the configuration's), throughput over the baseline's, bytes
-one peer sent per round, the phase shares and the bottleneck verdict.
+one peer sent per round, the measured RTT (median of the peers' ``net.rtt_ms``) and the rate a
+peer sent at (Mbit/s), the phase shares and the bottleneck verdict.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from peer.records.profile import PROFILE_PHASES
 SUMMARY_COLUMNS = (
     "config", "status", "peers", "seed", "wall_s", "samples", "samples_per_s", "final_loss",
     "rounds", "time_to_target_s", "speedup", "throughput_ratio", "sent_bytes_per_peer_round",
-    "bottleneck",
+    "rtt_ms", "sent_mbit_per_s", "bottleneck",
 )  # fmt: skip
 
 
@@ -60,6 +61,8 @@ def summary_row(result: ConfigResult, results: list[ConfigResult]) -> dict[str, 
         "speedup": _ratio(base and base.time_to_target_s, result.time_to_target_s),
         "throughput_ratio": _ratio(swarm.samples_per_s, base and base.swarm.samples_per_s),
         "sent_bytes_per_peer_round": result.sent_bytes_per_round,
+        "rtt_ms": result.rtt_ms,
+        "sent_mbit_per_s": None if result.baseline else result.sent_mbit_per_s,
         "bottleneck": swarm.verdict().bottleneck if swarm.wall_s > 0 else "",
     }
 
@@ -73,6 +76,7 @@ def _cell(value: object, digits: int = 1) -> str:
 
 
 DIGITS = {"final_loss": 4, "speedup": 2, "throughput_ratio": 2, "sent_bytes_per_peer_round": 0}
+DIGITS |= {"rtt_ms": 1, "sent_mbit_per_s": 2}
 
 
 def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -144,7 +148,8 @@ def write_report(out_dir: Path, *, target_loss: float | None = None) -> Path:
     lines += [
         f"Target loss: {_cell(target, 4)}. Loss is the swarm's: the mean over peers of each "
         "peer's last 3 metrics lines. Speedup = the baseline's time to the target loss / the "
-        "configuration's (same seed); throughput ratio = samples/s over the baseline's.",
+        "configuration's (same seed); throughput ratio = samples/s over the baseline's; rtt_ms = "
+        "median RTT the peers measured; sent_mbit_per_s = a peer's send rate over its wall time.",
         "",
         "## Summary",
         "",

@@ -84,22 +84,34 @@ class NetworkGroup(LinkSpec):
     """``[[network.groups]]``: a link for the peers with these indices."""
 
     peers: list[int] = Field(min_length=1, description="peer indices (0-based)")
+    nat: bool = Field(
+        False, description="each of these peers behind its own masquerading home router"
+    )
 
 
 class NetworkSpec(LinkSpec):
     """``[network]``: every peer's link, with ``groups`` overriding it for some peers."""
 
     groups: list[NetworkGroup] = Field(default_factory=list)
+    emulator: Literal["auto", "tc", "linkemu"] = Field(
+        "auto",
+        description="tc: kernel qdiscs (netem for latency, jitter and loss); linkemu: the "
+        "user-space emulator; auto: tc unless the kernel lacks sch_netem and netem is needed",
+    )
 
     def link_for(self, index: int) -> LinkSpec:
         for group in self.groups:
             if index in group.peers:
-                return LinkSpec(**group.model_dump(exclude={"peers"}))
-        return LinkSpec(**self.model_dump(exclude={"groups"}))
+                return LinkSpec(**group.model_dump(exclude={"peers", "nat"}))
+        return LinkSpec(**self.model_dump(exclude={"groups", "emulator"}))
+
+    def behind_nat(self, index: int) -> bool:
+        """Whether peer ``index`` sits behind a NAT router."""
+        return any(group.nat and index in group.peers for group in self.groups)
 
     @property
     def shaped(self) -> bool:
-        return super().shaped or any(g.shaped for g in self.groups)
+        return super().shaped or any(g.shaped or g.nat for g in self.groups)
 
     @property
     def needs_netem(self) -> bool:
@@ -354,6 +366,12 @@ def _check_network(spec: ExperimentSpec) -> None:
             if index in seen:
                 raise SpecError(f"network.groups[{number}].peers: peer {index} is in two groups")
             seen.add(index)
+    fewest = min(peer_counts(spec))
+    if all(spec.network.behind_nat(index) for index in range(fewest)):
+        raise SpecError(
+            f"network.groups: all {fewest} peers are behind NAT; at least one must be reachable "
+            "(peers behind NAT run in client mode and need a reachable one to average with)"
+        )
 
 
 def _check_launcher(spec: ExperimentSpec) -> None:

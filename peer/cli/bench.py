@@ -68,17 +68,59 @@ def add_bench_allreduce_command(bench_sub) -> None:
         help="with --compare: runs per backend (default: 3)",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument(
+        "--latency-ms",
+        type=positive_float,
+        default=None,
+        help="one-way delay between two peers, ms (RTT = 2x): each peer in its own network "
+        "namespace behind an emulated link (root; native backend only)",
+    )
+    parser.add_argument(
+        "--bandwidth-mbit",
+        type=positive_float,
+        default=None,
+        help="each peer's link rate, Mbit/s, both directions (emulated as --latency-ms)",
+    )
     parser.set_defaults(run=run_bench_allreduce)
+
+
+def _emulated_allreduce_bench(args: argparse.Namespace) -> dict:
+    """The native bench with its peers in namespaces behind emulated links (``--latency-ms``,
+    ``--bandwidth-mbit``); the result names the network it ran on."""
+    from averaging.bench import run_allreduce_bench
+    from experiments.bench_network import emulated_places
+    from experiments.launch_base import LaunchError
+
+    try:
+        with emulated_places(
+            args.peers, latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit
+        ) as places:
+            result = run_allreduce_bench(
+                args.peers,
+                args.size,
+                args.compression,
+                args.rounds,
+                include_phases=args.phases,
+                places=places,
+            )
+    except LaunchError as e:
+        raise ConfigError(f"--latency-ms/--bandwidth-mbit: {e}") from None
+    return result | {"latency_ms": args.latency_ms, "bandwidth_mbit": args.bandwidth_mbit}
 
 
 def allreduce_runner(args: argparse.Namespace, backend: str) -> Callable[[], dict]:
     """One ``peer bench allreduce`` run of ``backend`` with the options in ``args``."""
+    emulated = args.latency_ms is not None or args.bandwidth_mbit is not None
     if backend == "hivemind":
+        if emulated:
+            raise ConfigError("--latency-ms/--bandwidth-mbit: only with --backend native")
         from peer.hivemind.bench import run_hivemind_allreduce_bench
 
         return functools.partial(
             run_hivemind_allreduce_bench, args.peers, args.size, args.compression, args.rounds
         )
+    if emulated:
+        return functools.partial(_emulated_allreduce_bench, args)
     from averaging.bench import run_allreduce_bench
 
     return functools.partial(

@@ -27,6 +27,7 @@ class NetBytes(BaseModel):
 
     sent: int = Field(ge=0)
     recv: int = Field(ge=0)
+    rtt_ms: float | None = Field(None, ge=0, description="median RTT to the peers asked")
 
 
 class MetricsLine(BaseModel):

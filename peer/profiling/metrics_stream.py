@@ -1,9 +1,12 @@
 """The metrics stream of DESIGN.md: one JSON object per reporting interval (``--metrics-file``).
 
 Fields: ``t, peer, run, epoch, step, loss, samples, samples_per_s, phases {...}, net {sent,
-recv}, cpu_percent, rss_bytes`` and ``gpu {...}`` where there is one. Phases, samples and bytes
-are per interval. The training loop calls :meth:`MetricsStream.maybe_report` after every step: a
-clock comparison, and the real work (reading the loss, psutil) only once per interval.
+recv, rtt_ms}, cpu_percent, rss_bytes`` and ``gpu {...}`` where there is one (``rtt_ms`` only
+when this peer made a small request in the interval: the median over the peers it asked of the
+fastest round trip to each, see :meth:`dht.transport.ByteCounters.median_rtt_s`). Phases,
+samples and bytes are per interval. The training loop calls :meth:`MetricsStream.maybe_report`
+after every step: a clock comparison, and the real work (reading the loss, psutil) only once
+per interval.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class MetricsStream:
         self._next_s = time.monotonic() + interval_s
         self._samples = 0
         self._net = (counters.sent, counters.recv)
+        self._interval_start_s = time.monotonic()
         self._clock.reset_interval()
 
     def maybe_report(self, *, epoch: int, step: int, samples: int, loss: torch.Tensor | None):
@@ -64,6 +68,10 @@ class MetricsStream:
             return
         phases = self._clock.reset_interval()
         sent, recv = self._counters.sent, self._counters.recv
+        net: dict[str, float] = {"sent": sent - self._net[0], "recv": recv - self._net[1]}
+        rtt_s = self._counters.median_rtt_s(self._interval_start_s)
+        if rtt_s is not None:
+            net["rtt_ms"] = rtt_s * 1e3
         record = {
             "t": time.time(),
             "peer": self._peer_id,
@@ -74,7 +82,7 @@ class MetricsStream:
             "samples": self._samples,
             "samples_per_s": self._samples / phases.wall_s if phases.wall_s > 0 else 0.0,
             "phases": phases.seconds,
-            "net": {"sent": sent - self._net[0], "recv": recv - self._net[1]},
+            "net": net,
             "cpu_percent": self._process.cpu_percent(),
             "rss_bytes": self._process.memory_info().rss,
         }
@@ -86,7 +94,8 @@ class MetricsStream:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         self._samples, self._net = 0, (sent, recv)
-        self._next_s = time.monotonic() + self.interval_s
+        self._interval_start_s = time.monotonic()
+        self._next_s = self._interval_start_s + self.interval_s
 
     def close(self) -> None:
         if self._file is not None:

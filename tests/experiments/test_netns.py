@@ -154,15 +154,18 @@ def test_cleanup_command_removes_left_namespaces(namespaces_cleaned):
     assert list_namespaces(prefix) == []
 
 
-def test_latency_needs_netem_and_says_so(namespaces_cleaned):
+def test_latency_without_netem_goes_to_the_user_space_emulator(namespaces_cleaned):
     from experiments.launch_base import LaunchError
     from experiments.launch_netns import NetnsLauncher, netem_available
 
-    launcher = NetnsLauncher(NetworkSpec(latency_ms=10))
+    auto = NetnsLauncher(NetworkSpec(latency_ms=10))
+    auto.check()
+    assert auto.emulator == ("tc" if netem_available() else "linkemu")
+    kernel_only = NetnsLauncher(NetworkSpec(latency_ms=10, emulator="tc"))
     if netem_available():
-        launcher.check()
+        kernel_only.check()
     else:
         with pytest.raises(LaunchError, match="sch_netem"):
-            launcher.check()
+            kernel_only.check()
     NetnsLauncher(NetworkSpec(bandwidth_mbit=10)).check()  # tbf alone needs no netem
     assert set(list_namespaces()) == namespaces_cleaned
