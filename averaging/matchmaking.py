@@ -17,6 +17,15 @@ The protocol has three requests, all answered at once except ``wait``:
 * ``invite`` (leader to worse-ranked peers it sees in the DHT): "join me now", so that peers
   that announced before the leader did need not wait for their next read of the DHT.
 
+**Leadership that fresh ids cannot grind.** Ids are free, so anyone can make one that ranks first
+under any key. A peer therefore follows only its *partners* (the members of its last
+``num_partner_rounds`` rounds) while any partner is looking: the best-ranked partner that ranks
+above it, or none (it leads, and its partners come to it). Only a peer with no partner looking
+(a newcomer, the first round) follows whoever ranks best. Every wait still points to a
+better-ranked peer, so there are no cycles. A leader gains little anyway: every member checks the
+whole group description (:meth:`Matchmaker._check_group`), parts are bounded by fair bandwidths
+and weights relative to the group (:mod:`averaging.bounds`); what a leader chooses is who joins.
+
 Peers announce before they first read, so of two peers that start together the later one always
 sees the earlier one. The leader's side is :mod:`averaging.leader`; a leader closes its group as
 soon as it has ``target_group_size`` members, at its own deadline, or at a follower's deadline,
@@ -28,7 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Mapping
+from collections import deque
+from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from averaging.compression import Compression
@@ -76,10 +86,19 @@ class Matchmaker:
         self._wait_name = f"averaging.{prefix}.wait"
         self._invite_name = f"averaging.{prefix}.invite"
         self._search: Search | None = None
+        self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
+        self.partners: frozenset[str] = frozenset()
         self._leader = Leader(config, lambda: self._search)
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
         transport.add_rpc_handler(self._invite_name, self._on_invite)
+
+    def note_round(self, members: Iterable[str]) -> None:
+        """``members`` averaged with this peer: partners for the next rounds."""
+        if self._config.num_partner_rounds == 0:
+            return
+        self._rounds.append(frozenset(members) - {self._peer_id})
+        self.partners = frozenset().union(*self._rounds)
 
     # ---- looking for a group -----------------------------------------------------------------
 
@@ -242,7 +261,11 @@ class Matchmaker:
         return candidates
 
     def _best_leader(self, search: Search, candidates: list[Candidate]) -> Candidate | None:
+        """The best-ranked peer above this one to follow: among partners while any partner is
+        looking (see the module docstring), else among all."""
         now = asyncio.get_running_loop().time()
+        if any(c.peer_id in self.partners for c in candidates):
+            candidates = [c for c in candidates if c.peer_id in self.partners]
         eligible = [
             c
             for c in candidates
@@ -317,7 +340,7 @@ class Matchmaker:
         if status == "group":
             try:
                 group = GroupInfo.from_wire(answer.get("group"))
-                self._check_group(search, group)
+                self._check_group(search, group, leader)
                 return group
             except (ProtocolViolation, KeyError, ValueError) as e:
                 logger.warning("leader %s sent a bad group: %s", leader.peer_id[:8], e)
@@ -331,10 +354,32 @@ class Matchmaker:
         search.lead()
         return None
 
-    def _check_group(self, search: Search, group: GroupInfo) -> None:
+    def _check_group(self, search: Search, group: GroupInfo, leader: Candidate) -> None:
+        """Refuse a group this peer cannot take part in honestly: it must list this peer as
+        it is, and the leader as it answered; be no larger than this peer would form; use this
+        peer's aggregation rule and weight bound; and partition (bounded by fair bandwidths).
+        Its structure (sorted unique ids, distinct addresses, bounded entries) was checked by
+        :meth:`GroupInfo.from_wire`.
+
+        Raises:
+            ProtocolViolation, KeyError: the group is refused.
+        """
         me = group.member(search.me.peer_id)  # KeyError if we are not in it
-        if me.weight != search.me.weight or me.address != search.me.address:
+        if (me.weight, me.address, me.bandwidth) != (
+            search.me.weight,
+            search.me.address,
+            search.me.bandwidth,
+        ):
             raise ProtocolViolation("the group misrepresents this peer")
+        if group.member(leader.peer_id).address != leader.address:
+            raise ProtocolViolation("the group misrepresents its leader")
+        if len(group.members) > max(search.target_group_size, self._config.target_group_size):
+            raise ProtocolViolation(f"a group of {len(group.members)} is larger than allowed")
+        if group.aggregation != self._config.aggregation:
+            raise ProtocolViolation(f"the group aggregates by {group.aggregation.value}")
+        if group.max_weight_ratio != self._config.max_weight_ratio:
+            raise ProtocolViolation(f"the group bounds weights at {group.max_weight_ratio:g}x")
+        group.parts(search.numel)
 
     def _join_request(self, search: Search) -> dict[str, Any]:
         return {
