@@ -54,7 +54,8 @@ class MeanWindow:
         beyond the limit once weighted)."""
         slot = self._acc[chunk % self._window, : own.size]
         if own_weight > 0:
-            np.multiply(own, np.float32(own_weight), out=slot)
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.multiply(own, np.float32(own_weight), out=slot)
             if within(slot, self._limit):
                 return True
         slot.fill(0.0)

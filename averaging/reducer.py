@@ -105,7 +105,7 @@ class PartReducer:
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._senders = {
-            peer: _Sender(peer, w, part.num_chunks if w > 0 else 0, now, row)
+            peer: _Sender(peer, w, part.num_chunks if w > 0 else 0, row=row, last_progress=now)
             for row, (peer, w) in enumerate(senders.items(), start=1)
         }
         self._weight_sum = [0.0] * part.num_chunks
@@ -355,13 +355,14 @@ class PartReducer:
         """The sender's values (times its weight, for the mean), checked after weighting: every
         one finite and within the limit, so that no sum of contributions overflows."""
         factor = weight if self._acc.weighted_decode else 1.0
-        if target is None:  # raw float32: weigh the received bytes in place
-            values = np.frombuffer(payload, dtype="<f4", count=size)
-            if factor != 1.0:
-                values *= np.float32(factor)
-        else:
-            self._codec.decode_into(payload, target, factor)
-            values = target
+        with np.errstate(over="ignore", invalid="ignore"):  # what overflows is refused below
+            if target is None:  # raw float32: weigh the received bytes in place
+                values = np.frombuffer(payload, dtype="<f4", count=size)
+                if factor != 1.0:
+                    values *= np.float32(factor)
+            else:
+                self._codec.decode_into(payload, target, factor)
+                values = target
         return checked(values, self._limit)
 
     async def _write(self, sender: _Sender, stream) -> None:
