@@ -190,7 +190,6 @@ class PeerRun:
         self.services.tracker.report_local_progress(epoch, 0)
         if self.config.wait_for_peers > 1:
             self._wait_for_peers()
-        self.services.state_server.current_epoch = epoch
         self.services.state_server.update(self.state.snapshot(epoch))
         if self.config.metrics_file is not None:
             self.metrics = MetricsStream(
@@ -290,12 +289,11 @@ class PeerRun:
             )
         if self.hook.stats.num_rounds != self.reports.num_rounds_logged:
             self._log_rounds()
-        if self.services.state_server.snapshot_requested:
-            self.services.state_server.update(self.state.snapshot(self.hook.epoch))
 
     def _on_epoch(self, epoch: int) -> None:
         self.profiler.on_epoch(epoch)
-        self.services.state_server.current_epoch = epoch
+        # the state at the start of the epoch: served, and its digest announced
+        self.services.state_server.update(self.state.snapshot(epoch))
         self.reports.set_epoch(epoch)
         if self.config.max_epochs is not None and epoch >= self.config.max_epochs:
             self.stop_event.set()

@@ -15,7 +15,13 @@ from peer.records.profile import PROFILE_PHASES, ProfileRecord, parse_profile
 from peer.records.progress import PeerProgress, parse_record
 from peer.records.rounds import ROUND_STATUSES, RoundEntry, RoundLogRecord, parse_rounds
 from peer.records.schema import MAX_COUNT, check_peer_url, rejects
-from peer.records.state import parse_state
+from peer.records.state import (
+    EpochDigest,
+    StateAnnouncement,
+    agreed_digests,
+    parse_state,
+    replica_outliers,
+)
 from peer.swarm.progress import ProgressConfig, estimate
 
 pytestmark = pytest.mark.timeout(120)
@@ -238,13 +244,17 @@ def test_a_published_profile_reads_back():
     assert parse_profile(OWNER, record.to_wire()) == record
 
 
+hex_digests = st.text("0123456789abcdef", min_size=64, max_size=64)
 state_like = fields(
     {
         "v": values | st.just(2),
         "epoch": values,
         "address": urls | values,
-        "digest": values | st.text("0123456789abcdef", min_size=64, max_size=64),
-        "digest_bf16": values,
+        "digests": st.lists(
+            fields({"epoch": values, "digest": values | hex_digests, "digest_bf16": values}),
+            max_size=3,
+        )
+        | values,
     }
 )
 
@@ -255,8 +265,30 @@ def test_state_announcement_parser_never_raises(value):
     record = parse_state(OWNER, value)
     if record is None:
         return
-    assert in_count_range(record.epoch) and check_peer_url(record.address)
-    assert len(record.digest) == 64 and int(record.digest, 16) >= 0
+    assert in_count_range(record.epoch)
+    assert record.address is None or check_peer_url(record.address)
+    for entry in record.digests:
+        assert in_count_range(entry.epoch) and int(entry.digest, 16) >= 0
+
+
+def test_a_published_state_announcement_reads_back():
+    digest = EpochDigest(7, "ab" * 32, "cd" * 32)
+    announcement = StateAnnouncement("ab" * 32, 7, "http://127.0.0.1:5000", (digest,))
+    assert parse_state(OWNER, announcement.to_wire()) == announcement
+    # version 1 (no digest) cannot be checked: dropped
+    assert parse_state(OWNER, {"epoch": 7, "address": "http://127.0.0.1:5000"}) is None
+
+
+def test_agreement_needs_distinct_peers_and_outliers_are_marked():
+    def announce(peer: int, epoch: int, digest: str) -> StateAnnouncement:
+        return StateAnnouncement(f"{peer:064x}", epoch, None, (EpochDigest(epoch, digest * 64),))
+
+    same = [announce(1, 5, "a"), announce(2, 5, "a"), announce(3, 5, "b")]
+    assert agreed_digests(same, min_peers=2) == {(5, "a" * 64): 2}
+    # one peer announcing twice is one vote
+    assert agreed_digests([announce(3, 5, "b"), announce(3, 5, "b")], min_peers=2) == {}
+    assert replica_outliers(same) == {f"{3:064x}"}
+    assert replica_outliers(same[1:]) == set()  # a tie says nothing
 
 
 def test_records_under_no_owner_subkey_are_dropped():
