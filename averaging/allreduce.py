@@ -61,16 +61,21 @@ async def run_allreduce(
 ) -> AllReduceOutcome:
     """Average ``flat`` (float32, 1-D, modified in place) with the rest of ``group``.
 
-    This peer's weight is its entry in ``group``. Never raises for a peer's failure: the
-    outcome says who was dropped and which parts were not averaged.
+    This peer's weight is its entry in ``group``, bounded like everyone's
+    (:meth:`GroupInfo.weights`). Never raises for a peer's failure: the outcome says who was
+    dropped and which parts were not averaged.
+
+    Raises:
+        ProtocolViolation: the group cannot be partitioned.
     """
     codec = get_codec(group.compression)
     if not codec.is_identity:
         await asyncio.to_thread(codec.prepare)
     outcome = AllReduceOutcome(total_numel=flat.size)
     worker = Worker(outcome.stats, config.offload_min_numel)
-    me = group.member(own_peer_id)
     parts = group.parts(flat.size)
+    weights = group.weights()
+    own_weight = weights[own_peer_id]
 
     def header(index: int, weight: float) -> PartHeader:
         part = parts[index]
@@ -85,19 +90,20 @@ async def run_allreduce(
         reducer = PartReducer(
             part=own_part,
             values=flat[own_part.start : own_part.end],
-            own_weight=me.weight,
-            senders={m.peer_id: m.weight for m in group.members if m.peer_id != own_peer_id},
+            own_weight=own_weight,
+            senders={peer: w for peer, w in weights.items() if peer != own_peer_id},
             header=header(own_index, 0.0),
             codec=codec,
             config=config,
             worker=worker,
+            aggregation=group.aggregation,
         )
     senders = [
         PartSender(
             transport=transport,
             stream_name=stream_name,
             reducer=member,
-            header=header(index, me.weight),
+            header=header(index, own_weight),
             part=parts[index],
             values=flat[parts[index].start : parts[index].end],
             codec=codec,

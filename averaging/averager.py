@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from averaging.allreduce import AllReduceOutcome, run_allreduce
+from averaging.bounds import valid_weight
 from averaging.compression import Compression, get_codec
 from averaging.config import AveragerConfig, check_prefix
-from averaging.errors import AveragingError, ConfigError, translate
+from averaging.errors import AveragingError, ConfigError, ProtocolViolation, translate
 from averaging.group import GroupInfo
 from averaging.matchmaking import Matchmaker, MatchmakingDHT
 from averaging.result import RoundResult
@@ -240,10 +241,8 @@ class DecentralizedAverager:
     def _check_step(self, weight: float, timeout_s: float | None) -> tuple[float, float]:
         if self._closed:
             raise AveragingError("the averager is closed")
-        if isinstance(weight, bool) or not (
-            isinstance(weight, int | float) and math.isfinite(weight) and weight >= 0
-        ):
-            raise ConfigError(f"weight must be a finite number >= 0, got {weight!r}")
+        if not valid_weight(weight):
+            raise ConfigError(f"weight must be 0 or a number in [2**-20, 2**53], got {weight!r}")
         if timeout_s is None:
             timeout_s = self._default_timeout_s()
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
@@ -275,15 +274,20 @@ class DecentralizedAverager:
         if timeout_s < config.allreduce_timeout_s:
             config = dataclasses.replace(config, allreduce_timeout_s=timeout_s)
         start = loop.time()
-        outcome = await run_allreduce(
-            transport=self._transport,
-            router=self._router,
-            stream_name=self._stream_name,
-            group=group,
-            own_peer_id=self.peer_id,
-            flat=self._tensors.flat,
-            config=config,
-        )
+        try:
+            outcome = await run_allreduce(
+                transport=self._transport,
+                router=self._router,
+                stream_name=self._stream_name,
+                group=group,
+                own_peer_id=self.peer_id,
+                flat=self._tensors.flat,
+                config=config,
+            )
+        except ProtocolViolation as e:  # a group no member can use: nothing was averaged
+            phase_s["allreduce"] = loop.time() - start
+            failed = RoundResult("failed", str(e), group_id=group.group_id, phase_s=phase_s)
+            return self._finish(key, failed, phase_s["matchmaking"])
         phase_s["allreduce"] = loop.time() - start
         start = loop.time()
         await asyncio.to_thread(self._tensors.scatter)
@@ -293,6 +297,8 @@ class DecentralizedAverager:
 
     def _finish(self, key: str, result: RoundResult, matchmaking_s: float) -> RoundResult:
         result = dataclasses.replace(result, matchmaking_s=matchmaking_s)
+        if self._matchmaker is not None and result.status in ("ok", "partial"):
+            self._matchmaker.note_round(result.members)
         self.num_rounds += 1
         if result.status != "ok":
             logger.warning(
@@ -326,7 +332,7 @@ def _result_of(
         "; ".join(reasons),
         group_id=group.group_id,
         members=group.peer_ids,
-        weights={m.peer_id: m.weight for m in group.members},
+        weights=group.weights(),
         dropped_peers=tuple(dict.fromkeys([*outcome.dropped, *outcome.failed_parts])),
         bytes_sent=outcome.stats.bytes_sent,
         bytes_received=outcome.stats.bytes_received,

@@ -6,9 +6,11 @@ import math
 import re
 from dataclasses import dataclass
 
+from averaging.bounds import DEFAULT_MAX_WEIGHT_RATIO, MAX_BANDWIDTH
 from averaging.compression import UINT8_BLOCK, Compression
 from averaging.errors import ConfigError
-from averaging.group import DEFAULT_CHUNK_NUMEL, MAX_CHUNK_NUMEL
+from averaging.group import DEFAULT_CHUNK_NUMEL, MAX_CHUNK_NUMEL, MAX_WEIGHT_RATIO
+from averaging.robust import Aggregation
 
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -47,6 +49,16 @@ class AveragerConfig:
             upload bandwidth in Mbit/s); parts are sized in proportion. Client-mode peers
             reduce nothing whatever this says.
         group_bits: appended to the matchmaking key (Moshpit-style sub-swarms in large runs).
+        aggregation: how reducers combine contributions: ``mean`` (weighted, exact),
+            ``trimmed_mean`` or ``centered_clip`` (robust to a minority of bad contributions;
+            for ``grad`` mode; see :mod:`averaging.robust`). A peer joins only groups that use
+            its own setting.
+        max_weight_ratio: a member's weight counts at most this many times the lower median
+            weight of its group (see :mod:`averaging.bounds`). A peer joins only groups that
+            use its own setting.
+        num_partner_rounds: the members of this peer's last this many rounds are its partners;
+            it follows a partner's lead before a stranger's (leadership that fresh ids cannot
+            grind; see :mod:`averaging.matchmaking`).
     """
 
     target_group_size: int = 16
@@ -65,6 +77,9 @@ class AveragerConfig:
     compression: Compression = Compression.NONE
     bandwidth: float = 1.0
     group_bits: str = ""
+    aggregation: Aggregation = Aggregation.MEAN
+    max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO
+    num_partner_rounds: int = 8
 
     def __post_init__(self) -> None:
         try:
@@ -115,8 +130,19 @@ class AveragerConfig:
             )
         if self.offload_min_numel < 0:
             raise ConfigError(f"offload_min_numel must be >= 0, got {self.offload_min_numel}")
-        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
-            raise ConfigError(f"bandwidth must be a positive number, got {self.bandwidth}")
+        if not 0 < self.bandwidth <= MAX_BANDWIDTH:
+            raise ConfigError(f"bandwidth must be in (0, 1e12], got {self.bandwidth}")
+        try:
+            object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
+        except ValueError:
+            raise ConfigError(
+                f"aggregation must be one of mean, trimmed_mean, centered_clip; "
+                f"got {self.aggregation!r}"
+            ) from None
+        if not 1 <= self.max_weight_ratio <= MAX_WEIGHT_RATIO:
+            raise ConfigError(f"max_weight_ratio must be in [1, 1e6], got {self.max_weight_ratio}")
+        if self.num_partner_rounds < 0:
+            raise ConfigError(f"num_partner_rounds must be >= 0, got {self.num_partner_rounds}")
         if self.group_bits and not set(self.group_bits) <= {"0", "1"}:
             raise ConfigError(f"group_bits must be a string of 0s and 1s, got {self.group_bits!r}")
 

@@ -1,19 +1,36 @@
-"""A formed group: who averages together this round, and how that travels on the wire."""
+"""A formed group: who averages together this round, and how that travels on the wire.
+
+Wire format (a msgpack map; the leader sends it, every member checks it whole):
+``group`` (hex id), ``members`` (a list of ``{peer, addr, bw, w}``, sorted by peer id, no peer
+or address twice), ``compression``, ``chunk`` (values per chunk), ``agg`` (the aggregation
+rule, :mod:`averaging.robust`) and ``wr`` (the weight ratio of :func:`averaging.bounds.
+bounded_weights`). Entries are bounded (:mod:`averaging.bounds`), and the parts and weights
+every member uses are the bounded ones.
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from averaging.bounds import (
+    DEFAULT_MAX_WEIGHT_RATIO,
+    bounded_weights,
+    check_address,
+    fair_bandwidths,
+    is_number,
+    valid_bandwidth,
+    valid_weight,
+)
 from averaging.compression import UINT8_BLOCK, Compression
 from averaging.errors import ProtocolViolation
 from averaging.partition import Part, make_parts
+from averaging.robust import Aggregation
 from dht.identity import is_peer_id
 
 MAX_GROUP_SIZE = 256
-MAX_ADDRESS_CHARS = 300
+MAX_WEIGHT_RATIO = 1e6
 MAX_CHUNK_NUMEL = 2 * 1024 * 1024  # 8 MiB of float32: the transport's default frame limit
 DEFAULT_CHUNK_NUMEL = 1024 * 1024  # 4 MiB of float32: fewer, larger writes cost less CPU
 
@@ -54,24 +71,14 @@ class GroupMember:
         peer_id, address = raw.get("peer"), raw.get("addr")
         bandwidth, weight = raw.get("bw"), raw.get("w")
         if not is_peer_id(peer_id):
-            raise ProtocolViolation(f"bad peer id in group: {peer_id!r}")
-        if address is not None and not (
-            isinstance(address, str) and 0 < len(address) <= MAX_ADDRESS_CHARS
-        ):
-            raise ProtocolViolation("bad member address")
-        for name, value in (("bandwidth", bandwidth), ("weight", weight)):
-            if not _is_nonnegative_number(value):
-                raise ProtocolViolation(f"member {name} must be a finite number >= 0")
+            raise ProtocolViolation(f"bad peer id in group: {str(peer_id)[:80]!r}")
+        if address is not None and not check_address(address):
+            raise ProtocolViolation("a member address must be http(s)://host:port")
+        if not valid_bandwidth(bandwidth):
+            raise ProtocolViolation("member bandwidth must be a finite number in [0, 1e12]")
+        if not valid_weight(weight):
+            raise ProtocolViolation("member weight must be 0 or a finite number in [2**-20, 2**53]")
         return cls(peer_id, address, float(bandwidth), float(weight))
-
-
-def _is_nonnegative_number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )
 
 
 @dataclass(frozen=True)
@@ -83,19 +90,32 @@ class GroupInfo:
         members: the members, ordered by peer id; part ``i`` is reduced by ``members[i]``.
         compression: the wire format every member uses this round.
         chunk_numel: the most values per chunk (small parts use smaller chunks).
+        aggregation: how reducers combine the contributions (:mod:`averaging.robust`).
+        max_weight_ratio: a weight counts at most this many times the lower median weight.
     """
 
     group_id: str
     members: tuple[GroupMember, ...]
     compression: Compression = Compression.NONE
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    aggregation: Aggregation = Aggregation.MEAN
+    max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", Compression(self.compression))
+        object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
         object.__setattr__(self, "members", tuple(self.members))
         ids = [m.peer_id for m in self.members]
         if len(set(ids)) != len(ids):
             raise ProtocolViolation("a peer appears twice in the group")
+        if ids != sorted(ids):
+            raise ProtocolViolation("group members are not ordered by peer id")
+        addresses = [m.address for m in self.members if m.address is not None]
+        if len(set(addresses)) != len(addresses):
+            raise ProtocolViolation("two members of the group share an address")
+        ratio = self.max_weight_ratio
+        if not (is_number(ratio) and 1 <= ratio <= MAX_WEIGHT_RATIO):
+            raise ProtocolViolation(f"bad weight ratio {self.max_weight_ratio!r}")
         if not (
             isinstance(self.chunk_numel, int)
             and UINT8_BLOCK <= self.chunk_numel <= MAX_CHUNK_NUMEL
@@ -117,9 +137,22 @@ class GroupInfo:
         return self.members[self.index_of(peer_id)]
 
     def parts(self, total_numel: int) -> list[Part]:
-        """One part per member (empty for client-mode peers), sized by bandwidth."""
-        bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
-        return make_parts(total_numel, bandwidths, self.chunk_numel)
+        """One part per member (empty for client-mode peers), sized by its fair bandwidth
+        (:func:`averaging.bounds.fair_bandwidths`).
+
+        Raises:
+            ProtocolViolation: no member can reduce (every bandwidth is 0).
+        """
+        bandwidths = fair_bandwidths([0.0 if m.client_mode else m.bandwidth for m in self.members])
+        try:
+            return make_parts(total_numel, bandwidths, self.chunk_numel)
+        except (ValueError, OverflowError, ZeroDivisionError) as e:
+            raise ProtocolViolation(f"the group cannot be partitioned: {e}") from None
+
+    def weights(self) -> dict[str, float]:
+        """Each member's weight as every member uses it (bounded relative to the group)."""
+        bounded = bounded_weights([m.weight for m in self.members], self.max_weight_ratio)
+        return dict(zip(self.peer_ids, bounded, strict=True))
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -127,6 +160,8 @@ class GroupInfo:
             "members": [m.to_wire() for m in self.members],
             "compression": self.compression.value,
             "chunk": self.chunk_numel,
+            "agg": self.aggregation.value,
+            "wr": self.max_weight_ratio,
         }
 
     @classmethod
@@ -153,4 +188,11 @@ class GroupInfo:
         chunk_numel = raw.get("chunk")
         if isinstance(chunk_numel, bool):
             raise ProtocolViolation("bad chunk size")
-        return cls(group_id, parsed, compression, chunk_numel)
+        try:
+            aggregation = Aggregation(raw.get("agg"))
+        except ValueError:
+            raise ProtocolViolation("unknown aggregation in group") from None
+        ratio = raw.get("wr")
+        if not is_number(ratio):
+            raise ProtocolViolation("bad weight ratio in group")
+        return cls(group_id, parsed, compression, chunk_numel, aggregation, float(ratio))

@@ -127,7 +127,12 @@ class Leader:
         members = [search.me] + [f.member for f in term.followers.values() if f.waiting]
         members.sort(key=lambda m: m.peer_id)
         group = GroupInfo(
-            secrets.token_hex(16), tuple(members), search.compression, self._config.chunk_numel
+            secrets.token_hex(16),
+            tuple(members),
+            search.compression,
+            self._config.chunk_numel,
+            self._config.aggregation,
+            self._config.max_weight_ratio,
         )
         term.outcome.set_result(group)
         search.wakeup.set()

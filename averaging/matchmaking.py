@@ -17,6 +17,20 @@ The protocol has three requests, all answered at once except ``wait``:
 * ``invite`` (leader to worse-ranked peers it sees in the DHT): "join me now", so that peers
   that announced before the leader did need not wait for their next read of the DHT.
 
+**Leadership that fresh ids cannot grind.** Ids are free, so anyone can make one that ranks first
+under any key. Peers that have averaged before say so in their announcement (``settled``) and
+rank before newcomers, so a newcomer joins an established peer's group rather than leading a
+group nobody comes to. A peer follows only its *partners* (the members of its last
+``num_partner_rounds`` rounds) while any partner is looking: the best-ranked partner that ranks
+above it, or none (it leads, and its partners come to it). Only a peer with no partner looking
+(a newcomer, the first round) follows whoever ranks best; a peer with partners that sees none of
+them looking leads alone for the first half of its matchmaking time before it follows a stranger
+(a partner's record may not have reached it yet), and a partner's redirect to a stranger is not
+followed. Every wait still points to a better-ranked peer, so there are no cycles. A leader gains
+little anyway: every member checks the whole group description (:meth:`Matchmaker._check_group`),
+parts are bounded by fair bandwidths and weights relative to the group
+(:mod:`averaging.bounds`); what a leader chooses is who joins.
+
 Peers announce before they first read, so of two peers that start together the later one always
 sees the earlier one. The leader's side is :mod:`averaging.leader`; a leader closes its group as
 soon as it has ``target_group_size`` members, at its own deadline, or at a follower's deadline,
@@ -28,9 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Mapping
+from collections import deque
+from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any, TypeVar
 
+from averaging.bounds import check_address
 from averaging.compression import Compression
 from averaging.config import AveragerConfig
 from averaging.errors import ProtocolViolation
@@ -76,10 +92,19 @@ class Matchmaker:
         self._wait_name = f"averaging.{prefix}.wait"
         self._invite_name = f"averaging.{prefix}.invite"
         self._search: Search | None = None
+        self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
+        self.partners: frozenset[str] = frozenset()
         self._leader = Leader(config, lambda: self._search)
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
         transport.add_rpc_handler(self._invite_name, self._on_invite)
+
+    def note_round(self, members: Iterable[str]) -> None:
+        """``members`` averaged with this peer: partners for the next rounds."""
+        if self._config.num_partner_rounds == 0:
+            return
+        self._rounds.append(frozenset(members) - {self._peer_id})
+        self.partners = frozenset().union(*self._rounds)
 
     # ---- looking for a group -----------------------------------------------------------------
 
@@ -103,9 +128,11 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         address = self._transport.address
         me = GroupMember(self._peer_id, address, self._config.bandwidth, weight)
-        rank = rank_of(key, self._peer_id) if address is not None else CLIENT_RANK
+        settled = bool(self.partners)
+        rank = rank_of(key, self._peer_id, settled) if address is not None else CLIENT_RANK
         target = target_group_size or self._config.target_group_size
         search = Search(key, me, numel, compression, loop.time() + timeout_s, rank, target)
+        search.strangers_after = loop.time() + timeout_s / 2
         search.lead()
         self._search = search
         try:
@@ -124,7 +151,7 @@ class Matchmaker:
                 await asyncio.wait(search.tasks)
 
     async def _announce(self, search: Search) -> None:
-        value = {"addr": search.me.address, "numel": search.numel}
+        value = {"addr": search.me.address, "numel": search.numel, "settled": search.settled}
         expiration = get_dht_time() + (search.deadline - asyncio.get_running_loop().time())
         subkey = owner_subkey(search.me.peer_id)
         start = asyncio.get_running_loop().time()
@@ -209,7 +236,11 @@ class Matchmaker:
                 and candidate.peer_id not in search.term.followers
             ):
                 search.invited.add(candidate.peer_id)
-                request = {"key": search.key, "leader": search.me.address}
+                request = {
+                    "key": search.key,
+                    "leader": search.me.address,
+                    "settled": search.settled,
+                }
                 task = asyncio.create_task(
                     self._request(search, candidate, self._invite_name, request)
                 )
@@ -230,9 +261,9 @@ class Matchmaker:
             owner, value = subkey_owner(subkey), getattr(item, "value", None)
             if not (is_peer_id(owner) and isinstance(value, Mapping)):
                 continue
-            address = value.get("addr")
-            if owner != self._peer_id and isinstance(address, str) and address:
-                candidates.append(Candidate(owner, address, rank_of(search.key, owner)))
+            address, settled = value.get("addr"), value.get("settled") is True
+            if owner != self._peer_id and check_address(address):
+                candidates.append(Candidate(owner, address, rank_of(search.key, owner, settled)))
         logger.debug(
             "read %d candidate(s) under %s in %.1f ms",
             len(candidates),
@@ -242,7 +273,13 @@ class Matchmaker:
         return candidates
 
     def _best_leader(self, search: Search, candidates: list[Candidate]) -> Candidate | None:
+        """The best-ranked peer above this one to follow: among partners while any partner is
+        looking (see the module docstring), else among all."""
         now = asyncio.get_running_loop().time()
+        if any(c.peer_id in self.partners for c in candidates):
+            candidates = [c for c in candidates if c.peer_id in self.partners]
+        elif self.partners and now < search.strangers_after:
+            return None  # partners may not have announced yet: lead for now
         eligible = [
             c
             for c in candidates
@@ -287,7 +324,10 @@ class Matchmaker:
                 search.skip_until[target.peer_id] = (
                     asyncio.get_running_loop().time() + self._config.matchmaking_poll_min_s
                 )
+                was_partner = target.peer_id in self.partners
                 target = search.parse_candidate(answer.get("leader"))
+                if was_partner and target is not None and target.peer_id not in self.partners:
+                    return None  # a partner that follows a stranger: lead rather than go there
                 continue
             search.excluded.add(target.peer_id)
             if status == "full":
@@ -317,13 +357,15 @@ class Matchmaker:
         if status == "group":
             try:
                 group = GroupInfo.from_wire(answer.get("group"))
-                self._check_group(search, group)
+                self._check_group(search, group, leader)
                 return group
             except (ProtocolViolation, KeyError, ValueError) as e:
                 logger.warning("leader %s sent a bad group: %s", leader.peer_id[:8], e)
         elif status == "redirect":
             redirect = search.parse_candidate(answer.get("leader"))
-            if redirect is not None:
+            if redirect is not None and (
+                redirect.peer_id in self.partners or leader.peer_id not in self.partners
+            ):
                 search.excluded.add(leader.peer_id)
                 search.lead()
                 return await self._follow(search, redirect)
@@ -331,10 +373,32 @@ class Matchmaker:
         search.lead()
         return None
 
-    def _check_group(self, search: Search, group: GroupInfo) -> None:
+    def _check_group(self, search: Search, group: GroupInfo, leader: Candidate) -> None:
+        """Refuse a group this peer cannot take part in honestly: it must list this peer as
+        it is, and the leader as it answered; be no larger than this peer would form; use this
+        peer's aggregation rule and weight bound; and partition (bounded by fair bandwidths).
+        Its structure (sorted unique ids, distinct addresses, bounded entries) was checked by
+        :meth:`GroupInfo.from_wire`.
+
+        Raises:
+            ProtocolViolation, KeyError: the group is refused.
+        """
         me = group.member(search.me.peer_id)  # KeyError if we are not in it
-        if me.weight != search.me.weight or me.address != search.me.address:
+        if (me.weight, me.address, me.bandwidth) != (
+            search.me.weight,
+            search.me.address,
+            search.me.bandwidth,
+        ):
             raise ProtocolViolation("the group misrepresents this peer")
+        if group.member(leader.peer_id).address != leader.address:
+            raise ProtocolViolation("the group misrepresents its leader")
+        if len(group.members) > max(search.target_group_size, self._config.target_group_size):
+            raise ProtocolViolation(f"a group of {len(group.members)} is larger than allowed")
+        if group.aggregation != self._config.aggregation:
+            raise ProtocolViolation(f"the group aggregates by {group.aggregation.value}")
+        if group.max_weight_ratio != self._config.max_weight_ratio:
+            raise ProtocolViolation(f"the group bounds weights at {group.max_weight_ratio:g}x")
+        group.parts(search.numel)
 
     def _join_request(self, search: Search) -> dict[str, Any]:
         return {
@@ -372,7 +436,9 @@ class Matchmaker:
         search = self._search
         if not isinstance(request, Mapping) or search is None or request.get("key") != search.key:
             return {"status": "not_looking"}
-        leader = search.parse_candidate({"peer": ctx.sender, "addr": request.get("leader")})
+        leader = search.parse_candidate(
+            {"peer": ctx.sender, "addr": request.get("leader"), "settled": request.get("settled")}
+        )
         if leader is None:
             return {"status": "ignored"}
         search.hints[leader.peer_id] = leader

@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from averaging.accumulator import checked, make_window
+from averaging.bounds import value_limit
 from averaging.compression import Codec
 from averaging.config import AveragerConfig
 from averaging.errors import BadChunkError, ProtocolViolation
 from averaging.partition import Part
 from averaging.protocol import CHUNK_HEADER, REPLY_OK, PartHeader, pack_chunk_header
 from averaging.protocol import unpack_chunk_header as parse_chunk_header
+from averaging.robust import Aggregation
 from averaging.work import Worker
 
 logger = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ class _Sender:
     peer_id: str
     weight: float
     num_chunks: int  # chunks it owes (0 for weight 0)
+    row: int  # its row in a robust window (this peer's is 0)
     last_progress: float
     connected: bool = False
     delivered: int = 0
@@ -45,13 +49,6 @@ class _Sender:
     @property
     def dropped(self) -> bool:
         return self.dropped_reason is not None
-
-
-def checked_finite(values: np.ndarray) -> np.ndarray:
-    """``values`` if every one is finite (one pass; faster than a sum in numpy)."""
-    if not np.isfinite(values).all():
-        raise BadChunkError("chunk contains NaN or Inf")
-    return values
 
 
 class PartReducer:
@@ -67,6 +64,7 @@ class PartReducer:
         codec: the group's wire format.
         config: timeouts and the in-flight window.
         worker: runs and times the numpy work.
+        aggregation: how contributions combine (:mod:`averaging.robust`).
     """
 
     def __init__(
@@ -80,6 +78,7 @@ class PartReducer:
         codec: Codec,
         config: AveragerConfig,
         worker: Worker,
+        aggregation: Aggregation = Aggregation.MEAN,
     ):
         self.part = part
         self._values = values
@@ -88,13 +87,26 @@ class PartReducer:
         self._codec = codec
         self._timeout_s = config.sender_timeout_s
         self._worker = worker
-        self._window = max(1, min(config.max_chunks_in_flight, part.num_chunks))
-        self._acc = np.empty((self._window, part.chunk_numel), dtype=np.float32)
+        robust = aggregation is not Aggregation.MEAN
+        # a robust window holds a row per contributor: fewer chunks in flight
+        in_flight = min(config.max_chunks_in_flight, 2) if robust else config.max_chunks_in_flight
+        self._window = max(1, min(in_flight, part.num_chunks))
+        num_contributors = 1 + len(senders)
+        # each weighted contribution within limit: their sum (or differences) cannot overflow
+        limit = value_limit(2 * num_contributors if robust else num_contributors)
+        self._limit = limit
+        self._acc = make_window(
+            aggregation,
+            window=self._window,
+            chunk_numel=part.chunk_numel,
+            senders=list(senders),
+            limit=limit,
+        )
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._senders = {
-            peer: _Sender(peer, w, part.num_chunks if w > 0 else 0, now)
-            for peer, w in senders.items()
+            peer: _Sender(peer, w, part.num_chunks if w > 0 else 0, row=row, last_progress=now)
+            for row, (peer, w) in enumerate(senders.items(), start=1)
         }
         self._weight_sum = [0.0] * part.num_chunks
         self._num_contributors = [0] * part.num_chunks
@@ -125,13 +137,11 @@ class PartReducer:
 
     def _open(self, chunk: int) -> None:
         lo, hi = self.part.chunk_bounds(chunk)
-        slot = self._acc[chunk % self._window, : hi - lo]
-        if self._own_weight > 0:
-            np.multiply(self._values[lo:hi], self._own_weight, out=slot)
+        if self._acc.open(chunk, self._values[lo:hi], self._own_weight):
             self._weight_sum[chunk] = self._own_weight
             self._num_contributors[chunk] = 1
-        else:
-            slot.fill(0.0)
+        elif self._own_weight > 0:
+            logger.warning("part %d: own values too large to weigh; not counted", self.part.index)
         self._opened_at[chunk] = asyncio.get_running_loop().time()
         self._opened[chunk].set_result(None)
 
@@ -165,26 +175,32 @@ class PartReducer:
 
     async def _average(self, chunk: int) -> None:
         lo, hi = self.part.chunk_bounds(chunk)
-        slot = self._acc[chunk % self._window, : hi - lo]
         own = self._values[lo:hi]
         total = self._weight_sum[chunk]
-        if total <= 0:
+        average = None
+        if total > 0:
+            cost = 0 if self._acc.weighted_decode else self._num_contributors[chunk] * (hi - lo)
+            average = await self._worker.run(
+                "reduce", cost, self._acc.average, chunk, hi - lo, total
+            )
+            if average is None:
+                logger.warning("part %d chunk %d: average not finite", self.part.index, chunk)
+        if average is None:
             self._averaged[chunk].set_result((None, 0))  # nobody's values: everyone keeps theirs
             return
         if self._codec.is_identity:
-            await self._worker.run("reduce", 0, np.multiply, slot, np.float32(1 / total), own)
+            await self._worker.run("reduce", 0, np.copyto, own, average)
             payload = own
         else:
-            payload = await self._worker.run("encode", hi - lo, self._encode_average, slot, total)
+            payload = await self._worker.run("encode", hi - lo, self._encode, average)
             await self._worker.run("decode", hi - lo, self._codec.decode_into, payload, own)
         num_contributors = self._num_contributors[chunk]
         self._averaged[chunk].set_result((payload, num_contributors))
         if num_contributors > (self._own_weight > 0):  # someone else's values are in it
             self.averaged_numel += hi - lo
 
-    def _encode_average(self, slot: np.ndarray, total: float) -> memoryview:
-        slot *= np.float32(1 / total)
-        return memoryview(self._codec.encode(slot)).cast("B")
+    def _encode(self, average: np.ndarray) -> memoryview:
+        return memoryview(self._codec.encode(average)).cast("B")
 
     async def _wait_until_served(self) -> None:
         loop = asyncio.get_running_loop()
@@ -322,8 +338,9 @@ class PartReducer:
             )
             if sender.dropped or self._closed:
                 return
-            slot = self._acc[chunk % self._window, :size]
-            await self._worker.run("reduce", 0, np.add, slot, values, slot)
+            await self._worker.run(
+                "reduce", 0, self._acc.add, chunk, sender.row, values, sender.weight
+            )
             self._weight_sum[chunk] += sender.weight
             self._num_contributors[chunk] += 1
             sender.delivered = chunk + 1
@@ -335,14 +352,18 @@ class PartReducer:
         return 0 if self._codec.is_identity else numel
 
     def _decode_weighted(self, payload, target, size: int, weight: float) -> np.ndarray:
-        """The sender's values times its weight, checked to be finite."""
-        if target is None:  # raw float32: check the received bytes, then weigh them in place
-            values = checked_finite(np.frombuffer(payload, dtype="<f4", count=size))
-            if weight != 1.0:
-                values *= np.float32(weight)
-            return values
-        self._codec.decode_into(payload, target, weight)
-        return target if self._codec.checks_finite else checked_finite(target)
+        """The sender's values (times its weight, for the mean), checked after weighting: every
+        one finite and within the limit, so that no sum of contributions overflows."""
+        factor = weight if self._acc.weighted_decode else 1.0
+        with np.errstate(over="ignore", invalid="ignore"):  # what overflows is refused below
+            if target is None:  # raw float32: weigh the received bytes in place
+                values = np.frombuffer(payload, dtype="<f4", count=size)
+                if factor != 1.0:
+                    values *= np.float32(factor)
+            else:
+                self._codec.decode_into(payload, target, factor)
+                values = target
+        return checked(values, self._limit)
 
     async def _write(self, sender: _Sender, stream) -> None:
         for chunk in range(self.part.num_chunks):

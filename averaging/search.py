@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from averaging.bounds import check_address
 from averaging.compression import Compression
 from averaging.group import GroupInfo, GroupMember
 from dht.identity import is_peer_id
@@ -29,8 +30,12 @@ class Candidate:
     address: str
     rank: bytes
 
-    def to_wire(self) -> dict[str, str]:
-        return {"peer": self.peer_id, "addr": self.address}
+    @property
+    def settled(self) -> bool:
+        return self.rank[:1] == SETTLED
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"peer": self.peer_id, "addr": self.address, "settled": self.settled}
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,19 @@ class MatchResult:
     reason: str = ""
 
 
-def rank_of(key: str, peer_id: str) -> bytes:
-    """The peer's place in the leader order of ``key`` (smaller leads)."""
-    return hashlib.sha256(key.encode() + bytes.fromhex(peer_id)).digest()
+SETTLED, NEWCOMER = b"\x00", b"\x01"
 
 
-CLIENT_RANK = b"\xff" * 33  # after every sha256: a client-mode peer never leads
+def rank_of(key: str, peer_id: str, settled: bool = True) -> bytes:
+    """The peer's place in the leader order of ``key`` (smaller leads): peers that have
+    averaged before (``settled``, they say so in their announcement) before newcomers, then
+    by ``sha256(key, peer id)``."""
+    return (SETTLED if settled else NEWCOMER) + hashlib.sha256(
+        key.encode() + bytes.fromhex(peer_id)
+    ).digest()
+
+
+CLIENT_RANK = b"\xff" * 34  # after every rank: a client-mode peer never leads
 
 
 @dataclass(eq=False)
@@ -95,6 +107,12 @@ class Search:
     invited: set[str] = field(default_factory=set)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task] = field(default_factory=set)
+    strangers_after: float = 0.0  # loop time from which a peer with partners follows others
+
+    @property
+    def settled(self) -> bool:
+        """Whether this peer ranks among the settled (it has partners)."""
+        return self.rank[:1] == SETTLED
 
     def lead(self) -> None:
         """Start a new term (accept followers), unless following or in client mode."""
@@ -107,9 +125,11 @@ class Search:
         if not isinstance(raw, Mapping):
             return None
         peer_id, address = raw.get("peer"), raw.get("addr")
-        if not (is_peer_id(peer_id) and isinstance(address, str) and address):
+        if not (is_peer_id(peer_id) and check_address(address)):
             return None
-        candidate = Candidate(peer_id, address, rank_of(self.key, peer_id))
+        candidate = Candidate(
+            peer_id, address, rank_of(self.key, peer_id, raw.get("settled") is True)
+        )
         if candidate.rank >= self.rank or peer_id in self.excluded:
             return None
         return candidate

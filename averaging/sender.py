@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from averaging.accumulator import checked
+from averaging.bounds import FLOAT32_MAX
 from averaging.compression import Codec
 from averaging.config import AveragerConfig
 from averaging.errors import AveragingError, BadChunkError, ProtocolViolation, translate
@@ -19,7 +21,7 @@ from averaging.group import GroupMember
 from averaging.partition import Part
 from averaging.protocol import CHUNK_HEADER, REPLY_OK, PartHeader, pack_chunk_header
 from averaging.protocol import unpack_chunk_header as parse_chunk_header
-from averaging.reducer import checked_finite, describe_failure
+from averaging.reducer import describe_failure
 from averaging.work import Worker
 from dht.errors import DHTError
 
@@ -184,4 +186,4 @@ class PartSender:
         else:
             self._codec.decode_into(payload, scratch)
             values = scratch
-        np.copyto(out, checked_finite(values))
+        np.copyto(out, checked(values, FLOAT32_MAX))

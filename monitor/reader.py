@@ -1,9 +1,11 @@
 """Reads a run's records from the DHT into :class:`monitor.state.SwarmView` frames.
 
-Three dictionary keys per run, each holding one signed record per peer: ``{run}/progress``
-(:mod:`peer.swarm.progress`), ``{run}/profile`` (:mod:`peer.records.profile`) and ``{run}/rounds``
-(:mod:`peer.swarm.round_log`). A read fetches the three at once (``latest=True``: the merge of the k
-closest replicas) under one timeout; a failed read keeps the last records and says why.
+Four dictionary keys per run, each holding one signed record per peer: ``{run}/progress``
+(:mod:`peer.records.progress`), ``{run}/profile`` (:mod:`peer.records.profile`), ``{run}/rounds``
+(:mod:`peer.records.rounds`) and ``{run}/state`` (:mod:`peer.records.state`: the digests that
+mark a replica differing from its group's). A read fetches the four at once (``latest=True``: the
+merge of the k closest replicas) under one timeout; a failed read keeps the last records and says
+why. Every record passes the schema of :mod:`peer.records` (the rest is dropped and counted).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from monitor.state import SwarmView, ViewBuilder
 from peer.records.profile import parse_profile, profile_key
 from peer.records.progress import parse_record
 from peer.records.rounds import parse_rounds, rounds_key
+from peer.records.state import parse_state, state_key
 
 logger = logging.getLogger(__name__)
 # The largest believable rate of one peer (as :class:`peer.swarm.progress.ProgressConfig` has it).
@@ -47,19 +50,26 @@ class SwarmReader:
         self.node = node
         self.config = config
         self.builder = ViewBuilder(config, local_peer_id=local_peer_id)
-        self._records: dict[str, list] = {"progress": [], "profiles": [], "rounds": []}
+        self._records: dict[str, list] = {
+            "progress": [],
+            "profiles": [],
+            "rounds": [],
+            "states": [],
+        }
 
     async def _fetch(self) -> dict[str, list]:
         run_id = self.config.run_id
-        progress, profiles, rounds = await asyncio.gather(
+        progress, profiles, rounds, states = await asyncio.gather(
             self.node.get(f"{run_id}/progress", latest=True),
             self.node.get(profile_key(run_id), latest=True),
             self.node.get(rounds_key(run_id), latest=True),
+            self.node.get(state_key(run_id), latest=True),
         )
         parsed = {
             "progress": [parse_record(k, v, MAX_SAMPLES_PER_S) for k, v in _items(progress)],
             "profiles": [parse_profile(k, v) for k, v in _items(profiles)],
             "rounds": [parse_rounds(k, v) for k, v in _items(rounds)],
+            "states": [parse_state(k, v) for k, v in _items(states)],
         }
         return {name: [r for r in records if r is not None] for name, records in parsed.items()}
 

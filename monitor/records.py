@@ -68,7 +68,12 @@ class ThreadedSwarmReader:
         self.records = records
         self.config = config
         self.builder = ViewBuilder(config, local_peer_id=local_peer_id)
-        self._records: dict[str, list] = {"progress": [], "profiles": [], "rounds": []}
+        self._records: dict[str, list] = {
+            "progress": [],
+            "profiles": [],
+            "rounds": [],
+            "states": [],
+        }
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="vp-monitor-read"
         )

@@ -120,6 +120,8 @@ def _peer_cells(peer: PeerView, view: SwarmView, wide: bool, bar_width: int) -> 
     epoch = Text(str(peer.epoch))
     if peer.behind:
         epoch = Text(f"{peer.epoch}-{view.epoch - peer.epoch}", style="yellow")
+    if peer.replica_differs:  # its state is not its group's: red, whatever else
+        epoch.stylize("bold red")
     rate = Text(fmt_count(peer.samples_per_s), style="yellow" if peer.straggler else "")
     seen = Text(fmt_seconds(peer.age_s), style="red" if peer.stale else "")
     name = Text(("*" if peer.local else "") + peer.short_id)
@@ -138,6 +140,7 @@ def _peer_cells(peer: PeerView, view: SwarmView, wide: bool, bar_width: int) -> 
                 (peer.behind, "behind"),
                 (peer.straggler, "straggler"),
                 (peer.stale, "out of date"),
+                (peer.replica_differs, "replica differs"),
             )
             if flag
         ]
@@ -323,6 +326,9 @@ def plain_line(view: SwarmView) -> str:
         f"loss={view.loss:.4f}" if view.loss is not None else "loss=-",
         f"bottleneck={view.verdict.bottleneck if view.verdict else '-'}",
     ]
+    differ = [peer.short_id for peer in view.peers if peer.replica_differs]
+    if differ:
+        parts.append(f"replicas_differ={','.join(differ)}")
     if view.alerts:
         parts.append(f"alert={view.alerts[0].text!r}")
     if view.error:

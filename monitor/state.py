@@ -21,6 +21,7 @@ from monitor.view import Alert, PeerView, RoundRow, SwarmVerdict, SwarmView
 from peer.records.profile import PHASE_GROUPS, ProfileRecord
 from peer.records.progress import PeerProgress
 from peer.records.rounds import RoundEntry, RoundLogRecord
+from peer.records.state import StateAnnouncement, replica_outliers
 
 # Worst first: the status a round row shows when its peers disagree.
 _STATUS_RANK = {"failed": 0, "partial": 1, "alone": 2, "ok": 3}
@@ -134,9 +135,12 @@ class ViewBuilder:
         rounds: Sequence[RoundLogRecord],
         now: float,
         error: str | None = None,
+        states: Sequence[StateAnnouncement] = (),
     ) -> SwarmView:
-        """The frame for one read of the records at DHT time ``now``."""
+        """The frame for one read of the records at DHT time ``now`` (``states``: the peers'
+        state announcements, whose digests mark replicas that differ from their group's)."""
         cfg = self.config
+        differ = replica_outliers(states)
         profile_of = {p.peer_id: p for p in profiles if now - p.time <= cfg.profile_max_age_s}
         rounds_of = {r.peer_id: r for r in rounds}
         epoch = swarm_epoch([p.epoch for p in progress])
@@ -159,6 +163,7 @@ class ViewBuilder:
                     straggler=record.samples_per_s < cfg.straggler_ratio * median_rate,
                     stale=age_s > cfg.stale_after_s,
                     local=record.peer_id == self.local_peer_id,
+                    replica_differs=record.peer_id in differ,
                 )
             )
         accumulated, target = self._accumulated(peers, epoch, now), self._target(rounds)
@@ -265,6 +270,9 @@ class ViewBuilder:
             if peer.stale:
                 text = f"peer {peer.short_id} silent for {peer.age_s:.0f} s"
                 conditions.append(Alert("warning", text, now))
+            if peer.replica_differs:
+                text = f"peer {peer.short_id}: its replica differs from its group's"
+                conditions.append(Alert("error", text, now))
         return (*conditions, *reversed(events))
 
 

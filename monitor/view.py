@@ -26,6 +26,8 @@ class PeerView:
         straggler: its rate is well below the swarm's median.
         stale: its progress record is older than ``stale_after_s`` (out of date).
         local: it is the peer this dashboard runs in.
+        replica_differs: the digest of its state at its latest epoch differs from the one most
+            peers at that epoch announce (``{run}/state``): its replica drifted, or it lies.
     """
 
     peer_id: str
@@ -40,6 +42,7 @@ class PeerView:
     straggler: bool = False
     stale: bool = False
     local: bool = False
+    replica_differs: bool = False
 
     @property
     def short_id(self) -> str:

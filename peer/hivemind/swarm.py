@@ -67,7 +67,9 @@ def _progress(value: Any, *, hivemind_fields: bool) -> PeerProgress | None:
             "client_mode": value.get("client_mode", False),
             "peer_id": value["peer_id"],
         }
-    record = parse_record(OWNER_PREFIX + swarm_peer_id(value["peer_id"]), value, MAX_SAMPLES_PER_S)
+    record = parse_record(
+        OWNER_PREFIX + swarm_peer_id(value["peer_id"]), value, MAX_SAMPLES_PER_S, multiaddr=True
+    )
     return record if record is not None and math.isfinite(record.time) else None
 
 

@@ -8,10 +8,22 @@ window (``window_s`` seconds). This module is torch-free so that ``peer monitor`
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
+from typing import Annotated
 
-from dht.validation import subkey_owner
+from pydantic import Field
+
+from peer.records.schema import (
+    Count,
+    Fraction,
+    Loss,
+    Rate,
+    Seconds,
+    WireModel,
+    owner_of,
+    parse_value,
+    text,
+)
 
 PROFILE_KEY_SUFFIX = "profile"
 # The phases a peer's time is attributed to (:mod:`peer.profiling.phases` keeps the clock of them;
@@ -94,48 +106,49 @@ class ProfileRecord:
         }
 
 
-def _finite(value: object, *, low: float = 0.0, high: float = math.inf) -> float:
-    number = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(number):
-        raise ValueError("not finite")
-    return min(max(number, low), high)
+class ProfileWire(WireModel):
+    """The profile record's value as it travels (see :class:`ProfileRecord`)."""
+
+    time: Seconds
+    epoch: Count
+    window_s: Seconds
+    fractions: dict[text(32), Fraction] = Field(default_factory=dict, max_length=64)
+    samples_per_s: Rate = 0.0
+    sent_bytes_per_s: Rate = 0.0
+    recv_bytes_per_s: Rate = 0.0
+    cpu_percent: Annotated[float, Field(ge=0.0, le=1e6)] = 0.0
+    rss_bytes: Count = 0
+    device: text(128) = "cpu"
+    loss: Loss = None
+    bottleneck: text(128) = "balanced"
+    verdict: text(800) = ""
+    backend: text(64) = "native"
 
 
 def parse_profile(subkey: object, value: object) -> ProfileRecord | None:
-    """A peer's profile record from the DHT, or None if it is malformed.
+    """A peer's profile record from the DHT, or None (counted) if it does not fit the schema.
 
-    Numbers are clamped to plausible ranges (fractions to [0, 1]); unknown fields are ignored,
-    so newer publishers stay readable.
+    Fractions of unknown phases are ignored and unknown fields too, so newer publishers stay
+    readable; long strings are cut to what the dashboard shows.
     """
-    peer_id = subkey_owner(subkey) if isinstance(subkey, str) else None
-    if peer_id is None or not isinstance(value, dict):
+    peer_id = owner_of(subkey)
+    wire = parse_value(ProfileWire, "profile", peer_id, value)
+    if wire is None or peer_id is None:
         return None
-    try:
-        raw_fractions = value.get("fractions", {})
-        if not isinstance(raw_fractions, dict):
-            return None
-        fractions = {
-            phase: _finite(raw_fractions[phase], high=1.0)
-            for phase in PROFILE_PHASES
-            if phase in raw_fractions
-        }
-        loss = value.get("loss")
-        return ProfileRecord(
-            peer_id=peer_id,
-            time=_finite(value["time"]),
-            epoch=int(_finite(value["epoch"], high=2**62)),
-            window_s=_finite(value["window_s"]),
-            fractions=fractions,
-            samples_per_s=_finite(value.get("samples_per_s", 0.0)),
-            sent_bytes_per_s=_finite(value.get("sent_bytes_per_s", 0.0)),
-            recv_bytes_per_s=_finite(value.get("recv_bytes_per_s", 0.0)),
-            cpu_percent=_finite(value.get("cpu_percent", 0.0)),
-            rss_bytes=int(_finite(value.get("rss_bytes", 0), high=2**62)),
-            device=str(value.get("device", "cpu"))[:32],
-            loss=None if loss is None else float(loss),
-            bottleneck=str(value.get("bottleneck", "balanced"))[:32],
-            verdict=str(value.get("verdict", ""))[:200],
-            backend=str(value.get("backend", "native"))[:16],
-        )
-    except (KeyError, TypeError, ValueError, OverflowError):
-        return None
+    return ProfileRecord(
+        peer_id=peer_id,
+        time=wire.time,
+        epoch=wire.epoch,
+        window_s=wire.window_s,
+        fractions={p: wire.fractions[p] for p in PROFILE_PHASES if p in wire.fractions},
+        samples_per_s=wire.samples_per_s,
+        sent_bytes_per_s=wire.sent_bytes_per_s,
+        recv_bytes_per_s=wire.recv_bytes_per_s,
+        cpu_percent=wire.cpu_percent,
+        rss_bytes=wire.rss_bytes,
+        device=wire.device[:32],
+        loss=wire.loss,
+        bottleneck=wire.bottleneck[:32],
+        verdict=wire.verdict[:200],
+        backend=wire.backend[:16],
+    )

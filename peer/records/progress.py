@@ -1,14 +1,29 @@
 """The progress record (``{run_id}/progress``): one peer's epoch, samples and rate, and its parser.
 
-Torch-free, like everything in :mod:`peer.records`.
+Wire format (a msgpack map under the publisher's owner subkey; unknown fields are ignored):
+``epoch`` int in [0, 2**53), ``samples`` int in [0, 2**53), ``samples_per_s`` finite float in
+[0, 1e12], ``time`` the publisher's DHT time (finite, in [0, 1e11]), ``address`` an
+``http(s)://host:port`` URL or None, ``client_mode`` bool. A record that does not fit is dropped
+and counted (:mod:`peer.records.schema`). Torch-free, like everything in :mod:`peer.records`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Annotated
 
-from dht.validation import subkey_owner
+from pydantic import AfterValidator
+
+from peer.records.schema import (
+    Count,
+    PeerUrl,
+    Rate,
+    Seconds,
+    WireModel,
+    check_multiaddr,
+    owner_of,
+    parse_value,
+)
 
 PROGRESS_KEY_SUFFIX = "progress"
 
@@ -31,20 +46,37 @@ class PeerProgress:
     client_mode: bool
 
 
-def parse_record(subkey: object, value: object, max_samples_per_s: float) -> PeerProgress | None:
-    """A peer's record from the DHT, or None if it is malformed."""
-    peer_id = subkey_owner(subkey) if isinstance(subkey, str) else None
-    if peer_id is None or not isinstance(value, dict):
+class ProgressWire(WireModel):
+    """The progress record's value as it travels (see the module docstring)."""
+
+    epoch: Count
+    samples: Count
+    samples_per_s: Rate
+    time: Seconds
+    address: PeerUrl | None = None
+    client_mode: bool = False
+
+
+class HivemindProgressWire(ProgressWire):
+    """The same record published by the hivemind backend: its address is a multiaddr."""
+
+    address: Annotated[str, AfterValidator(check_multiaddr)] | None = None  # type: ignore[assignment]
+
+
+def parse_record(
+    subkey: object, value: object, max_samples_per_s: float, *, multiaddr: bool = False
+) -> PeerProgress | None:
+    """A peer's record from the DHT, or None (counted) if it does not fit the schema.
+
+    The rate is clamped to ``max_samples_per_s``, the reader's largest believable rate.
+    ``multiaddr`` reads the hivemind backend's records (libp2p addresses).
+    """
+    peer_id = owner_of(subkey)
+    model = HivemindProgressWire if multiaddr else ProgressWire
+    wire = parse_value(model, "progress", peer_id, value)
+    if wire is None or peer_id is None:
         return None
-    try:
-        epoch, samples = int(value["epoch"]), int(value["samples"])
-        rate, stamp = float(value["samples_per_s"]), float(value["time"])
-        address, client_mode = value.get("address"), bool(value.get("client_mode", False))
-    except (KeyError, TypeError, ValueError, OverflowError):
-        return None
-    if epoch < 0 or samples < 0 or not math.isfinite(rate) or not math.isfinite(stamp):
-        return None
-    if address is not None and not isinstance(address, str):
-        return None
-    rate = min(max(rate, 0.0), max_samples_per_s)
-    return PeerProgress(peer_id, epoch, samples, rate, stamp, address, client_mode)
+    rate = min(wire.samples_per_s, max_samples_per_s)
+    return PeerProgress(
+        peer_id, wire.epoch, wire.samples, rate, wire.time, wire.address, wire.client_mode
+    )

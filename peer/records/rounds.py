@@ -9,15 +9,29 @@ Torch-free, like everything in :mod:`peer.records`.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import asdict, dataclass, field
+from typing import Annotated
 
-from dht.validation import subkey_owner
+from pydantic import Field
+
+from peer.records.schema import (
+    MAX_COUNT,
+    Count,
+    Fraction,
+    Loss,
+    Seconds,
+    WireModel,
+    owner_of,
+    parse_value,
+    text,
+)
 
 ROUNDS_KEY_SUFFIX = "rounds"
 ROUND_STATUSES = ("ok", "partial", "alone", "failed")
 # Longest reason kept in a record (a reason is one human line).
 MAX_REASON_CHARS = 120
+# Most round entries a record may carry (a publisher keeps its last 10).
+MAX_WIRE_ROUNDS = 256
 
 
 def group_name(members) -> str:
@@ -104,65 +118,68 @@ class RoundLogRecord:
         return value
 
 
-def _number(value: object, *, low: float = 0.0, high: float = math.inf) -> float:
-    number = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(number):
-        raise ValueError("not finite")
-    return min(max(number, low), high)
+class _EntryWire(WireModel):
+    epoch: Count
+    end_time: Seconds
+    status: text(16)
+    group_size: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
+    group_id: text(64) = ""
+    duration_s: Seconds = 0.0
+    sent_bytes: Count = 0
+    recv_bytes: Count = 0
+    num_dropped: Count = 0
+    averaged_fraction: Fraction = 0.0
+    loss: Loss = None
+    reason: text(4 * MAX_REASON_CHARS) = ""
 
-
-def _count(value: object) -> int:
-    return int(_number(value, high=2**62))
-
-
-def _parse_entry(raw: object) -> RoundEntry | None:
-    if not isinstance(raw, dict):
-        return None
-    try:
-        status = str(raw["status"])
-        loss = raw.get("loss")
+    def entry(self) -> RoundEntry:
         return RoundEntry(
-            epoch=_count(raw["epoch"]),
-            end_time=_number(raw["end_time"]),
-            status=status if status in ROUND_STATUSES else "failed",
-            group_size=max(1, _count(raw.get("group_size", 1))),
-            group_id=str(raw.get("group_id", ""))[:16],
-            duration_s=_number(raw.get("duration_s", 0.0)),
-            sent_bytes=_count(raw.get("sent_bytes", 0)),
-            recv_bytes=_count(raw.get("recv_bytes", 0)),
-            num_dropped=_count(raw.get("num_dropped", 0)),
-            averaged_fraction=_number(raw.get("averaged_fraction", 0.0), high=1.0),
-            loss=None if loss is None else _number(loss, low=-math.inf),
-            reason=str(raw.get("reason", ""))[:MAX_REASON_CHARS],
+            epoch=self.epoch,
+            end_time=self.end_time,
+            # a status of a newer publisher reads as the worst known one
+            status=self.status if self.status in ROUND_STATUSES else "failed",
+            group_size=self.group_size,
+            group_id=self.group_id[:16],
+            duration_s=self.duration_s,
+            sent_bytes=self.sent_bytes,
+            recv_bytes=self.recv_bytes,
+            num_dropped=self.num_dropped,
+            averaged_fraction=self.averaged_fraction,
+            loss=self.loss,
+            reason=self.reason[:MAX_REASON_CHARS],
         )
-    except (KeyError, TypeError, ValueError, OverflowError):
-        return None
+
+
+class RoundsWire(WireModel):
+    """The round record's value as it travels (see the module docstring)."""
+
+    time: Seconds
+    epoch: Count
+    target_batch_size: Annotated[int, Field(ge=1, le=MAX_COUNT)]
+    num_rounds: Count = 0
+    num_failed_rounds: Count = 0
+    num_local_steps: Count = 0
+    rounds: list[_EntryWire] = Field(default_factory=list, max_length=MAX_WIRE_ROUNDS)
 
 
 def parse_rounds(subkey: object, value: object, *, max_rounds: int = 64) -> RoundLogRecord | None:
-    """A peer's round record from the DHT, or None if it is malformed.
+    """A peer's round record from the DHT, or None (counted) if it does not fit the schema.
 
-    Numbers are clamped to plausible ranges, malformed round entries are skipped, at most
-    ``max_rounds`` of the newest entries are kept and unknown fields are ignored (newer
-    publishers stay readable).
+    At most ``max_rounds`` of the newest entries are kept; unknown fields are ignored and an
+    unknown status reads as ``failed`` (newer publishers stay readable).
     """
-    peer_id = subkey_owner(subkey) if isinstance(subkey, str) else None
-    if peer_id is None or not isinstance(value, dict):
+    peer_id = owner_of(subkey)
+    wire = parse_value(RoundsWire, "rounds", peer_id, value)
+    if wire is None or peer_id is None:
         return None
-    raw_rounds = value.get("rounds", [])
-    if not isinstance(raw_rounds, list):
-        return None
-    entries = [entry for entry in map(_parse_entry, raw_rounds[-max_rounds:]) if entry]
-    try:
-        return RoundLogRecord(
-            peer_id=peer_id,
-            time=_number(value["time"]),
-            epoch=_count(value["epoch"]),
-            target_batch_size=max(1, _count(value["target_batch_size"])),
-            num_rounds=_count(value.get("num_rounds", 0)),
-            num_failed_rounds=_count(value.get("num_failed_rounds", 0)),
-            num_local_steps=_count(value.get("num_local_steps", 0)),
-            rounds=tuple(sorted(entries, key=lambda e: (e.epoch, e.end_time))),
-        )
-    except (KeyError, TypeError, ValueError, OverflowError):
-        return None
+    entries = [raw.entry() for raw in wire.rounds[-max_rounds:]] if max_rounds > 0 else []
+    return RoundLogRecord(
+        peer_id=peer_id,
+        time=wire.time,
+        epoch=wire.epoch,
+        target_batch_size=wire.target_batch_size,
+        num_rounds=wire.num_rounds,
+        num_failed_rounds=wire.num_failed_rounds,
+        num_local_steps=wire.num_local_steps,
+        rounds=tuple(sorted(entries, key=lambda e: (e.epoch, e.end_time))),
+    )

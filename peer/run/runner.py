@@ -150,7 +150,6 @@ class PeerRun(RunSkeleton):
         self.services.tracker.report_local_progress(epoch, 0)
         if self.config.wait_for_peers > 1:
             self._wait_for_peers()
-        self.services.state_server.current_epoch = epoch
         self.services.state_server.update(self.state.snapshot(epoch))
         self._open_metrics(self.identity.peer_id, self.services.transport.counters)
         self.loop_thread.run(self.services.state_server.announce(), timeout_s=START_TIMEOUT_S)
@@ -224,13 +223,12 @@ class PeerRun(RunSkeleton):
         self._note_step(report)
         if self.hook.stats.num_rounds != self.reports.num_rounds_logged:
             self._log_rounds()
-        if self.services.state_server.snapshot_requested:
-            self.services.state_server.update(self.state.snapshot(self.epoch))
 
     def _on_epoch(self, epoch: int) -> None:
         """At every epoch boundary (a round or a catch-up; :class:`Epoch` calls it)."""
         self.profiler.on_epoch(epoch)
-        self.services.state_server.current_epoch = epoch
+        # the state at the start of the epoch: served, and its digest announced
+        self.services.state_server.update(self.state.snapshot(epoch))
         self.reports.set_epoch(epoch)
         self._at_boundary(epoch)
 

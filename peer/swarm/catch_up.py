@@ -1,6 +1,11 @@
 """A peer's side of state sync: downloading the swarm's state when behind, and the snapshots it
 serves to others (:mod:`peer.swarm.state_sync` holds the protocol).
 
+A download is accepted only when its digest (the part of the state the run's mode shares:
+:func:`peer.swarm.state_digest.digest_scope`) is one that enough peers announce, its values are
+finite and its metadata well typed; the optimizer's hyperparameters stay the local ones
+(:mod:`peer.swarm.state_check`). The same digest function labels the snapshots this peer serves.
+
 The training thread calls :meth:`StateCatchUp.download` at start (the swarm is ahead of the
 checkpoint) and :meth:`StateCatchUp.catch_up` when the swarm's epoch passes this peer's. A
 failed download is retried only after ``RESYNC_COOLDOWN_S`` of training (a donor may be busy);
@@ -19,14 +24,21 @@ from dht.runtime import EventLoopThread
 from peer.profiling.phases import PhaseClock
 from peer.run.config import PeerConfig
 from peer.swarm.services import SwarmServices
-from peer.swarm.state_sync import StateSnapshot, StateSyncError, download_state, layout_of
-from peer.train.checkpoint import Progress, pack_state, unpack_state
+from peer.swarm.state_check import loadable_metadata, parse_header
+from peer.swarm.state_digest import (
+    OPTIMIZER_PREFIX,
+    digest_scope,
+    optimizer_structure,
+    state_digest,
+)
+from peer.swarm.state_download import download_state, layout_of
+from peer.swarm.state_sync import StateRejected, StateSnapshot, StateSyncError
+from peer.train.checkpoint import CheckpointError, Progress, pack_state, unpack_state
 from peer.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 # After a failed catch-up download, train on this long before trying again (a donor may be busy).
 RESYNC_COOLDOWN_S = 2.0
-STATE_PREFIX_OPTIMIZER = "optim"
 
 
 class StateCatchUp:
@@ -59,13 +71,23 @@ class StateCatchUp:
         self.loop_thread = loop_thread
         self.clock = clock
         self._last_failed_s = -float("inf")
+        self._shares_optimizer = config.mode == "grad"
+        self._scope = digest_scope(config.mode)
+        self._meta_key = next(
+            iter(pack_state(model=self.model, optimizer=None, progress=Progress())[1])
+        )
+        services.state_server.digest_fn = self.digest
 
     def download(self, min_epoch: int, *, fallback: int) -> int:
         """Load the state of epoch >= ``min_epoch`` from a donor; the epoch reached, or
         ``fallback`` (the model untouched) when no donor delivered."""
-        reached = self._download(min_epoch, fallback=fallback)
+        # any agreed state newer than this peer's: a donor serves the newest state it has
+        # announced, which can trail the epoch its progress record shows by a moment
+        reached = self._download(min(min_epoch, fallback + 1), fallback=fallback)
         if reached <= fallback:
             self._last_failed_s = time.monotonic()
+        else:  # serve (and vouch for) the state this peer now holds
+            self.services.state_server.update(self.snapshot(reached))
         return reached
 
     def catch_up(self, swarm_epoch: int, *, epoch: int) -> int:
@@ -89,6 +111,27 @@ class StateCatchUp:
         )
         return StateSnapshot.capture(epoch, tensors, metadata)
 
+    def digest(self, snapshot: StateSnapshot, bf16: bool) -> str:
+        """The digest of ``snapshot`` in this run's scope (the optimizer's structure in
+        ``grad`` mode); :class:`StateRejected` when its metadata is malformed."""
+        structure = None
+        if self._shares_optimizer:
+            try:
+                structure = optimizer_structure(parse_header(snapshot.metadata, self._meta_key))
+            except (KeyError, TypeError, ValueError, RecursionError) as e:
+                raise StateRejected(f"malformed optimizer state: {e}") from None
+        return state_digest(
+            snapshot.epoch, snapshot.tensors, scope=self._scope, structure=structure, bf16=bf16
+        )
+
+    def _loadable(self, snapshot: StateSnapshot) -> dict[str, str]:
+        return loadable_metadata(
+            snapshot,
+            model=self.model,
+            optimizer=self.optimizer,
+            with_optimizer=self._shares_optimizer,
+        )
+
     def _download(self, min_epoch: int, *, fallback: int) -> int:
         tensors, _ = pack_state(
             model=self.model,
@@ -107,18 +150,20 @@ class StateCatchUp:
                         min_epoch=min_epoch,
                         expected=model_layout,
                         config=self.config.state_sync_config(),
-                        extra_prefix=STATE_PREFIX_OPTIMIZER,
+                        extra_prefix=OPTIMIZER_PREFIX if self._shares_optimizer else None,
                         max_extra_bytes=4 * model_bytes + 2**20,
+                        digest_of=self.digest,
+                        verify=self._loadable,
                     )
                 )
                 progress, _ = unpack_state(
                     snapshot.tensors,
-                    snapshot.metadata,
+                    self._loadable(snapshot),
                     model=self.model,
-                    optimizer=self.optimizer,
+                    optimizer=self.optimizer if self._shares_optimizer else None,
                     path="<downloaded state>",
                 )
-            except StateSyncError as e:
+            except (StateSyncError, CheckpointError) as e:
                 logger.warning(
                     "could not download the swarm's state (%s); training on from epoch %d",
                     e,

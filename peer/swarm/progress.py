@@ -5,23 +5,36 @@ Every ``publish_interval_s`` a peer stores a signed, expiring record under its o
 many samples the swarm has accumulated toward ``target_batch_size`` in that epoch, and the ETA to
 it, so that matchmaking can start just in time.
 
-Defences against a bad or malicious record: rates are clamped to ``max_samples_per_s`` and samples
-to the target; a record that claims an epoch ahead of ours moves the swarm epoch only when more
-than one peer backs it (or every other peer does, in a swarm of two); malformed records are
-ignored. Clock skew is tolerated: records are extrapolated by at most ``max_extrapolation_s``, and
-a negative age (a peer whose clock runs ahead) counts as zero.
+A record is a claim, so a minority of peers (or one stranger with a fresh key) must not steer it:
+
+* Records pass the schema of :mod:`peer.records.progress` (typed, ranged; the rest is dropped).
+* **Partners**: the peers this one averaged with in its last ``trust_rounds`` rounds. While any
+  partner has a record, only the partners' samples count toward the target: a stranger's
+  "target reached" record does not end an honest epoch early. A peer with no partner yet (a
+  newcomer, the first epoch) counts every record, since it has nothing better.
+* The swarm's epoch moves ahead of this peer's when at least two partners (or the only one) are
+  there, or a strict majority of the other peers seen is.
+* Rates count at most ``max_rate_ratio`` times the median rate of the peers counted; a partner
+  that left the last round with this peer cannot claim more samples than its rate allows over
+  the time since that round ended (plus ``epoch_skew_s``); no record counts beyond the target.
+* Clock skew is tolerated: records are extrapolated by at most ``max_extrapolation_s``, and a
+  negative age (a peer whose clock runs ahead) counts as zero.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
+import statistics
 import time
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dht.config import get_dht_time
-from dht.errors import ConfigError
+from dht.errors import ConfigError, DHTError
 from dht.node import DHTNode
 from dht.owned_record import OwnedRecord
 from peer.records.progress import PeerProgress, parse_record, progress_key
@@ -40,6 +53,12 @@ class ProgressConfig:
             that vanished drops out of the estimates after at most this long).
         max_samples_per_s: the largest believable rate of one peer; larger claims are clamped.
         max_extrapolation_s: how far past its timestamp a record is extrapolated, in seconds.
+        trust_rounds: the members of this peer's last this many rounds are its partners, whose
+            records it counts (see the module docstring).
+        max_rate_ratio: another peer's rate counts at most this many times the median rate of
+            the peers counted (this one included).
+        epoch_skew_s: how much earlier than this peer a partner of its last round may have
+            entered the epoch (another group's round ended first), in seconds.
     """
 
     target_batch_size: int
@@ -47,17 +66,24 @@ class ProgressConfig:
     record_ttl_s: float = 20.0
     max_samples_per_s: float = 1e6
     max_extrapolation_s: float = 10.0
+    trust_rounds: int = 8
+    max_rate_ratio: float = 16.0
+    epoch_skew_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.target_batch_size < 1:
             raise ConfigError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
+        if self.trust_rounds < 1:
+            raise ConfigError(f"trust_rounds must be >= 1, got {self.trust_rounds}")
         for name in (
             "publish_interval_s",
             "record_ttl_s",
             "max_samples_per_s",
             "max_extrapolation_s",
+            "max_rate_ratio",
+            "epoch_skew_s",
         ):
-            if not getattr(self, name) > 0:
+            if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.record_ttl_s <= self.publish_interval_s:
             raise ConfigError("record_ttl_s must exceed publish_interval_s")
@@ -100,6 +126,24 @@ def _after_round(
     )
 
 
+def _swarm_epoch(own_epoch: int, others: list[PeerProgress], partners: list[PeerProgress]) -> int:
+    """The newest epoch ahead of ``own_epoch`` that two partners (or the only one) or a strict
+    majority of the other peers have reached; ``own_epoch`` if none."""
+    for candidate in sorted({r.epoch for r in others if r.epoch > own_epoch}, reverse=True):
+        if partners and sum(r.epoch >= candidate for r in partners) >= min(2, len(partners)):
+            return candidate
+        if 2 * sum(r.epoch >= candidate for r in others) > len(others):
+            return candidate
+    return own_epoch
+
+
+def _rate_cap(rates: Iterable[float], config: ProgressConfig) -> float:
+    positive = [rate for rate in rates if rate > 0]
+    if not positive:
+        return config.max_samples_per_s
+    return min(config.max_samples_per_s, config.max_rate_ratio * statistics.median(positive))
+
+
 def estimate(
     records: list[PeerProgress],
     *,
@@ -107,33 +151,29 @@ def estimate(
     config: ProgressConfig,
     now: float,
     round_peers: dict[str, tuple[int, float]] | None = None,
+    partners: frozenset[str] = frozenset(),
 ) -> GlobalProgress:
     """The swarm's epoch, samples toward the target, rate and ETA, from ``records`` and ``own``.
 
     ``round_peers`` maps the peers of this peer's last round to (the epoch they entered, the
     DHT time the round ended): a record older than that round is read as that peer starting
     the new epoch at the round's end, which keeps fast epochs (shorter than the publishing
-    interval) in step.
+    interval) in step. ``partners`` are the peers trusted to count (see the module docstring).
+    Never raises: every record passed the schema, so every number is bounded.
     """
+    round_peers = round_peers or {}
     others = [_after_round(r, round_peers) for r in records if r.peer_id != own.peer_id]
-    peers = [own, *others]
-    quorum = min(2, len(others))
-    epoch = own.epoch
-    for candidate in sorted({r.epoch for r in others if r.epoch > own.epoch}, reverse=True):
-        if sum(r.epoch >= candidate for r in others) >= max(quorum, 1):
-            epoch = candidate
-            break
-    accumulated = 0.0
-    for record in peers:
-        if record.epoch == epoch:
-            age_s = (
-                0.0
-                if record is own
-                else min(max(now - record.time, 0.0), config.max_extrapolation_s)
-            )
-            accumulated += record.samples + record.samples_per_s * age_s
+    trusted = [r for r in others if r.peer_id in partners]
+    epoch = _swarm_epoch(own.epoch, others, trusted)
+    counted = trusted or others  # no partner here: a newcomer counts everyone it sees
     target = config.target_batch_size
-    accumulated = min(accumulated, float(target * max(1, len(peers))))
+    rate_cap = _rate_cap((r.samples_per_s for r in [own, *counted] if r.epoch == epoch), config)
+    peers = [own, *(_capped_rate(r, rate_cap) for r in counted)]
+    accumulated = float(own.samples) if own.epoch == epoch else 0.0
+    for record in peers[1:]:
+        if record.epoch == epoch:
+            accumulated += _claimed(record, now, config, round_peers.get(record.peer_id))
+    accumulated = min(accumulated, float(target * len(peers)))
     rate = sum(record.samples_per_s for record in peers)
     missing = max(0.0, target - accumulated)
     eta_s = 0.0 if not missing else (missing / rate if rate > 0 else math.inf)
@@ -147,6 +187,29 @@ def estimate(
         num_clients=sum(r.client_mode for r in peers),
         peers=tuple(peers),
     )
+
+
+def _capped_rate(record: PeerProgress, rate_cap: float) -> PeerProgress:
+    if record.samples_per_s <= rate_cap:
+        return record
+    return dataclasses.replace(record, samples_per_s=rate_cap)
+
+
+def _claimed(
+    record: PeerProgress,
+    now: float,
+    config: ProgressConfig,
+    entered: tuple[int, float] | None,
+) -> float:
+    """The samples ``record`` counts for now: extrapolated by its rate (bounded in time), no
+    more than the target, and for a partner that entered this epoch at the end of this peer's
+    last round, no more than its rate allows since then."""
+    age_s = min(max(now - record.time, 0.0), config.max_extrapolation_s)
+    claimed = min(record.samples + record.samples_per_s * age_s, float(config.target_batch_size))
+    if entered is not None and entered[0] == record.epoch:
+        elapsed_s = max(0.0, now - entered[1]) + config.epoch_skew_s
+        claimed = min(claimed, record.samples_per_s * elapsed_s)
+    return claimed
 
 
 class ProgressTracker:
@@ -171,6 +234,8 @@ class ProgressTracker:
         # bumped when the records or the last round's members change (see ``current``)
         self.version = 0
         self._round_peers: dict[str, tuple[int, float]] = {}
+        self._rounds: deque[frozenset[str]] = deque(maxlen=config.trust_rounds)
+        self.partners: frozenset[str] = frozenset()
         self._read_lock = asyncio.Lock()
         self._own = OwnedRecord(
             dht=dht,
@@ -250,7 +315,11 @@ class ProgressTracker:
 
     async def _read(self) -> GlobalProgress:
         async with self._read_lock:  # the later read wins, not the slower one
-            return await self._read_records()
+            try:
+                return await self._read_records()
+            except DHTError as e:  # the network failed; the next refresh tries again
+                logger.warning("progress read failed: %s", str(e) or type(e).__name__)
+                return self.global_progress
 
     async def _read_records(self) -> GlobalProgress:
         own = self._own_record()
@@ -264,7 +333,12 @@ class ProgressTracker:
         self._records = records
         self.version += 1
         self.global_progress = estimate(
-            records, own=own, config=self.config, now=get_dht_time(), round_peers=self._round_peers
+            records,
+            own=own,
+            config=self.config,
+            now=get_dht_time(),
+            round_peers=self._round_peers,
+            partners=self.partners,
         )
         return self.global_progress
 
@@ -277,12 +351,17 @@ class ProgressTracker:
             config=self.config,
             now=get_dht_time(),
             round_peers=self._round_peers,
+            partners=self.partners,
         )
 
     def note_round(self, epoch: int, peer_ids) -> None:
-        """The peers ``peer_ids`` averaged with this one and entered ``epoch`` just now."""
+        """The peers ``peer_ids`` averaged with this one and entered ``epoch`` just now: they
+        are its partners for the next ``trust_rounds`` rounds."""
         now = get_dht_time()
+        peer_ids = frozenset(peer_ids) - {self.dht.peer_id}
         self._round_peers = {peer_id: (epoch, now) for peer_id in peer_ids}
+        self._rounds.append(peer_ids)
+        self.partners = frozenset().union(*self._rounds)
         self.version += 1
 
     async def __aenter__(self) -> ProgressTracker:

@@ -11,6 +11,7 @@ import torch
 
 from peer.run.config import PeerConfig
 from peer.run.runner import PeerRun
+from peer.swarm.state_sync import StateSnapshot
 from peer.train.tasks import DataShard, load_task
 
 pytestmark = pytest.mark.timeout(180)
@@ -140,8 +141,8 @@ def test_a_newcomer_downloads_the_state_and_joins_the_next_round():
     newcomer, newcomer_thread = None, None
     try:
         wait_for(
-            lambda: first.services.tracker.global_progress.epoch >= 2,
-            "the first peer did not publish epoch 2",
+            lambda: (first.services.state_server.snapshot or StateSnapshot(0, {})).epoch >= 2,
+            "the first peer did not announce (and serve) the state of epoch 2",
         )
         newcomer = PeerRun(config(seed=2, initial_peers=[first.address], **slow))
         newcomer.start()

@@ -15,19 +15,11 @@ from dht.http import HttpTransport
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.node import DHTNode
-from peer.swarm.state_sync import (
-    StateServer,
-    StateSnapshot,
-    StateSyncConfig,
-    StateSyncError,
-    download_state,
-    layout_of,
-)
+from peer.swarm.state_download import download_state, layout_of
+from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncConfig, StateSyncError
 
 pytestmark = pytest.mark.timeout(60)
-CONFIG = StateSyncConfig(
-    chunk_bytes=64 * 1024, backoff_s=0.05, announce_interval_s=0.2, fresh_snapshot_timeout_s=0.05
-)
+CONFIG = StateSyncConfig(chunk_bytes=64 * 1024, backoff_s=0.05, announce_interval_s=0.2)
 
 
 def trained_state(seed: int) -> dict[str, torch.Tensor]:
@@ -55,12 +47,18 @@ async def peer(initial: list[str], faults: Faults | None = None):
         yield transport, node, server
 
 
+async def serve(server: StateServer, snapshot: StateSnapshot) -> None:
+    """Hand ``snapshot`` to ``server`` and announce it once its digest is computed."""
+    server.update(snapshot)
+    await server.settle()
+    await server.announce()
+
+
 async def test_newcomer_gets_an_exact_copy():
     state = trained_state(0)
     async with AsyncExitStack() as stack:
         _, donor_node, donor = await stack.enter_async_context(peer([]))
-        donor.update(StateSnapshot.capture(3, state, {"epoch": 3, "lr": 0.1}))
-        await donor.announce()
+        await serve(donor, StateSnapshot.capture(3, state, {"epoch": 3, "lr": 0.1}))
         transport, node, _ = await stack.enter_async_context(peer([donor_node.address]))
         got = await download_state(
             transport, node, "run", min_epoch=2, expected=layout_of(state), config=CONFIG
@@ -72,26 +70,26 @@ async def test_newcomer_gets_an_exact_copy():
 
 
 async def test_a_cut_download_is_retried_with_another_donor():
+    # two donors, two different states: each is its own donor's word alone
+    config = dataclasses.replace(CONFIG, min_agreement=1)
     newest, older = trained_state(1), trained_state(2)
     faults = Faults(cut_streams_after_bytes=100_000)
     async with AsyncExitStack() as stack:
         _, first_node, first = await stack.enter_async_context(peer([]))
         _, _, second = await stack.enter_async_context(peer([first_node.address]))
-        first.update(StateSnapshot.capture(5, newest))  # the newest: tried first, and cut
-        second.update(StateSnapshot.capture(4, older))
-        await first.announce()
-        await second.announce()
+        await serve(first, StateSnapshot.capture(5, newest))  # the newest: tried first, and cut
+        await serve(second, StateSnapshot.capture(4, older))
         faults.cut_streams_to = {first_node.address}
         transport, node, _ = await stack.enter_async_context(peer([first_node.address], faults))
         got = await download_state(
-            transport, node, "run", min_epoch=4, expected=layout_of(older), config=CONFIG
+            transport, node, "run", min_epoch=4, expected=layout_of(older), config=config
         )
         assert got.epoch == 4
         assert all(torch.equal(got.tensors[k], v) for k, v in older.items())
         faults.cut_streams_to = None  # every donor cut: a clear failure, nothing half-loaded
         with pytest.raises(StateSyncError, match="every donor failed"):
             await download_state(
-                transport, node, "run", min_epoch=4, expected=layout_of(older), config=CONFIG
+                transport, node, "run", min_epoch=4, expected=layout_of(older), config=config
             )
 
 
@@ -106,8 +104,7 @@ async def test_refuses_a_state_of_another_shape_and_reports_no_donor():
             )
         other = trained_state(0)
         other["model.0.weight"] = torch.zeros(10, 10)
-        donor.update(StateSnapshot.capture(1, other))
-        await donor.announce()
+        await serve(donor, StateSnapshot.capture(1, other))
         with pytest.raises(StateSyncError, match="unexpected tensor"):
             await download_state(
                 transport, node, "run", min_epoch=0, expected=expected, config=CONFIG
@@ -128,8 +125,7 @@ async def test_bf16_compression_halves_the_bytes_within_its_bound():
     received = {}
     async with AsyncExitStack() as stack:
         _, donor_node, donor = await stack.enter_async_context(peer([]))
-        donor.update(StateSnapshot.capture(3, state))
-        await donor.announce()
+        await serve(donor, StateSnapshot.capture(3, state))
         transport, node, _ = await stack.enter_async_context(peer([donor_node.address]))
         for name, config in (("none", CONFIG), ("bf16", compressed)):
             before = transport.counters.recv

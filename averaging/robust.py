@@ -1,0 +1,83 @@
+"""How a reducer combines the contributions to one chunk: the weighted mean, or a robust rule.
+
+``mean`` (the default) is the weighted mean: exact, streamed (each contribution is added as it
+arrives), and as poisonable as any mean, within the weight bounds of :mod:`averaging.bounds`.
+
+The robust rules keep every contribution to a chunk until all have arrived (memory: the group
+size times ``chunk_numel`` float32 values per chunk in flight), then:
+
+* ``trimmed_mean``: coordinate by coordinate, drop the ``b`` largest and ``b`` smallest of the
+  ``k`` contributions and average the rest, each counting once (``b = max(1, k // 4)`` from
+  ``k = 3`` on, so three contributions give their median; fewer are averaged plainly). Up to
+  ``b`` arbitrary contributions move no coordinate outside the range of the honest ones.
+* ``centered_clip``: CenteredClip (Karimireddy, He and Jaggi, 2021): from the coordinate-wise
+  median ``v``, ``CLIP_ITERATIONS`` times ``v += sum_i w_i * min(1, tau / |x_i - v|) * (x_i - v)
+  / sum_i w_i``, with ``tau`` the median distance ``|x_i - v|`` of the chunk: a contribution far
+  from the others pulls by at most ``tau``, however far it is.
+
+Both are meant for ``grad`` mode (averaging gradients); with fewer than three contributions they
+cannot tell a liar from an honest peer and give the weighted mean.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+CLIP_ITERATIONS = 3
+
+
+class Aggregation(enum.StrEnum):
+    """How reducers combine contributions (a group uses its leader's; members check it)."""
+
+    MEAN = "mean"
+    TRIMMED_MEAN = "trimmed_mean"
+    CENTERED_CLIP = "centered_clip"
+
+
+def num_trimmed(num_contributions: int) -> int:
+    """Contributions dropped at each end of every coordinate by the trimmed mean."""
+    return 0 if num_contributions < 3 else max(1, num_contributions // 4)
+
+
+def weighted_mean(rows: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+    """``out = sum_i weights[i] * rows[i] / sum(weights)`` (float32 rows, float64 weights)."""
+    share = (weights / weights.sum()).astype(np.float32)
+    np.dot(share, rows, out=out)
+
+
+def trimmed_mean(rows: np.ndarray, out: np.ndarray) -> None:
+    """The coordinate-wise trimmed mean of ``rows`` (k x m) into ``out`` (m); see the module
+    docstring. ``rows`` is sorted in place."""
+    k = rows.shape[0]
+    b = num_trimmed(k)
+    rows.sort(axis=0)
+    np.mean(rows[b : k - b], axis=0, out=out)
+
+
+def centered_clip(rows: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+    """CenteredClip of ``rows`` (k x m) with ``weights`` (k) into ``out`` (m)."""
+    share = (weights / weights.sum()).astype(np.float32)
+    np.median(rows, axis=0, out=out)
+    diffs = np.empty_like(rows)
+    for _ in range(CLIP_ITERATIONS):
+        np.subtract(rows, out, out=diffs)
+        distances = np.sqrt(np.einsum("ij,ij->i", diffs, diffs, dtype=np.float64))
+        tau = float(np.median(distances))
+        if tau <= 0:
+            return  # most contributions agree exactly: the median is the answer
+        scale = np.minimum(1.0, tau / np.maximum(distances, 1e-300)).astype(np.float32)
+        out += np.dot(share * scale, diffs)
+
+
+def aggregate(
+    aggregation: Aggregation, rows: np.ndarray, weights: np.ndarray, out: np.ndarray
+) -> None:
+    """Combine ``rows`` (one contribution each, k x m float32, k >= 1) into ``out``."""
+    if aggregation is Aggregation.MEAN or rows.shape[0] < 3:
+        weighted_mean(rows, weights, out)
+    elif aggregation is Aggregation.TRIMMED_MEAN:
+        trimmed_mean(rows, out)
+    else:
+        centered_clip(rows, weights, out)

@@ -1,0 +1,73 @@
+"""The digest of a peer's state at an epoch: what donors announce and downloaders check.
+
+``digest = sha256("vp-state/1", epoch, structure, then for each tensor in name order: name,
+dtype, shape, raw little-endian bytes)``, in hex. ``structure`` is the optimizer's state as
+:func:`peer.train.checkpoint.pack_state` encodes it (which tensor is whose moment, and any
+scalars), canonical JSON; the optimizer's hyperparameters are not in it, since a downloader
+takes its own from its local config. The epoch is, so that a state cannot be relabelled.
+
+What a digest covers is the part of the state that peers of a run share exactly
+(:func:`digest_scope`): the model and the optimizer in ``grad`` mode (every peer applies the same
+averaged gradient to the same parameters); the model only in ``params`` and ``diloco`` modes, where
+each peer's inner optimizer is its own. The bf16 digest is of the same state with every float32
+tensor rounded to bfloat16 and back, which is what a ``bf16`` download delivers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+DIGEST_TAG = b"vp-state/1"
+MODEL_PREFIX = "model/"
+OPTIMIZER_PREFIX = "optim"
+
+
+def digest_scope(mode: str) -> tuple[str, ...]:
+    """The tensor name prefixes a digest covers in ``mode`` (``grad``: the optimizer too)."""
+    return (MODEL_PREFIX, OPTIMIZER_PREFIX) if mode == "grad" else (MODEL_PREFIX,)
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def state_digest(
+    epoch: int,
+    tensors: dict[str, torch.Tensor],
+    *,
+    scope: tuple[str, ...] | None = None,
+    structure: Any = None,
+    bf16: bool = False,
+) -> str:
+    """The hex digest of ``tensors`` (those under ``scope``'s prefixes; all when None) at
+    ``epoch`` with the optimizer ``structure``; ``bf16``: of the float32 tensors rounded to
+    bfloat16. CPU, contiguous tensors; call it off the event loop (hashing releases the GIL)."""
+    hasher = hashlib.sha256(DIGEST_TAG)
+    hasher.update(json.dumps([epoch, structure], sort_keys=True).encode())
+    for name in sorted(tensors):
+        if scope is not None and not name.startswith(scope):
+            continue
+        tensor = tensors[name].detach().contiguous()
+        if bf16 and tensor.dtype == torch.float32:
+            tensor = tensor.to(torch.bfloat16).to(torch.float32)
+        header = [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+        hasher.update(json.dumps(header).encode())
+        hasher.update(_byte_view(tensor))
+    return hasher.hexdigest()
+
+
+def optimizer_structure(header: dict[str, Any]) -> Any:
+    """The optimizer's state structure of a packed state's header (no hyperparameters), or
+    None when it has none. Raises ``ValueError`` (or ``KeyError``, ``TypeError``) when the
+    header is malformed."""
+    encoded = header.get("optimizer")
+    if encoded is None:
+        return None
+    for key, value in encoded["d"]:
+        if key == "state":
+            return value
+    raise ValueError("the optimizer state has no 'state'")

@@ -1,0 +1,281 @@
+"""The downloader's side of state sync: find donors, download, and accept only a verified state.
+
+A downloader reads every announcement (:mod:`peer.records.state`), and the digests that at least
+``min_agreement`` distinct peers announce for an epoch (fewer only when fewer peers announce at
+all: a lone donor is all a newcomer to a swarm of one has). It tries donors whose current state
+is such an agreed digest first (newest epoch first, at random within an epoch, so that newcomers
+spread over donors), then the others. From each it reads every tensor into fresh buffers,
+checking each against the layout it expects (a donor cannot make it allocate more), then
+computes the digest of what arrived itself and accepts the state only if that digest is agreed
+for the state's epoch, and the caller's checks pass (finite values, typed metadata:
+:mod:`peer.swarm.state_check`). Every failure is a typed error, logged, and the next donor is
+tried after a backoff; the caller's model is never half-loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dht.errors import DHTError
+from dht.node import DHTNode
+from dht.transport import Transport
+from peer.records.schema import MAX_COUNT
+from peer.records.state import StateAnnouncement, agreed_digests, parse_state, state_key
+from peer.swarm.state_sync import (
+    DTYPES,
+    MIN_ANNOUNCE_GAP_S,
+    STREAM_NAME,
+    DigestFn,
+    StateRejected,
+    StateSnapshot,
+    StateSyncConfig,
+    StateSyncError,
+    byte_view,
+    default_digest,
+    wire_name,
+)
+
+logger = logging.getLogger(__name__)
+MAX_DIMS = 16
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+Verify = Callable[[StateSnapshot], None]
+# Reads of the announcements (MIN_ANNOUNCE_GAP_S apart) before a state whose digest is not
+# agreed yet is refused: a donor announces a new epoch's digest after computing it.
+AGREEMENT_REREADS = 4
+
+
+def layout_of(tensors: dict[str, torch.Tensor]) -> Layout:
+    """What a downloader expects: each tensor's dtype and shape, by name."""
+    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+
+
+async def read_announcements(dht: DHTNode, prefix: str) -> list[StateAnnouncement]:
+    """Every other peer's well-formed announcement (malformed ones are dropped and counted)."""
+    found = await dht.get(state_key(prefix), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    parsed = (parse_state(subkey, item.value) for subkey, item in found.value.items())
+    return [a for a in parsed if a is not None and a.peer_id != dht.peer_id]
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The digests enough peers announce: ``(epoch, digest)`` -> number of peers."""
+
+    announcements: list[StateAnnouncement]
+    agreed: dict[tuple[int, str], int]
+    required: int
+
+    def accepts(self, epoch: int, digest: str) -> bool:
+        return (epoch, digest) in self.agreed
+
+
+async def read_agreement(dht: DHTNode, prefix: str, config: StateSyncConfig) -> Agreement:
+    announcements = await read_announcements(dht, prefix)
+    required = max(1, min(config.min_agreement, len(announcements)))
+    agreed = agreed_digests(announcements, min_peers=required, bf16=config.compression == "bf16")
+    return Agreement(announcements, agreed, required)
+
+
+def donor_order(
+    agreement: Agreement, *, min_epoch: int, bf16: bool, rng: random.Random
+) -> list[StateAnnouncement]:
+    """Donors to try: those serving an agreed state of ``min_epoch`` or later first (the state
+    most peers announce first, then the newest), then others at ``min_epoch`` or later (their
+    digest may be on its way), then the rest; at random within each."""
+    donors = [a for a in agreement.announcements if a.address is not None]
+    rng.shuffle(donors)
+
+    def priority(donor: StateAnnouncement) -> tuple[int, int, int]:
+        latest = donor.latest
+        digest = None if latest is None else (latest.digest_bf16 if bf16 else latest.digest)
+        votes = 0
+        if latest is not None and latest.epoch == donor.epoch and digest is not None:
+            votes = agreement.agreed.get((donor.epoch, digest), 0)
+        recent = donor.epoch >= min_epoch
+        return (0 if recent and votes else 1 if recent else 2, -votes, -donor.epoch)
+
+    return sorted(donors, key=priority)
+
+
+async def download_state(
+    transport: Transport,
+    dht: DHTNode,
+    prefix: str,
+    *,
+    min_epoch: int,
+    expected: Layout,
+    config: StateSyncConfig,
+    extra_prefix: str | None = None,
+    max_extra_bytes: int = 0,
+    rng: random.Random | None = None,
+    digest_of: DigestFn = default_digest,
+    verify: Verify | None = None,
+) -> StateSnapshot:
+    """Download a verified state of ``min_epoch`` or later, trying donors in turn.
+
+    Each tensor named in ``expected`` must arrive with exactly the expected dtype and shape.
+    Other tensors (e.g. optimizer moments that a fresh optimizer does not have yet) are accepted
+    only under ``extra_prefix`` and up to ``max_extra_bytes`` in all; without ``extra_prefix``
+    only the expected tensors are asked for. The state's digest (``digest_of``, computed here
+    from what arrived) must be agreed for its epoch, and ``verify`` (if given) must not raise.
+
+    Raises:
+        StateSyncError: no donor, or ``max_attempts`` donors failed (each one's reason in it).
+    """
+    rng = rng or random.Random()
+    bf16 = config.compression == "bf16"
+    agreement = await read_agreement(dht, prefix, config)
+    donors = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng)
+    if not donors:
+        raise StateSyncError(f"no peer serves state of epoch >= {min_epoch}")
+    reasons = []
+    for attempt, donor in enumerate(donors[: config.max_attempts]):
+        if attempt:
+            await asyncio.sleep(config.backoff_s * 2 ** (attempt - 1))
+        address = donor.address
+        try:
+            async with asyncio.timeout(config.download_timeout_s):
+                template = _Template(expected, extra_prefix, max_extra_bytes, bf16)
+                snapshot = await _download_from(transport, address, min_epoch, template)
+                agreement = await _check_digest(snapshot, dht, prefix, config, agreement, digest_of)
+                if verify is not None:
+                    await asyncio.to_thread(verify, snapshot)
+            logger.info("downloaded state of epoch %d from %s", snapshot.epoch, address)
+            return snapshot
+        except (DHTError, StateSyncError, TimeoutError) as e:
+            reason = str(e) or type(e).__name__
+            reasons.append(f"{address}: {reason}")
+            logger.warning("state download from %s failed: %s", address, reason)
+        except (ValueError, TypeError, KeyError, RuntimeError, RecursionError) as e:
+            # what a donor's bytes made a check or a conversion raise: that donor's fault
+            reason = f"{type(e).__name__}: {str(e)[:200]}"
+            reasons.append(f"{address}: {reason}")
+            logger.warning("state download from %s failed: %s", address, reason)
+    raise StateSyncError("every donor failed: " + "; ".join(reasons))
+
+
+async def _check_digest(
+    snapshot: StateSnapshot,
+    dht: DHTNode,
+    prefix: str,
+    config: StateSyncConfig,
+    agreement: Agreement,
+    digest_of: DigestFn,
+) -> Agreement:
+    """The agreement (read again if the state is newer than it), once ``snapshot``'s digest is
+    in it; :class:`StateRejected` if it is not."""
+    digest = await asyncio.to_thread(digest_of, snapshot, config.compression == "bf16")
+    for _ in range(AGREEMENT_REREADS):
+        if agreement.accepts(snapshot.epoch, digest):
+            break
+        # the donor may have moved on since the read: its peers announce within a moment
+        await asyncio.sleep(MIN_ANNOUNCE_GAP_S)
+        agreement = await read_agreement(dht, prefix, config)
+    if not agreement.accepts(snapshot.epoch, digest):
+        votes = sum(
+            1
+            for a in agreement.announcements
+            for d in a.digests
+            if d.epoch == snapshot.epoch and digest in (d.digest, d.digest_bf16)
+        )
+        raise StateRejected(
+            f"the state of epoch {snapshot.epoch} has digest {digest[:12]}, which {votes} "
+            f"peer(s) announce; {agreement.required} must"
+        )
+    return agreement
+
+
+@dataclass
+class _Template:
+    """What a download may contain; counts the extra bytes allocated so far."""
+
+    expected: Layout
+    extra_prefix: str | None
+    max_extra_bytes: int
+    compress: bool = False
+    extra_bytes: int = 0
+
+    def allocate(self, item: Any) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+        """The tensor an entry of the donor's layout fills, and the buffer its bytes arrive in
+        when they travel in another dtype (None: straight into the tensor)."""
+        try:
+            name, dtype_name, shape, wire = item
+            dtype, shape = DTYPES[dtype_name], tuple(shape)
+        except (TypeError, ValueError, KeyError):
+            raise StateSyncError(f"malformed tensor entry {str(item)[:80]}") from None
+        if (
+            not isinstance(name, str)
+            or len(shape) > MAX_DIMS
+            or not all(
+                isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= MAX_COUNT
+                for size in shape
+            )
+        ):
+            raise StateSyncError(f"malformed tensor entry {str(item)[:80]}")
+        if wire != wire_name(dtype, self.compress):
+            raise StateSyncError(f"tensor {name[:80]} sent as {str(wire)[:16]}")
+        if name in self.expected:
+            if self.expected[name] != (dtype, shape):
+                raise StateSyncError(f"unexpected tensor {name[:80]} {dtype_name} {list(shape)}")
+        elif self.extra_prefix is not None and name.startswith(self.extra_prefix):
+            self.extra_bytes += math.prod(shape) * dtype.itemsize
+            if self.extra_bytes > self.max_extra_bytes:
+                raise StateSyncError(f"the donor's state exceeds {self.max_extra_bytes} bytes")
+        else:
+            raise StateSyncError(f"unexpected tensor {name[:80]}")
+        tensor = torch.empty(shape, dtype=dtype)
+        buffer = torch.empty(shape, dtype=DTYPES[wire]) if wire != dtype_name else None
+        return name, tensor, buffer
+
+
+async def _download_from(
+    transport: Transport, address: str, min_epoch: int, template: _Template
+) -> StateSnapshot:
+    names = list(template.expected) if template.extra_prefix is None else None
+    request = {
+        "min_epoch": min_epoch,
+        "names": names,
+        "compression": "bf16" if template.compress else "none",
+    }
+    async with transport.open_stream(address, STREAM_NAME, request) as stream:
+        await stream.finish_sending()
+        header = await stream.reply_header()
+        if not isinstance(header, dict) or header.get("epoch") is None:
+            raise StateSyncError("the donor has no state that recent")
+        epoch, layout = header["epoch"], header.get("tensors")
+        if (
+            isinstance(epoch, bool)
+            or not isinstance(epoch, int)
+            or not min_epoch <= epoch <= MAX_COUNT
+            or not isinstance(layout, list)
+        ):
+            raise StateSyncError("malformed state header")
+        tensors = {}
+        for item in layout:
+            name, tensor, buffer = template.allocate(item)
+            if name in tensors:
+                raise StateSyncError(f"tensor {name[:80]!r} sent twice")
+            view, filled = byte_view(tensor if buffer is None else buffer), 0
+            while filled < len(view):
+                num_bytes = await stream.recv_into(view[filled:])
+                if num_bytes is None:
+                    raise StateSyncError(f"state cut short inside tensor {name[:80]!r}")
+                filled += num_bytes
+            if buffer is not None:
+                await asyncio.to_thread(tensor.copy_, buffer)
+            tensors[name] = tensor
+        if await stream.recv() is not None:
+            raise StateSyncError("more state bytes than the header announced")
+        if missing := set(template.expected) - set(tensors):
+            raise StateSyncError(f"the donor lacks {len(missing)} tensors, e.g. {min(missing)!r}")
+    metadata = header.get("metadata")
+    return StateSnapshot(epoch, tensors, metadata if isinstance(metadata, dict) else {})

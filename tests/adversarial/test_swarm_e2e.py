@@ -1,0 +1,142 @@
+"""The swarm under attack, end to end: ``peer join`` processes on loopback and a stranger who
+stores forged records and serves poisoned state through the real DHT and state-sync code
+(:mod:`tests.adversarial.harness_swarm`). Each test ends with the harness's health check:
+honest peers kept training, nothing escaped, losses stayed finite, honest replicas are equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from dht.config import get_dht_time
+from peer.records.progress import progress_key
+from peer.records.state import EpochDigest, StateAnnouncement, state_key
+from peer.swarm.state_digest import digest_scope, optimizer_structure, state_digest
+from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncConfig
+from peer.train.checkpoint import Progress, pack_state
+from peer.train.tasks import load_task
+from tests.adversarial.harness_swarm import RUN_ID, TASK_OPTIONS, Attacker, Swarm, equal_replicas
+
+pytestmark = pytest.mark.timeout(300)
+TARGET = 1024
+COMMON = (
+    "--target-batch-size", str(TARGET),
+    "--publish-interval", "0.5",
+    "--matchmaking-time", "3",
+    "--averaging-timeout", "10",
+    "--newcomer-wait", "5",
+)  # fmt: skip
+
+
+def forged_progress(epoch: int, now: float) -> list[dict]:
+    """Every variant of forged progress: the record that stopped a swarm on main (401 digits),
+    an epoch near 2**63, an epoch far ahead, and "target reached" at the swarm's epoch."""
+    return [
+        {"epoch": epoch + 1, "samples": "9" * 401, "samples_per_s": 1.0, "time": now},
+        {"epoch": 2**63 - 1, "samples": 0, "samples_per_s": 1.0, "time": now},
+        {"epoch": epoch + 1000, "samples": 0, "samples_per_s": 1e6, "time": now},
+        {"epoch": epoch, "samples": 10**12, "samples_per_s": 1e6, "time": now},
+    ]
+
+
+async def test_forged_progress_neither_stops_nor_steers_the_swarm(tmp_path):
+    with Swarm(tmp_path, COMMON) as swarm:
+        honest = [swarm.add_peer("--max-time", "45", "--wait-for-peers", "2") for _ in range(2)]
+        await swarm.wait_until(
+            lambda: min(p.epoch() for p in honest) >= 2, "the swarm did not reach epoch 2"
+        )
+        before = max(p.epoch() for p in honest)
+        async with Attacker(swarm.url) as attacker:
+            sybils = [attacker.node, *[await attacker.another_key() for _ in range(2)]]
+            deadline = asyncio.get_running_loop().time() + 20
+            num_stored = 0
+            while asyncio.get_running_loop().time() < deadline:
+                epoch = max((r.epoch for r in await attacker.progress()), default=before)
+                for index, value in enumerate(forged_progress(epoch, get_dht_time())):
+                    node = sybils[index % len(sybils)]
+                    num_stored += await attacker.store(progress_key(RUN_ID), value, node=node)
+                    await asyncio.sleep(0.1)
+            assert num_stored > 20  # the records were in the DHT for the honest peers to read
+            swarm.stop()
+            swarm.check_healthy(epoch_before_attack=before)
+            equal_replicas(await attacker.announcements(), [p.peer_id for p in honest])
+    # "target reached" did not end epochs early: the swarm gathered the target in each epoch
+    # (the first ones aside: before its first round a peer has no partner to trust)
+    summaries = [p.summary() for p in honest]
+    epochs = max(s["epoch"] for s in summaries)
+    samples = sum(s["num_samples"] for s in summaries)
+    assert epochs <= samples / TARGET + 2, summaries
+
+
+def _snapshot(epoch: int, *, poison: bool) -> StateSnapshot:
+    task = load_task("synthetic", dict(option.split("=") for option in TASK_OPTIONS))
+    model = task.build_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    tensors, metadata = pack_state(model=model, optimizer=optimizer, progress=Progress(epoch=epoch))
+    if poison:
+        tensors = {k: torch.full_like(v, math.nan) if v.is_floating_point() else v
+                   for k, v in tensors.items()}  # fmt: skip
+    return StateSnapshot.capture(epoch, tensors, metadata)
+
+
+def _digest(snapshot: StateSnapshot, bf16: bool) -> str:
+    import json
+
+    (text,) = snapshot.metadata.values()
+    structure = optimizer_structure(json.loads(text))
+    return state_digest(
+        snapshot.epoch, snapshot.tensors, scope=digest_scope("grad"), structure=structure, bf16=bf16
+    )
+
+
+async def test_a_newcomer_refuses_a_poisoned_donor_and_joins_with_the_honest_state(tmp_path):
+    """A stranger serves a NaN state at epoch 1000 (the newest, so tried first) with a second
+    key vouching for its digest; the newcomer refuses it, downloads the honest state, and
+    trains on in step with the others."""
+    with Swarm(tmp_path, COMMON) as swarm:
+        honest = [swarm.add_peer("--max-time", "70", "--wait-for-peers", "2") for _ in range(2)]
+        await swarm.wait_until(
+            lambda: min(p.epoch() for p in honest) >= 2, "the swarm did not reach epoch 2"
+        )
+        before = max(p.epoch() for p in honest)
+        async with Attacker(swarm.url) as attacker:
+            poisoned = _snapshot(1000, poison=True)
+            servers = []
+
+            def serve_poison(transport, node):
+                servers.append(
+                    StateServer(
+                        transport=transport,
+                        dht=node,
+                        prefix=RUN_ID,
+                        config=StateSyncConfig(announce_interval_s=1.0),
+                        digest=_digest,
+                    )
+                )
+
+            await attacker.another_key(client_mode=False, before_start=serve_poison)
+            async with servers[0] as server:
+                server.update(poisoned)
+                await server.settle()
+                await server.announce()
+                vouch = StateAnnouncement(
+                    attacker.node.peer_id,
+                    1000,
+                    None,
+                    (EpochDigest(1000, _digest(poisoned, False), _digest(poisoned, True)),),
+                )
+                assert await attacker.store(state_key(RUN_ID), vouch.to_wire())
+                newcomer = swarm.add_peer("--max-time", "35")
+                await swarm.wait_until(
+                    lambda: newcomer.epoch() >= before + 1, "the newcomer never trained"
+                )
+                swarm.stop([newcomer])
+            swarm.stop()
+            swarm.check_healthy(epoch_before_attack=before, min_epochs_after=1)
+            assert "state download from" in newcomer.stderr  # it tried the liar and said why
+            assert "NaN" in newcomer.stderr, newcomer.stderr[-3000:]
+            equal_replicas(await attacker.announcements(), [p.peer_id for p in swarm.peers])
