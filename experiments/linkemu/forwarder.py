@@ -72,6 +72,8 @@ class _Direction:
                 frame = os.read(self.source, MAX_FRAME_BYTES)
             except BlockingIOError:
                 return
+            if not frame:
+                raise OSError("the device was closed")
             due_s = self.shaper.admit(now_s, len(frame))
             if due_s is not None:
                 self.pending.append((due_s, frame))
@@ -140,15 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     print("ready", flush=True)
     started_s = time.monotonic()
     lifeline = None if config.get("no_lifeline") else sys.stdin.fileno()
+    status = 0
     try:
         run(directions, lifeline)
     except _Stop:
         pass
+    except OSError as e:  # a device went away (its namespace was deleted under us)
+        sys.stderr.write(f"linkemu forwarder: stopping: {e}\n")
+        status = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if config.get("stats_file"):
             _write_stats(Path(config["stats_file"]), directions, time.monotonic() - started_s)
-    return 0
+    return status
 
 
 def _write_stats(path: Path, directions: list[_Direction], wall_s: float) -> None:
