@@ -65,6 +65,7 @@ class _Direction:
         self.source, self.sink, self.shaper = source, sink, shaper
         self.pending: collections.deque[tuple[float, bytes]] = collections.deque()
         self.num_write_errors = 0
+        self.last_write_error = ""
 
     def read(self, now_s: float) -> None:
         for _ in range(MAX_BATCH):
@@ -85,8 +86,9 @@ class _Direction:
             _, frame = pending.popleft()
             try:
                 os.write(self.sink, frame)
-            except OSError:  # the device's queue is full or it went down: the frame is lost
+            except OSError as e:  # the kernel refused it (backlog full, device down): lost
                 self.num_write_errors += 1
+                self.last_write_error = str(e)
         return pending[0][0] if pending else None
 
 
@@ -165,6 +167,7 @@ def _write_stats(path: Path, directions: list[_Direction], wall_s: float) -> Non
         "a_to_b": dataclasses.asdict(directions[0].shaper.stats),
         "b_to_a": dataclasses.asdict(directions[1].shaper.stats),
         "num_write_errors": sum(d.num_write_errors for d in directions),
+        "last_write_error": " ".join(d.last_write_error for d in directions).strip(),
     }
     path.write_text(json.dumps(stats))
 
