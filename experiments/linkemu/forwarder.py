@@ -65,6 +65,7 @@ class _Direction:
         self.source, self.sink, self.shaper = source, sink, shaper
         self.pending: collections.deque[tuple[float, bytes]] = collections.deque()
         self.num_write_errors = 0
+        self.last_write_error = ""
 
     def read(self, now_s: float) -> None:
         for _ in range(MAX_BATCH):
@@ -72,6 +73,8 @@ class _Direction:
                 frame = os.read(self.source, MAX_FRAME_BYTES)
             except BlockingIOError:
                 return
+            if not frame:
+                raise OSError("the device was closed")
             due_s = self.shaper.admit(now_s, len(frame))
             if due_s is not None:
                 self.pending.append((due_s, frame))
@@ -83,8 +86,9 @@ class _Direction:
             _, frame = pending.popleft()
             try:
                 os.write(self.sink, frame)
-            except OSError:  # the device's queue is full or it went down: the frame is lost
+            except OSError as e:  # the kernel refused it (backlog full, device down): lost
                 self.num_write_errors += 1
+                self.last_write_error = str(e)
         return pending[0][0] if pending else None
 
 
@@ -140,15 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     print("ready", flush=True)
     started_s = time.monotonic()
     lifeline = None if config.get("no_lifeline") else sys.stdin.fileno()
+    status = 0
     try:
         run(directions, lifeline)
     except _Stop:
         pass
+    except OSError as e:  # a device went away (its namespace was deleted under us)
+        sys.stderr.write(f"linkemu forwarder: stopping: {e}\n")
+        status = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if config.get("stats_file"):
             _write_stats(Path(config["stats_file"]), directions, time.monotonic() - started_s)
-    return 0
+    return status
 
 
 def _write_stats(path: Path, directions: list[_Direction], wall_s: float) -> None:
@@ -159,6 +167,7 @@ def _write_stats(path: Path, directions: list[_Direction], wall_s: float) -> Non
         "a_to_b": dataclasses.asdict(directions[0].shaper.stats),
         "b_to_a": dataclasses.asdict(directions[1].shaper.stats),
         "num_write_errors": sum(d.num_write_errors for d in directions),
+        "last_write_error": " ".join(d.last_write_error for d in directions).strip(),
     }
     path.write_text(json.dumps(stats))
 
