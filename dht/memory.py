@@ -137,6 +137,8 @@ class MemoryTransport:
         limits: bounds on what this node accepts.
     """
 
+    address_schemes = ("mem",)  # what addresses from the network may name (see dht.schema)
+
     def __init__(
         self,
         network: MemoryNetwork,
