@@ -1,6 +1,7 @@
-"""Replay protection in bounded memory: each (sender, nonce) is accepted once.
+"""Replay protection in bounded memory: each signed (sender, nonce, timestamp) is accepted once.
 
-A request is accepted when its timestamp is within ``window_s`` of this node's clock and its
+The MAC of a request covers its nonce and timestamp, so a replay repeats both. A request is
+accepted when its timestamp is within ``window_s`` of this node's clock and its
 (sender, nonce) was not seen. Nonces are remembered until their timestamp leaves the window. When
 more than ``max_entries`` are remembered (a flood), the oldest timestamps are forgotten and a
 floor rises to the newest timestamp forgotten: requests stamped at or before it are refused as

@@ -35,7 +35,6 @@ _MEM_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 
-@lru_cache(maxsize=65536)
 def parse_address(text: object, schemes: tuple[str, ...] = HTTP_SCHEMES) -> str:
     """``text`` if it is a node URL: ``scheme://host:port`` with nothing else.
 
@@ -48,6 +47,11 @@ def parse_address(text: object, schemes: tuple[str, ...] = HTTP_SCHEMES) -> str:
     """
     if not isinstance(text, str) or not 0 < len(text) <= MAX_ADDRESS_CHARS:
         raise BadMessageError("address must be a URL of at most 256 characters")
+    return _parse_address(text, schemes)
+
+
+@lru_cache(maxsize=65536)  # every find answer names up to k nodes, mostly the same ones
+def _parse_address(text: str, schemes: tuple[str, ...]) -> str:
     try:
         parts = urlsplit(text)
         port = parts.port
