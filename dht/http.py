@@ -28,7 +28,7 @@ from dht.http_client import (
 )
 from dht.http_config import TransportConfig
 from dht.http_limits import ConnectionGate
-from dht.http_server import HttpGetHandler, HttpServer, Refused, status_of
+from dht.http_server import HTTP_PARSER_LOGGER, HttpGetHandler, HttpServer, Refused, status_of
 from dht.http_streams import ClientStream
 from dht.identity import PeerIdentity
 from dht.session import digest
@@ -123,6 +123,7 @@ class HttpTransport:
             max_headers=cfg.max_header_fields,
             max_field_size=cfg.max_header_field_bytes,
             max_line_size=cfg.max_header_field_bytes,
+            logger=HTTP_PARSER_LOGGER,
         )
         await self._runner.setup()
         self.gate = ConnectionGate(

@@ -66,7 +66,10 @@ class ConnectionGate:
             ):
                 self.num_refused += 1
                 self._warn(host)
-                transport.abort()  # aiohttp's connection_lost follows and cleans up
+                # Abort once aiohttp has set the connection up (its request task is scheduled
+                # right after this hook returns): its connection_lost then cleans up as for any
+                # client that hung up, and nothing of the connection is ever parsed.
+                asyncio.get_running_loop().call_soon(transport.abort)
                 return
             self._open[handler] = host
             self._per_address[host] += 1

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from dht.auth import FrameTagger, SwarmAuth
 from dht.errors import AuthError, BadMessageError, BusyError, DHTError, ValidationError
@@ -40,6 +41,35 @@ _STATUS_OF = {BadMessageError: 400, AuthError: 401, ValidationError: 422, BusyEr
 _HEX = re.compile(r"[0-9a-f]+")
 # A plain GET route: returns (content type, body), directly or awaited.
 HttpGetHandler = Callable[[], tuple[str, bytes] | Awaitable[tuple[str, bytes]]]
+
+
+class _MalformedHttpFilter(logging.Filter):
+    """Malformed HTTP from a stranger (too many headers, a line too long) is a WARNING without
+    a traceback, at most one line per second; other errors pass untouched (they are bugs)."""
+
+    def __init__(self):
+        super().__init__()
+        self._last_s = -float("inf")
+        self.num_dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        now = time.monotonic()
+        if now - self._last_s < 1.0:
+            self.num_dropped += 1
+            return False
+        self._last_s = now
+        record.msg = f"{record.msg}: {exc.code} {exc.message}"[:300]
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+# The logger aiohttp's request handlers report malformed requests to (see HttpTransport.start).
+HTTP_PARSER_LOGGER = logging.getLogger("dht.http_server.parser")
+HTTP_PARSER_LOGGER.addFilter(_MalformedHttpFilter())
 
 
 class Refused(Exception):

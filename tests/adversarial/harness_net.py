@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from dht.auth import SwarmAuth
 from dht.http_client import HELLO_PATH, signed_headers
@@ -222,14 +223,73 @@ class NodeProcess:
         self._log.close()
 
 
-async def start_nodes(count: int, tmp_path: Path, **spec: Any) -> list[NodeProcess]:
-    """``count`` honest nodes: the first alone, the others bootstrapping from the first."""
-    first = await NodeProcess({**spec}, tmp_path / "node0.log").started()
-    nodes = [first]
-    others = [
-        NodeProcess({**spec, "initial_peers": [first.address]}, tmp_path / f"node{i}.log")
-        for i in range(1, count)
-    ]
-    for node in others:
-        nodes.append(await node.started())
-    return nodes
+ATTACKER_HOST = "127.0.0.2"  # another loopback address: per-address caps tell it from the honest
+
+
+@pytest.fixture
+async def node_processes(tmp_path):
+    """Factory: ``await node_processes(count, **spec)`` starts honest nodes in processes (the
+    first alone, the others bootstrapping from it); all are killed at teardown."""
+    started: list[NodeProcess] = []
+
+    async def start(count: int, **spec: Any) -> list[NodeProcess]:
+        nodes: list[NodeProcess] = []
+        for _ in range(count):
+            initial = [nodes[0].address] if nodes else spec.get("initial_peers", [])
+            log = tmp_path / f"node{len(started)}.log"
+            node = NodeProcess({**spec, "initial_peers": initial}, log)
+            started.append(node)
+            nodes.append(await node.started())
+        return nodes
+
+    yield start
+    for node in started:
+        node.kill()
+
+
+async def assert_serving(nodes: list[NodeProcess], key: str) -> None:
+    """The honest nodes still store and find: a signed record written by the first node is
+    read back, exactly, by the last."""
+    stored = await nodes[0].ask({"cmd": "store", "key": key, "value": [key, 1], "signed": True})
+    assert stored["ok"], stored
+    found = await nodes[-1].ask({"cmd": "get", "key": key, "latest": True})
+    assert found["value"] == {f"peer:{nodes[0].peer_id}": [key, 1]}, found
+
+
+def assert_no_crashes(nodes: list[NodeProcess]) -> None:
+    for node in nodes:
+        assert node.process.poll() is None, f"node exited: {node.log()[-2000:]}"
+        assert node.crashes() == [], node.crashes()
+
+
+async def info_when(node: NodeProcess, condition, *, polls: int = 200) -> dict[str, Any]:
+    """The node's ``info`` once ``condition(info)`` holds (polled every 50 ms); the last info
+    otherwise, for the test's assertion to show."""
+    for _ in range(polls):
+        info = await node.ask({"cmd": "info"})
+        if condition(info):
+            return info
+        await asyncio.sleep(0.05)
+    return info
+
+
+def http_request(
+    path: str, headers: dict[str, str], body: bytes = b"", *, content_length: int | None = None
+) -> bytes:
+    """A raw HTTP/1.1 POST whose ``Content-Length`` may lie (default: the body's length)."""
+    length = len(body) if content_length is None else content_length
+    lines = [f"POST {path} HTTP/1.1", "Host: node", f"Content-Length: {length}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def status_line(response: bytes) -> int:
+    """The status code of a raw HTTP response (0 if the node sent nothing)."""
+    if not response.startswith((b"HTTP/1.1 ", b"HTTP/1.0 ")):
+        return 0
+    return int(response[9:12])
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)

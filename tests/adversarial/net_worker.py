@@ -4,8 +4,10 @@ Protocol (one JSON object a line): the test writes the spec (``initial_peers``, 
 and ``dht`` config overrides); the worker answers ``{"peer_id", "address"}`` once it serves, then
 answers each command: ``info`` (memory, routing table, storage, server counters), ``store``
 (``key``, ``value``, ``ttl_s``, ``signed``), ``get`` (``key``, ``latest``), ``ping``
-(``address``), ``lookup`` (``key``: the lookup's outcome). Exceptions that escape a task reach the
-loop's exception handler, which writes ``UNHANDLED`` to the log (the tests look for it).
+(``address``), ``lookup`` (``key``: the lookup's outcome). With ``serve_streams`` the node
+also serves two test streams: ``test.blob`` (a reply of n MiB) and ``test.sink`` (reads all).
+Exceptions that escape a task reach the loop's exception handler, which writes ``UNHANDLED``
+to the log (the tests look for it).
 """
 
 from __future__ import annotations
@@ -70,8 +72,29 @@ async def _command(node: DHTNode, transport: HttpTransport, cmd: dict[str, Any])
             "elapsed_s": time.monotonic() - start,
             "num_queried": found.num_queried,
             "num_failed": found.num_failed,
+            "timed_out": found.timed_out,
         }
     raise ValueError(f"unknown command {kind!r}")
+
+
+BLOB_CHUNK_BYTES = 1 << 20
+
+
+async def _serve_blob(stream) -> None:
+    """``test.blob``: reply with ``{"mib": n}`` and n MiB (a state download's shape)."""
+    num_mib = min(int(stream.header.get("mib", 1)), 256)
+    await stream.reply({"mib": num_mib})
+    chunk = bytes(BLOB_CHUNK_BYTES)
+    for _ in range(num_mib):
+        await stream.send(chunk)
+
+
+async def _serve_sink(stream) -> None:
+    """``test.sink``: read every chunk the caller sends, then answer how many bytes."""
+    num_bytes = 0
+    while (chunk := await stream.recv()) is not None:
+        num_bytes += len(chunk)
+    await stream.reply({"bytes": num_bytes})
 
 
 def _on_unhandled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -83,9 +106,15 @@ async def main() -> None:
     asyncio.get_running_loop().set_exception_handler(_on_unhandled)
     spec = json.loads(await asyncio.to_thread(sys.stdin.readline))
     identity = PeerIdentity.generate()
-    transport = HttpTransport(identity, TransportConfig(**spec.get("transport", {})))
+    transport_fields = dict(spec.get("transport", {}))
+    if "swarm_key" in transport_fields:  # JSON has no bytes
+        transport_fields["swarm_key"] = transport_fields["swarm_key"].encode()
+    transport = HttpTransport(identity, TransportConfig(**transport_fields))
     config = DHTConfig(initial_peers=spec.get("initial_peers", []), **spec.get("dht", {}))
     node = DHTNode(transport=transport, identity=identity, config=config)
+    if spec.get("serve_streams"):
+        transport.add_stream_handler("test.blob", _serve_blob)
+        transport.add_stream_handler("test.sink", _serve_sink)
     async with transport, node:
         print(json.dumps({"peer_id": node.peer_id, "address": node.address}), flush=True)
         while line := await asyncio.to_thread(sys.stdin.readline):
