@@ -102,17 +102,27 @@ class BytesBudget:
         self.max_bytes = max_bytes
         self.in_use = 0
 
-    @contextmanager
-    def reserve(self, num_bytes: int):
-        """Hold ``num_bytes`` for the ``with`` block; raises :class:`OverBudget` if they do not
-        fit."""
-        if self.in_use + num_bytes > self.max_bytes:
-            raise OverBudget(f"{self.in_use} of {self.max_bytes} bytes in flight")
-        self.in_use += num_bytes
-        try:
-            yield
-        finally:
-            self.in_use -= num_bytes
+    def reserve(self, num_bytes: int) -> _Reservation:
+        """Hold ``num_bytes`` for a ``with`` block; entering raises :class:`OverBudget` if they
+        do not fit."""
+        return _Reservation(self, num_bytes)
+
+
+class _Reservation:
+    __slots__ = ("_budget", "_num_bytes")
+
+    def __init__(self, budget: BytesBudget, num_bytes: int):
+        self._budget = budget
+        self._num_bytes = num_bytes
+
+    def __enter__(self) -> None:
+        budget = self._budget
+        if budget.in_use + self._num_bytes > budget.max_bytes:
+            raise OverBudget(f"{budget.in_use} of {budget.max_bytes} bytes in flight")
+        budget.in_use += self._num_bytes
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._budget.in_use -= self._num_bytes
 
 
 class OverBudget(Exception):

@@ -28,6 +28,7 @@ import hmac
 import math
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -48,6 +49,7 @@ _TICKET_AAD = b"vp-ticket/2"
 NONCE_BYTES = 16
 KEY_BYTES = 32
 _GCM_NONCE_BYTES = 12
+_MAX_OPENED_TICKETS = 4096
 
 
 def digest(data: bytes | memoryview) -> bytes:
@@ -56,11 +58,9 @@ def digest(data: bytes | memoryview) -> bytes:
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
-    mac = hmac.new(key, digestmod=hashlib.sha256)
-    for part in parts:
-        mac.update(len(part).to_bytes(4, "little"))
-        mac.update(part)
-    return mac.digest()
+    # Each part length-prefixed, so no two part lists make the same message; one-shot HMAC.
+    message = b"".join(len(part).to_bytes(4, "little") + part for part in parts)
+    return hmac.digest(key, message, "sha256")
 
 
 def _x25519_raw(key: X25519PrivateKey) -> bytes:
@@ -253,6 +253,8 @@ class SessionIssuer:
         self.lifetime_s = lifetime_s
         self.replay_window_s = replay_window_s
         self._sealer = AESGCM(AESGCM.generate_key(bit_length=256))
+        # Tickets opened lately: a caller presents the same one on every request.
+        self._opened: OrderedDict[str, tuple[ProvenCaller, float]] = OrderedDict()
 
     def check_hello(self, hello: HelloRequest, now_s: float | None = None) -> None:
         """Raise AuthError unless the hello is fresh and signed by the peer it names."""
@@ -287,6 +289,18 @@ class SessionIssuer:
         Raises:
             AuthError: the ticket is malformed, was not issued by this process, or expired.
         """
+        opened = self._opened.get(ticket)
+        if opened is None:
+            opened = self._open(ticket)
+            self._opened[ticket] = opened
+            if len(self._opened) > _MAX_OPENED_TICKETS:
+                self._opened.popitem(last=False)
+        caller, expires_s = opened
+        if time.monotonic() > expires_s:
+            raise AuthError("unknown session: ticket expired")
+        return caller
+
+    def _open(self, ticket: str) -> tuple[ProvenCaller, float]:
         try:
             raw = base64.urlsafe_b64decode(ticket.encode("ascii"))
         except (ValueError, UnicodeEncodeError):
@@ -300,9 +314,7 @@ class SessionIssuer:
         if len(plain) != 32 + KEY_BYTES + 8:
             raise AuthError("unknown session: malformed ticket")
         expires_s = int.from_bytes(plain[-8:], "little") / 1000
-        if time.monotonic() > expires_s:
-            raise AuthError("unknown session: ticket expired")
-        return ProvenCaller(plain[:32].hex(), plain[32 : 32 + KEY_BYTES])
+        return ProvenCaller(plain[:32].hex(), plain[32 : 32 + KEY_BYTES]), expires_s
 
 
 def request_mac(key: bytes, method: str, path: str, body_digest: bytes, ts: str, nonce: str) -> str:
