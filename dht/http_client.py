@@ -108,6 +108,8 @@ class ClientSessions:
             RequestTimeoutError, RemoteError, TransportError: the handshake failed.
         """
         session = self._sessions.get(address)
+        if session is not None and expected is not None and session.peer_id != expected:
+            session = None  # another peer may serve there by now: ask the address again
         if session is None or time.monotonic() >= session.renew_at_s:
             pending = self._pending.get(address)
             if pending is None:

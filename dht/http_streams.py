@@ -88,35 +88,40 @@ class ServerStream:
             }
         )
         self._response = response
-        try:
-            async with asyncio.timeout(self._write_timeout_s):
-                await response.prepare(self._request)
-        except TimeoutError:
-            raise RequestTimeoutError("receiver of the stream stopped reading") from None
         self._writer = FrameWriter(self._write, tagger=self._tagger, direction=b"down")
+        await self._timed(self._prepare_and_write(packed))
+
+    async def _prepare_and_write(self, packed: bytes) -> None:
+        await self._response.prepare(self._request)
         await self._writer.write_message_bytes(packed)
 
-    async def _write(self, data: bytes | memoryview) -> None:
+    async def _timed(self, writing) -> None:
+        # One timer per frame (not per write): a receiver that stops reading blocks the writes
+        # once the socket buffers are full, and is dropped after write_timeout_s.
         try:
             async with asyncio.timeout(self._write_timeout_s):
-                await self._response.write(data)
+                await writing
         except TimeoutError:
             raise RequestTimeoutError(
                 f"receiver of the stream read nothing for {self._write_timeout_s} s"
             ) from None
+
+    async def _write(self, data: bytes | memoryview) -> None:
+        try:
+            await self._response.write(data)
         except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
             raise TransportError(f"receiver of the stream went away: {e}") from e
 
     async def send(self, chunk: bytes | memoryview) -> None:
         if self._writer is None:
             raise RuntimeError("call reply() before send()")
-        await self._writer.write_chunk(chunk)
+        await self._timed(self._writer.write_chunk(chunk))
         self._counters.add_sent(self.sender, len(memoryview(chunk).cast("B")))
 
     async def abort(self, reason: str) -> None:
         """End the reply early with an error frame (the reply has started)."""
         try:
-            await self._writer.write_error(reason)
+            await self._timed(self._writer.write_error(reason))
         except TransportError:
             pass  # the other end is gone or stuck; nobody is left to tell
 
