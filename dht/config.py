@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from dht.errors import ConfigError
+from dht.errors import BadMessageError, ConfigError
+from dht.schema import parse_address
 
 
 class Clock(Protocol):
@@ -48,6 +49,21 @@ class DHTConfig:
         cache_max_entries: the most keys kept in that cache (0 disables it).
         max_value_bytes: the largest packed value accepted, in bytes (stores and answers).
         max_records: the most records one node holds for others.
+        max_storage_bytes: the most bytes of records one node holds for others, in bytes
+            (a record counts its value, its subkey and 128 bytes of overhead).
+        max_bytes_per_key: the most bytes held under one key, in bytes.
+        max_bytes_per_owner: the most bytes held under one peer's owner subkeys (all keys
+            together), in bytes.
+        max_unowned_bytes_per_key: the most bytes of records anyone may write (plain values,
+            subkeys that name no owner) under one key, in bytes; signed records keep the rest.
+        max_unowned_bytes: the most bytes of records anyone may write, all keys together.
+        lookup_timeout_s: bound on one whole lookup (every hop), in seconds; a lookup that
+            reaches it returns what it found so far.
+        max_nodes_per_answer: a find or store answer naming more nodes than this is refused
+            whole (honest nodes name at most their bucket size).
+        max_pending_verifications: senders' claimed addresses being pinged back at once, at
+            most (a node enters the routing table only once it answered at its address);
+            claims beyond it wait for the sender's next request.
         rpc_timeout_s: bound on one DHT request to another node, in seconds.
         bootstrap_timeout_s: bound on reaching the initial peers when starting, in seconds.
         liveness_check_after_s: a full bucket pings its least recently seen node before
@@ -66,6 +82,14 @@ class DHTConfig:
     cache_max_entries: int = 1024
     max_value_bytes: int = 64 * 1024
     max_records: int = 100_000
+    max_storage_bytes: int = 256 * 2**20
+    max_bytes_per_key: int = 2**20
+    max_bytes_per_owner: int = 2**20
+    max_unowned_bytes_per_key: int = 64 * 2**10
+    max_unowned_bytes: int = 16 * 2**20
+    lookup_timeout_s: float = 30.0
+    max_nodes_per_answer: int = 40
+    max_pending_verifications: int = 1024
     rpc_timeout_s: float = 5.0
     bootstrap_timeout_s: float = 10.0
     liveness_check_after_s: float = 60.0
@@ -76,13 +100,33 @@ class DHTConfig:
             raise ConfigError("initial_peers must be a list of URLs, not one string")
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
         for url in self.initial_peers:
-            if not isinstance(url, str) or "://" not in url:
-                raise ConfigError(f"initial_peers: {url!r} is not a URL like http://host:port")
+            try:
+                parse_address(url, ("http", "https", "mem"))
+            except BadMessageError as e:
+                raise ConfigError(f"initial_peers: {url!r}: {e}") from None
         if self.num_replicas is None:
             object.__setattr__(self, "num_replicas", self.bucket_size)
-        for name in ("bucket_size", "alpha", "num_replicas", "max_value_bytes", "max_records"):
+        for name in (
+            "bucket_size",
+            "alpha",
+            "num_replicas",
+            "max_value_bytes",
+            "max_records",
+            "max_storage_bytes",
+            "max_bytes_per_key",
+            "max_bytes_per_owner",
+            "max_unowned_bytes_per_key",
+            "max_unowned_bytes",
+            "max_nodes_per_answer",
+            "max_pending_verifications",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_nodes_per_answer < self.bucket_size:
+            raise ConfigError(
+                f"max_nodes_per_answer ({self.max_nodes_per_answer}) must be at least "
+                f"bucket_size ({self.bucket_size})"
+            )
         for name in (
             "refresh_interval_s",
             "republish_interval_s",
@@ -90,6 +134,7 @@ class DHTConfig:
             "rpc_timeout_s",
             "bootstrap_timeout_s",
             "max_expiration_ahead_s",
+            "lookup_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

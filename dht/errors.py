@@ -56,3 +56,17 @@ class ValidationError(DHTError):
 
 class BusyError(DHTError):
     """The node refuses more work from this sender for now (too many concurrent streams)."""
+
+
+class WrongPeerError(TransportError):
+    """Another peer than the one expected answers at an address (proven by its handshake).
+
+    Attributes:
+        expected: the peer id the caller asked for.
+        actual: the peer id that proved itself at that address.
+    """
+
+    def __init__(self, address: str, expected: str, actual: str):
+        super().__init__(f"{address} is peer {actual[:8]}, not the expected {expected[:8]}")
+        self.expected = expected
+        self.actual = actual

@@ -63,18 +63,38 @@ class FaultyTransport:
         if address in self.faults.unreachable:
             raise TransportError(f"{address} is unreachable (injected)")
 
+    def peer_at(self, address: str) -> str | None:
+        return self.inner.peer_at(address)
+
     async def call(
-        self, address: str, name: str, payload: Any, *, timeout_s: float | None = None
+        self,
+        address: str,
+        name: str,
+        payload: Any,
+        *,
+        timeout_s: float | None = None,
+        expected_peer: str | None = None,
     ) -> Any:
         await self._before(address)
-        return await self.inner.call(address, name, payload, timeout_s=timeout_s)
+        return await self.inner.call(
+            address, name, payload, timeout_s=timeout_s, expected_peer=expected_peer
+        )
 
     @asynccontextmanager
     async def open_stream(
-        self, address: str, name: str, header: Any, *, timeout_s: float | None = None
+        self,
+        address: str,
+        name: str,
+        header: Any,
+        *,
+        timeout_s: float | None = None,
+        expected_peer: str | None = None,
     ):
         await self._before(address)
-        async with self.inner.open_stream(address, name, header, timeout_s=timeout_s) as stream:
+        inner = self.inner.open_stream(
+            address, name, header, timeout_s=timeout_s, expected_peer=expected_peer
+        )
+        async with inner as stream:
             cut = self.faults.cut_streams_to is None or address in self.faults.cut_streams_to
             yield _FaultyStream(stream, self.faults, cut=cut)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
-from dht.auth import FRAME_TAG_BYTES, SwarmAuth
+from dht.auth import FRAME_TAG_BYTES, FrameTagger
 from dht.errors import AuthError, BadMessageError, RemoteError, TransportError
 from dht.wire import FRAME_BIN, FRAME_ERROR, FRAME_HEADER, FRAME_MSG, MessageLimits, pack, unpack
 
@@ -33,15 +34,13 @@ class FrameReader:
         *,
         limits: MessageLimits,
         idle_timeout_s: float,
-        auth: SwarmAuth | None = None,
-        nonce: str = "",
+        tagger: FrameTagger | None = None,
         direction: bytes = b"up",
     ):
         self._source = source
         self._limits = limits
         self._idle_timeout_s = idle_timeout_s
-        self._auth = auth
-        self._nonce = nonce
+        self._tagger = tagger
         self._direction = direction
         self._seq = 0
         self.num_bytes = 0
@@ -75,15 +74,13 @@ class FrameReader:
         return kind, length, raw
 
     async def _check_tag(self, raw_header: bytes, payload: bytes | memoryview) -> None:
-        if self._auth is not None:
+        if self._tagger is not None:
             try:
                 given = await self._read_exactly(FRAME_TAG_BYTES)
             except asyncio.IncompleteReadError:
                 raise BadMessageError("stream ended inside a frame tag") from None
-            expected = self._auth.frame_tag(
-                self._nonce, self._direction, self._seq, raw_header, payload
-            )
-            self._auth.check_frame_tag(expected, given)
+            expected = self._tagger.tag(self._direction, self._seq, raw_header, payload)
+            FrameTagger.check(expected, given)
         self._seq += 1
         self.num_bytes += len(payload)
 
@@ -91,16 +88,24 @@ class FrameReader:
         """The next frame as a msgpack message (the header of a direction)."""
         return unpack(await self.read_message_raw(), self._limits)
 
-    async def read_message_raw(self) -> bytes:
-        """The payload of the next frame, which must be a msgpack message frame."""
+    async def read_message_raw(
+        self, reserve: Callable[[int], AbstractContextManager] | None = None
+    ) -> bytes:
+        """The payload of the next frame, which must be a msgpack message frame.
+
+        Args:
+            reserve: called with the frame's announced length before its payload is read
+                (a context manager held while reading; it may raise to refuse the frame).
+        """
         header = await self._next_header()
         if header is None:
             raise BadMessageError("stream ended before its header")
         kind, length, raw = header
-        payload = await self._read_payload(length)
-        await self._check_tag(raw, payload)
         if kind == FRAME_BIN:
             raise BadMessageError("expected a header frame, got a binary frame")
+        with reserve(length) if reserve is not None else nullcontext():
+            payload = await self._read_payload(length)
+            await self._check_tag(raw, payload)
         if kind == FRAME_ERROR:
             raise RemoteError(409, _reason(unpack(payload, self._limits)))
         return payload
@@ -170,13 +175,11 @@ class FrameWriter:
         self,
         write: Callable[[bytes | memoryview], Awaitable[None]],
         *,
-        auth: SwarmAuth | None = None,
-        nonce: str = "",
+        tagger: FrameTagger | None = None,
         direction: bytes = b"up",
     ):
         self._write = write
-        self._auth = auth
-        self._nonce = nonce
+        self._tagger = tagger
         self._direction = direction
         self._seq = 0
         self.num_bytes = 0
@@ -186,9 +189,8 @@ class FrameWriter:
         await self._write(header)
         if len(payload):
             await self._write(payload)
-        if self._auth is not None:
-            tag = self._auth.frame_tag(self._nonce, self._direction, self._seq, header, payload)
-            await self._write(tag)
+        if self._tagger is not None:
+            await self._write(self._tagger.tag(self._direction, self._seq, header, payload))
         self._seq += 1
         self.num_bytes += len(payload)
 

@@ -1,101 +1,65 @@
 """The aiohttp transport: one server and one keep-alive ClientSession per node.
 
-Paths are versioned: ``POST /v1/rpc/{name}`` carries one msgpack request and answers one msgpack
-response; ``POST /v1/stream/{name}`` carries frames both ways, full duplex; ``GET /v1/info`` says
-who this node is. Every refusal is a 4xx whose reason is in the ``x-vp-error`` header and the body,
-logged as one line; the node keeps serving.
+Paths are versioned (``/v2/``; ``/v1/`` is answered 426): ``POST /v2/hello`` makes a session
+(:mod:`dht.session`), ``POST /v2/rpc/{name}`` carries one msgpack request and answers one msgpack
+response, ``POST /v2/stream/{name}`` carries frames both ways, full duplex, and ``GET /v2/info``
+says who this node claims to be. Every request and answer after the handshake is proven under
+the session key; the server's checks and limits are in :mod:`dht.http_server`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-import logging
 import ssl
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from dht.auth import SwarmAuth, body_digest
-from dht.errors import (
-    AuthError,
-    BadMessageError,
-    BusyError,
-    DHTError,
-    RemoteError,
-    RequestTimeoutError,
-    TransportError,
-    ValidationError,
-)
+from dht.errors import AuthError, BadMessageError, RemoteError, RequestTimeoutError, TransportError
 from dht.frames import FrameReader, FrameWriter
-from dht.http_config import TransportConfig
-from dht.http_streams import ClientStream, ServerStream
-from dht.identity import PeerIdentity, is_peer_id
-from dht.transport import (
-    SMALL_RPC_BYTES,
-    ByteCounters,
-    RequestContext,
-    RpcHandler,
-    StreamHandler,
+from dht.http_client import (
+    API_VERSION,
+    ClientSessions,
+    check_response,
+    needs_new_session,
+    read_limited,
+    signed_headers,
 )
+from dht.http_config import TransportConfig
+from dht.http_limits import ConnectionGate
+from dht.http_server import HTTP_PARSER_LOGGER, HttpGetHandler, HttpServer, Refused, status_of
+from dht.http_streams import ClientStream
+from dht.identity import PeerIdentity
+from dht.session import digest
+from dht.transport import SMALL_RPC_BYTES, ByteCounters, RpcHandler, StreamHandler
 from dht.wire import pack, unpack
 
-logger = logging.getLogger(__name__)
-
 MSGPACK = "application/msgpack"
-API_VERSION = "v1"
-_STATUS_OF = {BadMessageError: 400, AuthError: 401, ValidationError: 422, BusyError: 429}
-# A plain GET route: returns (content type, body), directly or awaited.
-HttpGetHandler = Callable[[], tuple[str, bytes] | Awaitable[tuple[str, bytes]]]
-
-
-class Refused(Exception):
-    """Internal: a request refused with an HTTP status and a one-line reason."""
-
-    def __init__(self, status: int, reason: str):
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-
-
-def status_of(error: DHTError) -> int:
-    for kind, status in _STATUS_OF.items():
-        if isinstance(error, kind):
-            return status
-    return 500
-
-
-def _error_response(status: int, reason: str) -> web.Response:
-    safe = reason.encode("ascii", "replace").decode()[:300]
-    return web.Response(status=status, text=safe, headers={"x-vp-error": safe})
 
 
 class HttpTransport:
     """:class:`dht.transport.Transport` over aiohttp.
 
     Args:
-        identity: this node's key pair; its peer id goes with every request.
+        identity: this node's key pair; it proves this node to every node it calls and to
+            every caller.
         config: where to listen, the swarm key, TLS files, limits and timeouts.
     """
 
     def __init__(self, identity: PeerIdentity, config: TransportConfig):
         self.peer_id = identity.peer_id
+        self.identity = identity
         self.config = config
         self.limits = config.limits
         self.counters = ByteCounters()
-        self._auth = (
-            SwarmAuth(config.swarm_key, replay_window_s=config.replay_window_s)
-            if config.swarm_key
-            else None
-        )
+        self.sessions = ClientSessions(identity, swarm_key=config.swarm_key, limits=config.limits)
         self._rpc_handlers: dict[str, RpcHandler] = {}
         self._stream_handlers: dict[str, StreamHandler] = {}
         self._get_handlers: dict[str, HttpGetHandler] = {}
-        self._active_streams: Counter[str] = Counter()
+        self.server: HttpServer | None = None
+        self.gate: ConnectionGate | None = None
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._address: str | None = None
@@ -118,13 +82,13 @@ class HttpTransport:
     def add_http_get(self, path: str, handler: HttpGetHandler) -> None:
         """Serve ``GET path`` with ``handler() -> (content_type, body)`` (sync or async).
 
-        For plain read-only endpoints such as Prometheus' ``/metrics``: no swarm MAC is asked
+        For plain read-only endpoints such as Prometheus' ``/metrics``: nothing is proven
         (scrapers cannot sign), so serve nothing secret here. ``path`` must start with ``/``
-        and stay outside the versioned API (``/v1/...``).
+        and stay outside the versioned API.
         """
         if self._runner is not None:
             raise RuntimeError("add handlers before start()")
-        if not path.startswith("/") or path.startswith(f"/{API_VERSION}/"):
+        if not path.startswith("/") or path.startswith(("/v1/", f"/{API_VERSION}/")):
             raise ValueError(f"GET path must start with / and not /{API_VERSION}/: {path!r}")
         self._get_handlers[path] = handler
 
@@ -140,20 +104,34 @@ class HttpTransport:
         )
         if cfg.client_mode:
             return
-        app = web.Application(
-            client_max_size=self.limits.max_body_bytes, middlewares=[self._refusals]
+        self.server = HttpServer(
+            self.identity,
+            cfg,
+            counters=self.counters,
+            rpc_handlers=self._rpc_handlers,
+            stream_handlers=self._stream_handlers,
+            get_handlers=self._get_handlers,
         )
-        app.router.add_post(f"/{API_VERSION}/rpc/{{name}}", self._handle_rpc)
-        app.router.add_post(f"/{API_VERSION}/stream/{{name}}", self._handle_stream)
-        app.router.add_get(f"/{API_VERSION}/info", self._handle_info)
-        for path, handler in self._get_handlers.items():
-            app.router.add_get(path, _plain_get(handler))
         server_ssl = None
         if cfg.tls_cert_file:
             server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             server_ssl.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            self.server.application(),
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=cfg.idle_connection_timeout_s,
+            max_headers=cfg.max_header_fields,
+            max_field_size=cfg.max_header_field_bytes,
+            max_line_size=cfg.max_header_field_bytes,
+            logger=HTTP_PARSER_LOGGER,
+        )
         await self._runner.setup()
+        self.gate = ConnectionGate(
+            max_connections=cfg.max_connections,
+            max_per_address=cfg.max_connections_per_address,
+        )
+        self.gate.install(self._runner.server)
         site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=server_ssl)
         try:
             await site.start()
@@ -169,6 +147,7 @@ class HttpTransport:
         if self._closed:
             return
         self._closed = True
+        await self.sessions.close()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -181,204 +160,100 @@ class HttpTransport:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    # ---- server side -------------------------------------------------------------------------
-
-    @web.middleware
-    async def _refusals(self, request: web.Request, handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except Refused as e:
-            status, reason = e.status, e.reason
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            status, reason = e.status, e.reason
-        sender = request.headers.get("x-vp-peer", "?")[:16]
-        logger.warning(
-            "refused %s %s from %s: %d %s", request.method, request.path, sender, status, reason
-        )
-        return _error_response(status, reason)
-
-    def _sender(self, request: web.Request) -> str:
-        sender = request.headers.get("x-vp-peer", "")
-        if not is_peer_id(sender):
-            raise Refused(400, "missing or malformed x-vp-peer header")
-        return sender
-
-    async def _handle_info(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=pack({"peer_id": self.peer_id, "api": API_VERSION}), content_type=MSGPACK
-        )
-
-    async def _handle_rpc(self, request: web.Request) -> web.Response:
-        handler = self._rpc_handlers.get(request.match_info["name"])
-        if handler is None:
-            raise Refused(404, f"no RPC named {request.match_info['name']!r}")
-        sender = self._sender(request)
-        try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                body = await request.read()
-        except TimeoutError:
-            raise Refused(408, "request body not received in time") from None
-        try:
-            if self._auth is not None:
-                self._auth.check_request(
-                    request.method, request.path, body_digest(body), request.headers
-                )
-            payload = unpack(body, self.limits)
-            self.counters.add_recv(sender, len(body))
-            result = await handler(RequestContext(sender=sender), payload)
-        except DHTError as e:
-            raise Refused(status_of(e), str(e)) from None
-        out = pack(result)
-        headers = {"x-vp-peer": self.peer_id}
-        if self._auth is not None:
-            headers["x-vp-mac"] = self._auth.sign_response(
-                request.headers["x-vp-nonce"], 200, body_digest(out)
-            )
-        self.counters.add_sent(sender, len(out))
-        return web.Response(body=out, content_type=MSGPACK, headers=headers)
-
-    async def _handle_stream(self, request: web.Request) -> web.StreamResponse:
-        handler = self._stream_handlers.get(request.match_info["name"])
-        if handler is None:
-            raise Refused(404, f"no stream named {request.match_info['name']!r}")
-        sender = self._sender(request)
-        if self._active_streams[sender] >= self.config.max_streams_per_peer:
-            raise Refused(429, f"more than {self.config.max_streams_per_peer} concurrent streams")
-        self._active_streams[sender] += 1
-        try:
-            return await self._serve_stream(request, sender, handler)
-        finally:
-            self._active_streams[sender] -= 1
-            if not self._active_streams[sender]:
-                del self._active_streams[sender]
-
-    async def _serve_stream(self, request: web.Request, sender: str, handler: StreamHandler):
-        nonce = request.headers.get("x-vp-nonce", "")
-        if self._auth is not None and "x-vp-mac" not in request.headers:
-            raise Refused(401, "missing swarm MAC")
-        reader = FrameReader(
-            request.content,
-            limits=self.limits,
-            auth=self._auth,
-            nonce=nonce,
-            idle_timeout_s=self.config.stream_idle_timeout_s,
-            direction=b"up",
-        )
-        try:
-            header_payload = await reader.read_message_raw()
-            if self._auth is not None:
-                self._auth.check_request(
-                    request.method, request.path, body_digest(header_payload), request.headers
-                )
-            header = unpack(header_payload, self.limits)
-        except TimeoutError:
-            raise Refused(408, "stream header not received in time") from None
-        except DHTError as e:
-            raise Refused(status_of(e), str(e)) from None
-        stream = ServerStream(
-            request,
-            sender=sender,
-            header=header,
-            reader=reader,
-            auth=self._auth,
-            nonce=nonce,
-            counters=self.counters,
-            own_peer_id=self.peer_id,
-        )
-        try:
-            await handler(stream)
-        except (DHTError, TimeoutError) as e:
-            status = status_of(e) if isinstance(e, DHTError) else 408
-            if not stream.reply_started:
-                raise Refused(status, str(e) or "timed out") from None
-            logger.warning("stream %s from %s aborted: %s", request.path, sender[:8], e)
-            await stream.abort(str(e) or "timed out")
-        return await stream.finish()
-
     # ---- client side -------------------------------------------------------------------------
 
-    def _request_headers(self, path: str, digest: bytes) -> dict[str, str]:
-        headers = {"x-vp-peer": self.peer_id, "content-type": MSGPACK}
-        if self._auth is not None:
-            headers.update(self._auth.sign_request("POST", path, digest, self.peer_id))
-        return headers
+    def peer_at(self, address: str) -> str | None:
+        """The proven peer id of the node at ``address`` (from a current session), if any."""
+        return self.sessions.peer_at(address)
 
     async def call(
-        self, address: str, name: str, payload: Any, *, timeout_s: float | None = None
+        self,
+        address: str,
+        name: str,
+        payload: Any,
+        *,
+        timeout_s: float | None = None,
+        expected_peer: str | None = None,
     ) -> Any:
         if self._session is None or self._session.closed:
             raise TransportError("transport is not started or already closed")
-        path = f"/{API_VERSION}/rpc/{name}"
         body = pack(payload)
-        headers = self._request_headers(path, body_digest(body))
         timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
         sent_s = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._session.post(address + path, data=body, headers=headers) as resp:
-                    data = await _read_limited(resp, self.limits.max_body_bytes)
+                remote, data = await self._call_once(address, name, body, expected_peer, True)
         except TimeoutError:
             raise RequestTimeoutError(
                 f"{name} to {address} took longer than {timeout_s} s"
             ) from None
-        except (aiohttp.ClientError, OSError, ValueError) as e:
-            raise TransportError(f"{name} to {address} failed: {e}") from e
-        if resp.status != 200:
-            raise RemoteError(resp.status, resp.headers.get("x-vp-error") or resp.reason or "")
-        if self._auth is not None:
-            self._auth.check_response(
-                headers["x-vp-nonce"], 200, body_digest(data), resp.headers.get("x-vp-mac", "")
-            )
-        remote = resp.headers.get("x-vp-peer", address)
         self.counters.add_sent(remote, len(body))
         self.counters.add_recv(remote, len(data))
         if max(len(body), len(data)) <= SMALL_RPC_BYTES:
             self.counters.add_rtt(remote, time.monotonic() - sent_s)
         return unpack(data, self.limits)
 
+    async def _call_once(
+        self, address: str, name: str, body: bytes, expected: str | None, may_renew: bool
+    ) -> tuple[str, bytes]:
+        # The handshake shares the call's deadline; an attempt that fails for the session
+        # (the node restarted and lost its ticket key) is made once more with a new one.
+        session = await self.sessions.get(
+            self._session, address, timeout_s=self.config.request_timeout_s, expected=expected
+        )
+        path = f"/{API_VERSION}/rpc/{name}"
+        headers = signed_headers(session, self.peer_id, "POST", path, digest(body))
+        headers["content-type"] = MSGPACK
+        try:
+            async with self._session.post(address + path, data=body, headers=headers) as resp:
+                data = await read_limited(resp, self.limits.max_body_bytes)
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            raise TransportError(f"{name} to {address} failed: {e}") from e
+        if needs_new_session(resp) and may_renew:
+            self.sessions.forget(address, session)
+            return await self._call_once(address, name, body, expected, False)
+        if resp.status != 200:
+            raise RemoteError(resp.status, resp.headers.get("x-vp-error") or resp.reason or "")
+        try:
+            check_response(session, headers["x-vp-nonce"], 200, data, resp.headers)
+        except AuthError as e:
+            raise TransportError(f"{name} to {address}: {e}") from e
+        return session.peer_id, data
+
     def open_stream(
-        self, address: str, name: str, header: Any, *, timeout_s: float | None = None
+        self,
+        address: str,
+        name: str,
+        header: Any,
+        *,
+        timeout_s: float | None = None,
+        expected_peer: str | None = None,
     ) -> ClientStream:
         if self._session is None or self._session.closed:
             raise TransportError("transport is not started or already closed")
-        path = f"/{API_VERSION}/stream/{name}"
-        header_bytes = pack(header)
-        headers = self._request_headers(path, body_digest(header_bytes))
+        idle_timeout_s = self.config.stream_idle_timeout_s if timeout_s is None else timeout_s
         return ClientStream(
             self._session,
-            address + path,
-            headers=headers,
-            header_bytes=header_bytes,
+            address,
+            f"/{API_VERSION}/stream/{name}",
+            header_bytes=pack(header),
+            sessions=self.sessions,
+            own_peer_id=self.peer_id,
+            expected_peer=expected_peer,
+            tag_frames=self.config.swarm_key is not None,
             limits=self.limits,
-            auth=self._auth,
             counters=self.counters,
-            idle_timeout_s=self.config.stream_idle_timeout_s if timeout_s is None else timeout_s,
+            idle_timeout_s=idle_timeout_s,
+            handshake_timeout_s=min(idle_timeout_s, self.config.request_timeout_s),
         )
 
 
-def _plain_get(handler: HttpGetHandler):
-    async def handle(request: web.Request) -> web.Response:
-        result = handler()
-        content_type, body = await result if inspect.isawaitable(result) else result
-        return web.Response(body=body, headers={"content-type": content_type})
-
-    return handle
-
-
-async def _read_limited(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
-    if resp.content_length is not None and resp.content_length > max_bytes:
-        raise BadMessageError(f"response of {resp.content_length} bytes exceeds {max_bytes}")
-    data = await resp.content.read(max_bytes + 1)
-    while len(data) <= max_bytes and not resp.content.at_eof():
-        more = await resp.content.read(max_bytes + 1 - len(data))
-        if not more:
-            break
-        data += more
-    if len(data) > max_bytes:
-        raise BadMessageError(f"response exceeds {max_bytes} bytes")
-    return data
-
-
-__all__ = ["FrameReader", "FrameWriter", "HttpTransport", "TransportConfig"]
+__all__ = [
+    "BadMessageError",
+    "FrameReader",
+    "FrameWriter",
+    "HttpTransport",
+    "Refused",
+    "TransportConfig",
+    "status_of",
+]

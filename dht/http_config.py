@@ -21,16 +21,36 @@ class TransportConfig:
         announce_host: host others should use to reach this node; defaults to ``host``, or to
             the address of the default route's interface when ``host`` is a wildcard.
         client_mode: run no server (a peer behind NAT); it can still call others.
-        swarm_key: shared secret; when set, every request, response and stream frame carries
-            an HMAC under it and anything without a valid one is refused.
+        swarm_key: shared secret; when set, only members can make a session (the handshake
+            carries an HMAC under it and it salts every session key) and stream frames carry
+            tags. Identity is proven with or without it.
         tls_cert_file: PEM certificate to serve HTTPS with (needs ``tls_key_file``).
         tls_key_file: PEM private key of ``tls_cert_file``.
         tls_ca_file: PEM CA bundle to verify other nodes' HTTPS certificates with.
         request_timeout_s: bound on one RPC (send, remote work, answer), in seconds.
         connect_timeout_s: bound on opening a TCP (and TLS) connection, in seconds.
         stream_idle_timeout_s: bound on each wait for the next frame of a stream, in seconds.
-        max_streams_per_peer: concurrent streams accepted from one sender.
-        replay_window_s: accepted distance of a request's timestamp from this node's clock.
+        stream_write_timeout_s: bound on each write of a stream's reply (a receiver that
+            stops reading is dropped after this long), in seconds.
+        max_streams_per_peer: concurrent streams accepted from one proven peer id.
+        max_streams_per_address: concurrent streams accepted from one source IP address.
+        replay_window_s: accepted distance of a request's timestamp from this node's clock,
+            in seconds.
+        max_remembered_nonces: the most (sender, nonce) pairs remembered against replays.
+        session_lifetime_s: how long a session made by the handshake is good for, in seconds.
+        max_handshakes_per_s_per_address: sustained rate of handshakes accepted from one
+            source IP address, per second (each costs a signature check).
+        handshake_burst: handshakes one source IP address may make at once before that rate
+            applies.
+        max_connections: TCP connections the server keeps open at once; more are closed at once.
+        max_connections_per_address: TCP connections kept open at once from one source IP.
+        idle_connection_timeout_s: a connection with no request in progress (including one
+            still sending its request headers) is closed after this long, in seconds.
+        max_header_fields: the most HTTP header fields a request may have.
+        max_header_field_bytes: the longest HTTP header line accepted, in bytes.
+        max_body_bytes_in_flight: request bytes (bodies, stream header frames) being received
+            at once across all requests before their digest is checked, in bytes; a request
+            that does not fit is refused (503) instead of buffered.
         limits: sizes and nesting accepted in messages and frames.
     """
 
@@ -45,8 +65,20 @@ class TransportConfig:
     request_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
     stream_idle_timeout_s: float = 30.0
+    stream_write_timeout_s: float = 30.0
     max_streams_per_peer: int = 8
+    max_streams_per_address: int = 64
     replay_window_s: float = 30.0
+    max_remembered_nonces: int = 100_000
+    session_lifetime_s: float = 600.0
+    max_handshakes_per_s_per_address: float = 50.0
+    handshake_burst: int = 200
+    max_connections: int = 1024
+    max_connections_per_address: int = 256
+    idle_connection_timeout_s: float = 30.0
+    max_header_fields: int = 32
+    max_header_field_bytes: int = 4096
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
     limits: MessageLimits = field(default_factory=MessageLimits)
 
     def __post_init__(self) -> None:
@@ -56,12 +88,32 @@ class TransportConfig:
             "request_timeout_s",
             "connect_timeout_s",
             "stream_idle_timeout_s",
+            "stream_write_timeout_s",
             "replay_window_s",
+            "session_lifetime_s",
+            "max_handshakes_per_s_per_address",
+            "idle_connection_timeout_s",
         ):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_streams_per_peer < 1:
-            raise ConfigError(f"max_streams_per_peer must be >= 1, got {self.max_streams_per_peer}")
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be positive and finite, got {getattr(self, name)}")
+        for name in (
+            "max_streams_per_peer",
+            "max_streams_per_address",
+            "max_remembered_nonces",
+            "handshake_burst",
+            "max_connections",
+            "max_connections_per_address",
+            "max_header_fields",
+            "max_header_field_bytes",
+            "max_body_bytes_in_flight",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_body_bytes_in_flight < self.limits.max_body_bytes:
+            raise ConfigError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be at least "
+                f"limits.max_body_bytes ({self.limits.max_body_bytes})"
+            )
         if self.swarm_key is not None and len(self.swarm_key) < 16:
             raise ConfigError("swarm_key must be at least 16 bytes")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -1,4 +1,9 @@
-"""The two ends of a full-duplex stream over one HTTP/1.1 request (chunked both ways)."""
+"""The two ends of a full-duplex stream over one HTTP/1.1 request (chunked both ways).
+
+The request's headers prove the caller and cover the digest of the stream's header frame (see
+:mod:`dht.http_server`); the reply's headers carry a MAC over the reply's header frame under the
+same session key, so the caller knows who answered. With a swarm key every frame is tagged too.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from dht.auth import SwarmAuth
-from dht.errors import RemoteError, RequestTimeoutError, TransportError
+from dht.auth import FrameTagger
+from dht.errors import AuthError, RemoteError, RequestTimeoutError, TransportError
 from dht.frames import FrameReader, FrameWriter
+from dht.http_client import ClientSessions, check_response, needs_new_session, signed_headers
+from dht.session import digest, response_mac
 from dht.transport import ByteCounters
-from dht.wire import MessageLimits
+from dht.wire import MessageLimits, pack, unpack
 
 _END = None  # sentinel in the send queue: the request body is complete
 _SEND_QUEUE_PIECES = 6  # a frame is up to 3 pieces (header, payload, tag): ~2 frames in flight
@@ -29,19 +36,23 @@ class ServerStream:
         sender: str,
         header: Any,
         reader: FrameReader,
-        auth: SwarmAuth | None,
+        key: bytes,
         nonce: str,
+        tagger: FrameTagger | None,
         counters: ByteCounters,
         own_peer_id: str,
+        write_timeout_s: float,
     ):
         self.sender = sender
         self.header = header
         self._request = request
         self._reader = reader
-        self._auth = auth
+        self._key = key
         self._nonce = nonce
+        self._tagger = tagger
         self._counters = counters
         self._own_peer_id = own_peer_id
+        self._write_timeout_s = write_timeout_s
         self._response: web.StreamResponse | None = None
         self._writer: FrameWriter | None = None
 
@@ -68,15 +79,32 @@ class ServerStream:
     async def reply(self, header: Any) -> None:
         if self._response is not None:
             raise RuntimeError("reply() was already called")
+        packed = pack(header)
         response = web.StreamResponse(
-            headers={"x-vp-peer": self._own_peer_id, "content-type": "application/octet-stream"}
+            headers={
+                "x-vp-peer": self._own_peer_id,
+                "x-vp-mac": response_mac(self._key, self._nonce, 200, digest(packed)),
+                "content-type": "application/octet-stream",
+            }
         )
         self._response = response
-        await response.prepare(self._request)
-        self._writer = FrameWriter(
-            self._write, auth=self._auth, nonce=self._nonce, direction=b"down"
-        )
-        await self._writer.write_message(header)
+        self._writer = FrameWriter(self._write, tagger=self._tagger, direction=b"down")
+        await self._timed(self._prepare_and_write(packed))
+
+    async def _prepare_and_write(self, packed: bytes) -> None:
+        await self._response.prepare(self._request)
+        await self._writer.write_message_bytes(packed)
+
+    async def _timed(self, writing) -> None:
+        # One timer per frame (not per write): a receiver that stops reading blocks the writes
+        # once the socket buffers are full, and is dropped after write_timeout_s.
+        try:
+            async with asyncio.timeout(self._write_timeout_s):
+                await writing
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"receiver of the stream read nothing for {self._write_timeout_s} s"
+            ) from None
 
     async def _write(self, data: bytes | memoryview) -> None:
         try:
@@ -87,23 +115,24 @@ class ServerStream:
     async def send(self, chunk: bytes | memoryview) -> None:
         if self._writer is None:
             raise RuntimeError("call reply() before send()")
-        await self._writer.write_chunk(chunk)
+        await self._timed(self._writer.write_chunk(chunk))
         self._counters.add_sent(self.sender, len(memoryview(chunk).cast("B")))
 
     async def abort(self, reason: str) -> None:
         """End the reply early with an error frame (the reply has started)."""
         try:
-            await self._writer.write_error(reason)
+            await self._timed(self._writer.write_error(reason))
         except TransportError:
-            pass  # the other end is gone; nobody is left to tell
+            pass  # the other end is gone or stuck; nobody is left to tell
 
     async def finish(self) -> web.StreamResponse:
         if self._response is None:
             await self.reply(None)
         try:
-            await self._response.write_eof()
-        except (ConnectionError, aiohttp.ClientConnectionResetError):
-            pass  # the client left after it had what it wanted
+            async with asyncio.timeout(self._write_timeout_s):
+                await self._response.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError, TimeoutError):
+            pass  # the client left (or stopped reading) after it had what it wanted
         return self._response
 
 
@@ -112,43 +141,69 @@ class ClientStream:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
-        url: str,
+        http: aiohttp.ClientSession,
+        address: str,
+        path: str,
         *,
-        headers: dict[str, str],
         header_bytes: bytes,
+        sessions: ClientSessions,
+        own_peer_id: str,
+        expected_peer: str | None,
+        tag_frames: bool,
         limits: MessageLimits,
-        auth: SwarmAuth | None,
         counters: ByteCounters,
         idle_timeout_s: float,
+        handshake_timeout_s: float,
     ):
-        self._session = session
-        self._url = url
-        self._headers = headers
+        self._http = http
+        self._address = address
+        self._path = path
+        self._url = address + path
         self._header_bytes = header_bytes
+        self._sessions = sessions
+        self._own_peer_id = own_peer_id
+        self._expected_peer = expected_peer
+        self._tag_frames = tag_frames
         self._limits = limits
-        self._auth = auth
         self._counters = counters
         self._idle_timeout_s = idle_timeout_s
-        self._nonce = headers.get("x-vp-nonce", "")
+        self._handshake_timeout_s = handshake_timeout_s
+        self._session = None
+        self._nonce = ""
+        self._tagger: FrameTagger | None = None
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=_SEND_QUEUE_PIECES)
-        self._writer = FrameWriter(self._queue.put, auth=auth, nonce=self._nonce, direction=b"up")
+        self._writer: FrameWriter | None = None
         self._response_task: asyncio.Task | None = None
         self._response: aiohttp.ClientResponse | None = None
         self._reader: FrameReader | None = None
         self._reply_header: Any = None
         self._done_sending = False
         self._reply_lock = asyncio.Lock()
-        self._remote = url
+        self._remote = address
         self._unflushed_sent_bytes = 0
 
     async def __aenter__(self) -> ClientStream:
+        self._session = await self._sessions.get(
+            self._http,
+            self._address,
+            timeout_s=self._handshake_timeout_s,
+            expected=self._expected_peer,
+        )
+        self._remote = self._session.peer_id
+        headers = signed_headers(
+            self._session, self._own_peer_id, "POST", self._path, digest(self._header_bytes)
+        )
+        headers["content-type"] = "application/octet-stream"
+        self._nonce = headers["x-vp-nonce"]
+        if self._tag_frames:
+            self._tagger = FrameTagger(self._session.key, self._nonce)
+        self._writer = FrameWriter(self._queue.put, tagger=self._tagger, direction=b"up")
         await self._writer.write_message_bytes(self._header_bytes)
-        self._response_task = asyncio.create_task(self._post())
+        self._response_task = asyncio.create_task(self._post(headers))
         return self
 
-    async def _post(self) -> aiohttp.ClientResponse:
-        return await self._session.post(self._url, data=self._body(), headers=self._headers)
+    async def _post(self, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        return await self._http.post(self._url, data=self._body(), headers=headers)
 
     async def _body(self) -> AsyncIterator[bytes | memoryview]:
         while (piece := await self._queue.get()) is not _END:
@@ -186,20 +241,24 @@ class ClientStream:
             raise RequestTimeoutError(f"no reply from {self._url} in time") from None
         except (aiohttp.ClientError, OSError) as e:
             raise TransportError(f"stream to {self._url} failed: {e}") from e
-        if self._response.status != 200:
-            raise RemoteError(
-                self._response.status, self._response.headers.get("x-vp-error") or "refused"
-            )
-        self._remote = self._response.headers.get("x-vp-peer", self._url)
+        response = self._response
+        if response.status != 200:
+            if needs_new_session(response):
+                self._sessions.forget(self._address, self._session)
+            raise RemoteError(response.status, response.headers.get("x-vp-error") or "refused")
         self._reader = FrameReader(
-            self._response.content,
+            response.content,
             limits=self._limits,
-            auth=self._auth,
-            nonce=self._nonce,
+            tagger=self._tagger,
             idle_timeout_s=self._idle_timeout_s,
             direction=b"down",
         )
-        self._reply_header = await self._read(self._reader.read_message())
+        packed = await self._read(self._reader.read_message_raw())
+        try:
+            check_response(self._session, self._nonce, 200, packed, response.headers)
+        except AuthError as e:
+            raise TransportError(f"stream to {self._url}: {e}") from e
+        self._reply_header = unpack(packed, self._limits)
         self._flush_counters()
 
     async def _read(self, awaitable):

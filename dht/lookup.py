@@ -41,6 +41,7 @@ class LookupResult:
             or (no value) of the closest node that answered; 0 if no node answered.
         num_queried: how many requests the lookup sent.
         num_failed: how many of them failed (those nodes were dropped from routing).
+        timed_out: the lookup reached its deadline before it converged.
     """
 
     nearest: list[PeerInfo]
@@ -49,6 +50,7 @@ class LookupResult:
     hops: int
     num_queried: int
     num_failed: int
+    timed_out: bool = False
 
 
 async def iterative_find(
@@ -61,6 +63,7 @@ async def iterative_find(
     alpha: int,
     stop_on_value: bool,
     converge_on: int | None = None,
+    timeout_s: float = float("inf"),
 ) -> LookupResult:
     """Look up ``target`` starting from ``initial`` nodes (usually the own closest known).
 
@@ -74,30 +77,41 @@ async def iterative_find(
         stop_on_value: return as soon as any node answers with a value.
         converge_on: stop once this many closest nodes answered (default: k) and no node left
             to ask is closer.
+        timeout_s: bound on the whole lookup, in seconds: at the deadline the requests in
+            flight are cancelled and the lookup returns what it found (strangers naming
+            endless unreachable nodes cannot hold it for longer).
     """
     lookup = _Lookup(target, own_id, k, k if converge_on is None else min(converge_on, k))
     lookup.learn(initial, hop=1)
     in_flight: dict[asyncio.Task, tuple[int, int, PeerInfo]] = {}  # -> (distance, hop, peer)
+    deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s < float("inf") else None
     try:
-        while True:
-            while len(in_flight) < alpha:
-                item = lookup.next_to_ask(in_flight.values())
-                if item is None:
-                    break
-                in_flight[asyncio.create_task(find(item[2]))] = item
-            if not in_flight:
-                break
-            done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                lookup.absorb(in_flight.pop(task), task.result())
-            if lookup.entry is not None and stop_on_value:
-                break
+        async with asyncio.timeout_at(deadline):
+            await _run(lookup, find, in_flight, alpha, stop_on_value)
+    except TimeoutError:
+        lookup.timed_out = True
     finally:
         for task in in_flight:
             task.cancel()
         if in_flight:
             await asyncio.gather(*in_flight, return_exceptions=True)
     return lookup.result()
+
+
+async def _run(lookup: _Lookup, find: FindFn, in_flight: dict, alpha: int, stop_on_value: bool):
+    while True:
+        while len(in_flight) < alpha:
+            item = lookup.next_to_ask(in_flight.values())
+            if item is None:
+                break
+            in_flight[asyncio.create_task(find(item[2]))] = item
+        if not in_flight:
+            return
+        done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            lookup.absorb(in_flight.pop(task), task.result())
+        if lookup.entry is not None and stop_on_value:
+            return
 
 
 class _Lookup:
@@ -114,6 +128,7 @@ class _Lookup:
         self.value_hop = 0
         self.num_queried = 0
         self.num_failed = 0
+        self.timed_out = False
 
     def learn(self, peers: list[PeerInfo], hop: int) -> None:
         for peer in peers:
@@ -161,4 +176,5 @@ class _Lookup:
             hops=self.value_hop or (answered[0][1] if answered else 0),
             num_queried=self.num_queried,
             num_failed=self.num_failed,
+            timed_out=self.timed_out,
         )

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from dht.protocol import StoreRequest
 from dht.routing import DHTID
+from dht.schema import MAX_RECORDS_PER_STORE
 from dht.storage import Record
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class Maintenance:
                 continue
             items = [(None, entry)] if isinstance(entry, Record) else list(entry.items())
             requests = [StoreRequest(key_id, subkey, record) for subkey, record in items]
-            await node.replicate(key_id, requests)
+            for start in range(0, len(requests), MAX_RECORDS_PER_STORE):
+                await node.replicate(key_id, requests[start : start + MAX_RECORDS_PER_STORE])
             num_keys += 1
         return num_keys

@@ -26,6 +26,7 @@ from dht.errors import (
     RequestTimeoutError,
     TransportError,
     ValidationError,
+    WrongPeerError,
 )
 from dht.transport import ByteCounters, RequestContext, RpcHandler, StreamHandler
 from dht.wire import MessageLimits, pack, unpack
@@ -99,8 +100,14 @@ class MemoryNetwork:
         if delay_s > 0:
             await asyncio.sleep(delay_s)
 
-    async def deliver(self, sender: str, address: str, name: str, body: bytes) -> tuple[str, bytes]:
-        """Carry one request and its answer; raises as a real network would.
+    def node_at(self, address: str) -> MemoryTransport | None:
+        return self._nodes.get(address)
+
+    async def deliver(
+        self, sender: str, address: str, name: str, body: bytes, expected: str | None = None
+    ) -> tuple[str, bytes]:
+        """Carry one request and its answer; raises as a real network would (a node that is
+        not ``expected`` is refused before it sees the request, as a handshake would).
 
         Returns:
             The peer id of the node that answered, and its packed answer.
@@ -112,6 +119,8 @@ class MemoryNetwork:
         target = self._nodes.get(address)
         if target is None:
             raise TransportError(f"{name} to {address} failed: connection refused")
+        if expected is not None and target.peer_id != expected:
+            raise WrongPeerError(address, expected, target.peer_id)
         answer = await target.serve(sender, name, body)
         await self._leg()
         return target.peer_id, answer
@@ -127,6 +136,8 @@ class MemoryTransport:
         request_timeout_s: default bound on one call, in seconds.
         limits: bounds on what this node accepts.
     """
+
+    address_schemes = ("mem",)  # what addresses from the network may name (see dht.schema)
 
     def __init__(
         self,
@@ -161,7 +172,9 @@ class MemoryTransport:
     def add_stream_handler(self, name: str, handler: StreamHandler) -> None:
         raise NotImplementedError("MemoryTransport does not simulate streams")
 
-    def open_stream(self, address: str, name: str, header: Any, *, timeout_s=None):
+    def open_stream(
+        self, address: str, name: str, header: Any, *, timeout_s=None, expected_peer=None
+    ):
         raise NotImplementedError("MemoryTransport does not simulate streams")
 
     async def start(self) -> None:
@@ -184,8 +197,19 @@ class MemoryTransport:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    def peer_at(self, address: str) -> str | None:
+        """The peer id of the node at ``address`` (the in-memory network knows it)."""
+        target = self.network.node_at(address)
+        return target.peer_id if target is not None else None
+
     async def call(
-        self, address: str, name: str, payload: Any, *, timeout_s: float | None = None
+        self,
+        address: str,
+        name: str,
+        payload: Any,
+        *,
+        timeout_s: float | None = None,
+        expected_peer: str | None = None,
     ) -> Any:
         if not self._started or self._closed or self.killed:
             raise TransportError("transport is not started, closed or killed")
@@ -193,7 +217,9 @@ class MemoryTransport:
         timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                remote, answer = await self.network.deliver(self.peer_id, address, name, body)
+                remote, answer = await self.network.deliver(
+                    self.peer_id, address, name, body, expected_peer
+                )
         except TimeoutError:
             raise RequestTimeoutError(
                 f"{name} to {address} took longer than {timeout_s} s"

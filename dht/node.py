@@ -127,7 +127,14 @@ class DHTNode:
         self.limits = limits or MessageLimits()
         self.routing = RoutingTable(self.node_id, config.bucket_size, config.liveness_check_after_s)
         self.storage = DHTStorage(
-            self.clock, config.max_records, max_expiration_ahead_s=config.max_expiration_ahead_s
+            self.clock,
+            config.max_records,
+            max_expiration_ahead_s=config.max_expiration_ahead_s,
+            max_bytes=config.max_storage_bytes,
+            max_bytes_per_key=config.max_bytes_per_key,
+            max_bytes_per_owner=config.max_bytes_per_owner,
+            max_unowned_bytes_per_key=config.max_unowned_bytes_per_key,
+            max_unowned_bytes=config.max_unowned_bytes,
         )
         self.cache = ValueCache(config.cache_max_entries, config.cache_max_age_s)
         self.validator = validator or OwnerSignatureValidator()
@@ -140,6 +147,8 @@ class DHTNode:
             bucket_size=config.bucket_size,
             max_value_bytes=config.max_value_bytes,
             rpc_timeout_s=config.rpc_timeout_s,
+            max_nodes_per_answer=config.max_nodes_per_answer,
+            max_pending_verifications=config.max_pending_verifications,
         )
         self.maintenance = Maintenance(self)
         self._started = False
@@ -234,6 +243,7 @@ class DHTNode:
             alpha=self.config.alpha,
             stop_on_value=want_value and not latest,
             converge_on=converge_on,
+            timeout_s=self.config.lookup_timeout_s,
         )
 
     def _is_replica(self, key_id: int, others: list[PeerInfo]) -> bool:
@@ -273,6 +283,7 @@ class DHTNode:
                 k=num_remote,
                 alpha=num_remote,
                 stop_on_value=False,
+                timeout_s=self.config.lookup_timeout_s,
             )
             replicas = stored.nearest
         num_accepted = sum(accepted_by.get(p.node_id, False) for p in replicas)

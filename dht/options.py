@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dht.errors import ConfigError
+from dht.errors import BadMessageError, ConfigError
+from dht.schema import parse_address
 
 ENV_PREFIX = "VP_"
 
@@ -41,14 +42,16 @@ def positive_float(text: str) -> float:
 
 
 def peer_url(url: str) -> str:
-    """``url`` without a trailing slash, if it looks like ``http(s)://host:port``.
+    """``url`` without a trailing slash, if it is ``http(s)://host:port`` (the rule every address
+    from the network is held to, :func:`dht.schema.parse_address`).
 
     Raises:
-        ValueError: it does not.
+        ValueError: it is not.
     """
-    if not url.startswith(("http://", "https://")) or url.count(":") < 2:
-        raise ValueError(f"{url!r} is not a URL like http://host:port")
-    return url.rstrip("/")
+    try:
+        return parse_address(url.rstrip("/") if isinstance(url, str) else url)
+    except BadMessageError as e:
+        raise ValueError(f"{url!r} is not a URL like http://host:port ({e})") from None
 
 
 def read_swarm_key(path: str | Path | None) -> bytes | None:

@@ -1,6 +1,7 @@
 """The three DHT RPCs, both ends, and what every contact teaches the routing table.
 
-Messages (msgpack maps; ids travel as 20 raw bytes, values as the writer's packed bytes):
+Messages (msgpack maps; ids travel as 20 raw bytes, values as the writer's packed bytes; the
+schema, strict, is in :mod:`dht.schema`):
 
 * ``dht.ping``  ``{addr}`` -> ``{peer_id, addr}``
 * ``dht.find``  ``{addr, key, value: bool}`` -> ``{peer_id, nodes: {peer_id: url}, entry}``
@@ -12,8 +13,10 @@ Messages (msgpack maps; ids travel as 20 raw bytes, values as the writer's packe
   whole request (422), one over ``max_value_bytes`` or malformed too (400).
 
 ``addr`` is the sender's URL (None for a client-mode node, which is never added to routing
-tables). Every answer names the responder, so a node that took over a dead node's port is not
-mistaken for it. A node that fails to answer is dropped from the routing table at once.
+tables). The transport proves who sent a request and who answered one; the ``peer_id`` an answer
+names must be that proven peer. An address is a claim until proven: a node enters the routing
+table only with an address at which it answered a request from this node (a sender's claimed
+address is pinged back first). A node that fails to answer is dropped at once.
 """
 
 from __future__ import annotations
@@ -21,10 +24,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
-from dht.errors import BadMessageError, DHTError, RemoteError, TransportError, ValidationError
+from dht import schema
+from dht.errors import (
+    BadMessageError,
+    DHTError,
+    RemoteError,
+    TransportError,
+    ValidationError,
+    WrongPeerError,
+)
 from dht.identity import is_peer_id, short_id
 from dht.routing import DHTID, PeerInfo, RoutingTable
 from dht.storage import DHTStorage, Entry, Record, Subkey
@@ -35,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 PING, FIND, STORE = "dht.ping", "dht.find", "dht.store"
 # Refusals that prove the remote is alive and a DHT node: it stays in the routing table.
-_ALIVE_STATUSES = frozenset({400, 413, 422, 429})
+_ALIVE_STATUSES = frozenset({400, 413, 422, 429, 503})
 
 
 @dataclass(frozen=True)
@@ -71,74 +81,32 @@ def encode_entry(entry: Entry | None) -> list | None:
     return ["d", [[sk, r.value_bytes, r.expiration_time, r.signature] for sk, r in entry.items()]]
 
 
-def decode_entry(obj: Any, max_value_bytes: int) -> Entry | None:
-    """Parse an encoded entry; raises BadMessageError on anything malformed."""
-    if obj is None:
+def decode_entry(wire: tuple | None, max_value_bytes: int) -> Entry | None:
+    """An entry from its schema-checked wire form; BadMessageError if a value is too big."""
+    if wire is None:
         return None
-    if not isinstance(obj, list) or len(obj) < 2:
-        raise BadMessageError("entry must be a list")
-    if obj[0] == "p" and len(obj) == 3:
-        return _record(obj[1], obj[2], None, max_value_bytes)
-    if obj[0] == "d" and len(obj) == 2 and isinstance(obj[1], list):
-        entry: dict[Subkey, Record] = {}
-        for item in obj[1]:
-            if not isinstance(item, list) or len(item) != 4:
-                raise BadMessageError("dictionary item must be [subkey, value, expiration, sig]")
-            entry[_subkey(item[0])] = _record(item[1], item[2], item[3], max_value_bytes)
-        return entry
-    raise BadMessageError("entry kind must be 'p' or 'd'")
+    if wire[0] == "p":
+        return Record(_value(wire[1], max_value_bytes), wire[2])
+    entry = {
+        subkey: Record(_value(value, max_value_bytes), expiration, signature)
+        for subkey, value, expiration, signature in wire[1]
+    }
+    return entry or None
 
 
-def _record(value: Any, expiration: Any, signature: Any, max_value_bytes: int) -> Record:
-    if not isinstance(value, bytes):
-        raise BadMessageError("value must be packed bytes")
+def _value(value: bytes, max_value_bytes: int) -> bytes:
     if len(value) > max_value_bytes:
         raise BadMessageError(f"value of {len(value)} bytes exceeds max_value_bytes")
-    if isinstance(expiration, bool) or not isinstance(expiration, int | float):
-        raise BadMessageError("expiration must be a number")
-    if signature is not None and not isinstance(signature, bytes):
-        raise BadMessageError("signature must be bytes")
-    return Record(value, float(expiration), signature)
+    return value
 
 
-def _subkey(obj: Any) -> Subkey:
-    if isinstance(obj, bool) or not isinstance(obj, str | bytes | int):
-        raise BadMessageError("subkey must be str, bytes or int")
-    return obj
-
-
-def _key_id(obj: Any) -> DHTID:
-    if not isinstance(obj, bytes):
-        raise BadMessageError("key must be 20 bytes")
-    try:
-        return DHTID.from_raw(obj)
-    except ValueError as e:
-        raise BadMessageError(str(e)) from None
-
-
-def decode_peers(obj: Any) -> list[PeerInfo]:
-    if not isinstance(obj, dict):
-        raise BadMessageError("nodes must be a map of peer_id to url")
+def decode_peers(nodes: dict[str, str], schemes: tuple[str, ...]) -> list[PeerInfo]:
+    """Nodes of a schema-checked answer; BadMessageError if one has another scheme."""
     peers = []
-    for peer_id, address in obj.items():
-        if not (isinstance(peer_id, str) and isinstance(address, str)):
-            raise BadMessageError("nodes must be a map of peer_id to url")
-        peers.append(_peer_info(peer_id, address))
+    for peer_id, address in nodes.items():
+        schema.parse_address(address, schemes)
+        peers.append(PeerInfo.of(peer_id, address))
     return peers
-
-
-@lru_cache(maxsize=65536)
-def _peer_info(peer_id: str, address: str) -> PeerInfo:
-    # Every find answer names up to k nodes, mostly the same ones: validate and hash each once.
-    if not is_peer_id(peer_id):
-        raise BadMessageError("node must be [peer_id, url]")
-    return PeerInfo.of(peer_id, address)
-
-
-def _field(payload: Any, name: str) -> Any:
-    if not isinstance(payload, dict) or name not in payload:
-        raise BadMessageError(f"message lacks field {name!r}")
-    return payload[name]
 
 
 class DHTProtocol:
@@ -153,6 +121,9 @@ class DHTProtocol:
         bucket_size: how many nodes a find answers with.
         max_value_bytes: the largest value accepted.
         rpc_timeout_s: bound on each outgoing request, in seconds.
+        max_nodes_per_answer: answers naming more nodes than this are refused whole.
+        max_pending_verifications: claimed sender addresses being pinged back at once, at
+            most (a flood of strangers must not make this node flood others).
     """
 
     def __init__(
@@ -166,6 +137,8 @@ class DHTProtocol:
         bucket_size: int,
         max_value_bytes: int,
         rpc_timeout_s: float,
+        max_nodes_per_answer: int = 40,
+        max_pending_verifications: int = 1024,
     ):
         self.transport = transport
         self.own_id = own_id
@@ -175,17 +148,22 @@ class DHTProtocol:
         self.bucket_size = bucket_size
         self.max_value_bytes = max_value_bytes
         self.rpc_timeout_s = rpc_timeout_s
+        self.max_nodes_per_answer = max_nodes_per_answer
+        self.max_pending_verifications = max_pending_verifications
+        self.schemes: tuple[str, ...] = getattr(transport, "address_schemes", schema.HTTP_SCHEMES)
         self.num_requests_sent = 0
+        self.num_bad_answers = 0
         self._liveness_pings: dict[int, asyncio.Task] = {}
+        self._verifications: dict[int, asyncio.Task] = {}
         self._closed = False
         transport.add_rpc_handler(PING, self._serve_ping)
         transport.add_rpc_handler(FIND, self._serve_find)
         transport.add_rpc_handler(STORE, self._serve_store)
 
     async def close(self) -> None:
-        """Stop answering and cancel liveness pings in flight; safe to call twice."""
+        """Stop answering and cancel pings in flight; safe to call twice."""
         self._closed = True
-        tasks = list(self._liveness_pings.values())
+        tasks = [*self._liveness_pings.values(), *self._verifications.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -193,7 +171,7 @@ class DHTProtocol:
     # ---- routing bookkeeping -----------------------------------------------------------------
 
     def note_contact(self, peer: PeerInfo) -> None:
-        """``peer`` just talked to us or answered us: it is alive and worth knowing."""
+        """``peer`` just answered us at its address: it is alive and worth knowing."""
         to_ping = self.routing.add_or_update(peer)
         if to_ping is None or self._closed or to_ping.node_id in self._liveness_pings:
             return
@@ -205,6 +183,24 @@ class DHTProtocol:
         # ping() marks the node alive or removes it (promoting the newcomer) by itself.
         await self.ping(peer.address, expected=peer)
 
+    def _note_claimed(self, sender: str, address: str) -> None:
+        """A proven ``sender`` says it serves at ``address``: known there already, or pinged
+        back there (expecting that very peer) before it enters the routing table."""
+        peer = PeerInfo.of(sender, address)
+        known = self.routing.get(peer.node_id)
+        if known is not None and known.address == address:
+            self.note_contact(known)
+            return
+        if (
+            self._closed
+            or peer.node_id in self._verifications
+            or len(self._verifications) >= self.max_pending_verifications
+        ):
+            return
+        task = asyncio.create_task(self.ping(address, expected=peer))
+        self._verifications[peer.node_id] = task
+        task.add_done_callback(lambda _: self._verifications.pop(peer.node_id, None))
+
     def _note_failure(self, peer: PeerInfo | None, error: TransportError) -> None:
         if isinstance(error, RemoteError) and error.status in _ALIVE_STATUSES:
             return
@@ -212,57 +208,70 @@ class DHTProtocol:
             logger.debug("dropped %s from routing: %s", short_id(peer.peer_id), error)
 
     async def _call(
-        self, peer: PeerInfo | None, address: str, name: str, payload: dict, raises: bool = False
+        self,
+        peer: PeerInfo | None,
+        address: str,
+        name: str,
+        payload: dict,
+        model: type,
+        raises: bool = False,
     ) -> Any:
-        """Send one request; on failure drop ``peer`` and return None.
+        """Send one request and parse the answer as ``model``; on failure drop ``peer`` and
+        return None.
 
         With ``raises``, a refusal by a live node (a 4xx that proves it alive) is re-raised as
         :class:`RemoteError` instead; nothing else ever raises.
         """
         payload["addr"] = self.transport.address
         self.num_requests_sent += 1
+        expected = peer.peer_id if peer is not None else None
         try:
-            answer = await self.transport.call(address, name, payload, timeout_s=self.rpc_timeout_s)
-            responder = _field(answer, "peer_id")
-            if not is_peer_id(responder):
-                raise BadMessageError("answer names no valid peer_id")
+            raw = await self.transport.call(
+                address, name, payload, timeout_s=self.rpc_timeout_s, expected_peer=expected
+            )
+            answer = schema.parse(model, raw, max_nodes=self.max_nodes_per_answer)
+            if answer.peer_id != (expected or self.transport.peer_at(address)):
+                raise BadMessageError("the answer names another peer than the one that sent it")
+        except WrongPeerError as e:
+            # Another node took over that address and proved it: forget the old, meet the new.
+            logger.debug("%s: %s", name, e)
+            self._note_failure(peer, e)
+            self.note_contact(PeerInfo.of(e.actual, address))
+            return None
         except TransportError as e:
             logger.debug("%s to %s failed: %s", name, address, e)
             self._note_failure(peer, e)
             if raises and isinstance(e, RemoteError) and e.status in _ALIVE_STATUSES:
                 raise
             return None
-        except DHTError as e:  # a malformed or unauthenticated answer: as good as none
+        except DHTError as e:  # a malformed answer: as good as none
+            self.num_bad_answers += 1
             logger.debug("%s to %s answered unusably: %s", name, address, e)
             self._note_failure(peer, TransportError(str(e)))
             return None
-        if peer is not None and responder != peer.peer_id:
-            logger.debug("%s at %s is now %s", short_id(peer.peer_id), address, short_id(responder))
-            self._note_failure(peer, TransportError("another node answers at this address"))
-        self.note_contact(PeerInfo.of(responder, address))
-        if peer is not None and responder != peer.peer_id:
-            return None
+        self.note_contact(PeerInfo.of(answer.peer_id, address))
         return answer
 
     # ---- client side -------------------------------------------------------------------------
 
     async def ping(self, address: str, expected: PeerInfo | None = None) -> PeerInfo | None:
-        """Ping a node (``expected`` if known); returns who answered, or None."""
-        answer = await self._call(expected, address, PING, {})
+        """Ping a node (``expected`` if known); returns who answered (proven), or None."""
+        answer = await self._call(expected, address, PING, {}, schema.PingAnswer)
         if answer is None:
             return None
-        return PeerInfo.of(answer["peer_id"], address)
+        return PeerInfo.of(answer.peer_id, address)
 
     async def find(self, peer: PeerInfo, key_id: int, *, want_value: bool) -> FindAnswer | None:
         """Ask ``peer`` for its closest nodes to ``key_id`` (and its value); None if it failed."""
         payload = {"key": DHTID(key_id).to_raw(), "value": want_value}
-        answer = await self._call(peer, peer.address, FIND, payload)
+        answer = await self._call(peer, peer.address, FIND, payload, schema.FindAnswer)
         if answer is None:
             return None
         try:
-            peers = decode_peers(_field(answer, "nodes"))
-            entry = decode_entry(answer.get("entry"), self.max_value_bytes) if want_value else None
+            peers = decode_peers(answer.nodes, self.schemes)
+            entry = decode_entry(answer.entry, self.max_value_bytes) if want_value else None
         except BadMessageError as e:
+            self.num_bad_answers += 1
             logger.debug("find answer of %s malformed: %s", short_id(peer.peer_id), e)
             self._note_failure(peer, TransportError(str(e)))
             return None
@@ -297,64 +306,70 @@ class DHTProtocol:
             for r in requests
         ]  # fmt: skip
         try:
-            answer = await self._call(peer, peer.address, STORE, {"records": records}, raises=True)
+            answer = await self._call(
+                peer, peer.address, STORE, {"records": records}, schema.StoreAnswer, raises=True
+            )
         except RemoteError:
             return StoreAnswer([False] * len(requests), [])
         if answer is None:
             return None
-        accepted = answer.get("accepted")
         try:
-            peers = decode_peers(answer.get("nodes", {}))
+            peers = decode_peers(answer.nodes, self.schemes)
         except BadMessageError:
             peers = []
-        if not isinstance(accepted, list) or len(accepted) != len(requests):
+        if len(answer.accepted) != len(requests):
             return StoreAnswer([False] * len(requests), peers)
-        return StoreAnswer([flag is True for flag in accepted], peers)
+        return StoreAnswer(answer.accepted, peers)
 
     # ---- server side -------------------------------------------------------------------------
 
-    def _note_sender(self, ctx: RequestContext, payload: Any) -> None:
+    def _parse_request(self, model: type, ctx: RequestContext, payload: Any):
         if self._closed:
             raise DHTError("this DHT node is closed")
-        address = payload.get("addr") if isinstance(payload, dict) else None
-        if isinstance(address, str) and address and is_peer_id(ctx.sender):
-            self.note_contact(PeerInfo.of(ctx.sender, address))
+        request = schema.parse(model, payload)
+        if request.addr is not None:
+            try:
+                schema.parse_address(request.addr, self.schemes)
+            except BadMessageError:
+                request = request.model_copy(update={"addr": None})  # unusable: ignore it
+        return request
+
+    def _note_sender(self, ctx: RequestContext, request: Any) -> None:
+        if request.addr and is_peer_id(ctx.sender):
+            self._note_claimed(ctx.sender, request.addr)
 
     def _answer(self, **fields: Any) -> dict:
         return {"peer_id": self.transport.peer_id, **fields}
 
     async def _serve_ping(self, ctx: RequestContext, payload: Any) -> dict:
-        self._note_sender(ctx, payload)
+        request = self._parse_request(schema.PingRequest, ctx, payload)
+        self._note_sender(ctx, request)
         return self._answer(addr=self.transport.address)
 
     async def _serve_find(self, ctx: RequestContext, payload: Any) -> dict:
-        key_id = _key_id(_field(payload, "key"))
-        self._note_sender(ctx, payload)
-        entry = self.storage.get(key_id) if payload.get("value") else None
+        request = self._parse_request(schema.FindRequest, ctx, payload)
+        key_id = DHTID.from_raw(request.key)
+        self._note_sender(ctx, request)
+        entry = self.storage.get(key_id) if request.value else None
         return self._answer(nodes=self._nearest(key_id, ctx), entry=encode_entry(entry))
 
     async def _serve_store(self, ctx: RequestContext, payload: Any) -> dict:
-        raw_records = _field(payload, "records")
-        if not isinstance(raw_records, list):
-            raise BadMessageError("records must be a list")
-        requests = [self._parse_store(item) for item in raw_records]
+        request = self._parse_request(schema.StoreRequest, ctx, payload)
+        requests = [
+            StoreRequest(
+                DHTID.from_raw(key), subkey,
+                Record(_value(value, self.max_value_bytes), expiration, signature),
+            )
+            for key, subkey, value, expiration, signature in request.records
+        ]  # fmt: skip
         for r in requests:
             self.validator.validate(r.key_id, r.subkey, r.record)  # refuses all: 422
-        self._note_sender(ctx, payload)
+        self._note_sender(ctx, request)
         accepted = [self.storage.store(r.key_id, r.record, r.subkey) for r in requests]
-        nearest = self._nearest(requests[0].key_id, ctx) if requests else []
+        nearest = self._nearest(requests[0].key_id, ctx) if requests else {}
         return self._answer(accepted=accepted, nodes=nearest)
 
     def _nearest(self, key_id: int, ctx: RequestContext) -> dict[str, str]:
         sender_id = DHTID.from_peer_id(ctx.sender) if is_peer_id(ctx.sender) else None
         nearest = self.routing.nearest(key_id, self.bucket_size, exclude=sender_id)
         return {p.peer_id: p.address for p in nearest}
-
-    def _parse_store(self, item: Any) -> StoreRequest:
-        if not isinstance(item, list) or len(item) != 5:
-            raise BadMessageError("record must be [key, subkey, value, expiration, signature]")
-        key_id = _key_id(item[0])
-        subkey = None if item[1] is None else _subkey(item[1])
-        return StoreRequest(
-            key_id, subkey, _record(item[2], item[3], item[4], self.max_value_bytes)
-        )

@@ -9,6 +9,9 @@ Two primitives, addressed by a node URL (``http://host:port``) and a handler nam
 implements it in memory for simulations of thousands of nodes. Fault injection wraps a transport.
 Handlers raise :class:`dht.errors.BadMessageError` (answered 400), :class:`dht.errors.AuthError`
 (401), :class:`dht.errors.ValidationError` (422) or :class:`dht.errors.BusyError` (429) to refuse.
+
+The sender a handler is given (``RequestContext.sender``, ``IncomingStream.sender``) is proven: the
+transport checked that the caller holds that peer id's private key.
 """
 
 from __future__ import annotations
@@ -24,9 +27,15 @@ from typing import Any, Protocol
 
 @dataclass(frozen=True)
 class RequestContext:
-    """Who sent a request. ``sender`` is authenticated only when the swarm has a key."""
+    """Who sent a request.
+
+    Attributes:
+        sender: the sender's peer id, proven by the transport (a signed handshake).
+        remote_host: the source IP address of the connection ("" when not known).
+    """
 
     sender: str
+    remote_host: str = ""
 
 
 @dataclass
@@ -81,7 +90,7 @@ class ByteCounters:
 
 
 class IncomingStream(Protocol):
-    """The server side of a stream, handed to a stream handler."""
+    """The server side of a stream, handed to a stream handler (``sender`` is proven)."""
 
     sender: str
     header: Any
@@ -140,12 +149,26 @@ class Transport(Protocol):
 
     def add_stream_handler(self, name: str, handler: StreamHandler) -> None: ...
 
+    def peer_at(self, address: str) -> str | None:
+        """The proven peer id of the node at ``address`` if this transport talked to it lately
+        (the in-memory transport knows every node)."""
+
     async def call(
-        self, address: str, name: str, payload: Any, *, timeout_s: float | None = None
+        self,
+        address: str,
+        name: str,
+        payload: Any,
+        *,
+        timeout_s: float | None = None,
+        expected_peer: str | None = None,
     ) -> Any:
         """Send ``payload`` to handler ``name`` at ``address`` and return its answer.
 
+        The node that answers has proven its peer id; with ``expected_peer`` any other peer is
+        refused before the request is sent (:class:`dht.errors.WrongPeerError`).
+
         Raises:
+            WrongPeerError: ``expected_peer`` was given and another peer answers there.
             RequestTimeoutError: no answer within ``timeout_s`` (default: the configured
                 ``request_timeout_s``).
             RemoteError: the remote refused (4xx) or failed (5xx).
@@ -153,6 +176,15 @@ class Transport(Protocol):
         """
 
     def open_stream(
-        self, address: str, name: str, header: Any, *, timeout_s: float | None = None
+        self,
+        address: str,
+        name: str,
+        header: Any,
+        *,
+        timeout_s: float | None = None,
+        expected_peer: str | None = None,
     ) -> AbstractAsyncContextManager[OutgoingStream]:
-        """Open a full-duplex stream; ``timeout_s`` bounds each wait for the remote."""
+        """Open a full-duplex stream; ``timeout_s`` bounds each wait for the remote.
+
+        As with :meth:`call`, ``expected_peer`` refuses any other peer before the header is sent.
+        """

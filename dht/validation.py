@@ -13,27 +13,14 @@ from __future__ import annotations
 from typing import Protocol
 
 from dht.errors import ValidationError
-from dht.identity import PeerIdentity, is_peer_id, verify
+from dht.identity import SIGNATURE_BYTES, PeerIdentity, is_peer_id, verify
 from dht.routing import ID_BYTES
-from dht.storage import Record, Subkey
+from dht.storage import Record
+from dht.subkeys import OWNER_PREFIX, Subkey, owner_subkey, subkey_owner
 from dht.wire import pack
 
-OWNER_PREFIX = "peer:"
+__all__ = ["OWNER_PREFIX", "owner_subkey", "sign_record", "signed_bytes", "subkey_owner"]
 _ENVELOPE_TAG = "vp-dht-record/1"
-
-
-def owner_subkey(peer_id: str) -> str:
-    """The subkey under which only ``peer_id`` may write (its records are signed)."""
-    if not is_peer_id(peer_id):
-        raise ValueError(f"not a peer id: {peer_id!r}")
-    return OWNER_PREFIX + peer_id
-
-
-def subkey_owner(subkey: Subkey | None) -> str | None:
-    """The peer id a subkey is bound to, or None if anyone may write it."""
-    if isinstance(subkey, str) and subkey.startswith(OWNER_PREFIX):
-        return subkey[len(OWNER_PREFIX) :]
-    return None
 
 
 def signed_bytes(key_id: int, subkey: Subkey, value_bytes: bytes, expiration_time: float) -> bytes:
@@ -68,7 +55,7 @@ class OwnerSignatureValidator:
             return
         if not is_peer_id(owner):
             raise ValidationError(f"owner subkey names no valid peer id: {subkey!r}")
-        if record.signature is None:
+        if record.signature is None or len(record.signature) != SIGNATURE_BYTES:
             raise ValidationError(f"record under {subkey!r} is not signed")
         data = signed_bytes(key_id, subkey, record.value_bytes, record.expiration_time)
         if not verify(owner, data, record.signature):

@@ -7,7 +7,14 @@ import itertools
 import pytest
 
 from dht.errors import ConfigError
-from dht.storage import DHTStorage, Record, ValueCache, merge_entries
+from dht.storage import (
+    ANONYMOUS,
+    RECORD_OVERHEAD_BYTES,
+    DHTStorage,
+    Record,
+    ValueCache,
+    merge_entries,
+)
 from dht.wire import pack
 
 pytestmark = pytest.mark.timeout(30)
@@ -172,3 +179,63 @@ def test_expirations_too_far_ahead_are_refused(clock):
     assert not storage.store(1, rec("squat", NOW + 3601))
     assert storage.store(1, rec("fine", NOW + 3600))
     assert not storage.store(2, rec("squat", NOW + 10**9), "peer:" + "cd" * 32)
+
+
+OWNER_A, OWNER_B = "peer:" + "ab" * 32, "peer:" + "cd" * 32
+
+
+def signed_rec(size: int, expiration: float) -> Record:
+    return Record(b"v" * size, expiration, signature=b"s" * 64)
+
+
+def test_a_plain_value_never_blocks_signed_subkeys(storage):
+    # A stranger squats a predictable key (a future round's matchmaking key) for days...
+    assert storage.store(9, rec("squatter", NOW + 5 * 24 * 3600))
+    # ...and the first signed record there still goes in, whatever the expirations.
+    assert storage.store(9, signed_rec(10, NOW + 30), OWNER_A)
+    assert storage.get(9) == {OWNER_A: signed_rec(10, NOW + 30)}
+    assert storage.owner_bytes(ANONYMOUS) == 0  # the squatter's bytes were given back
+    # A subkey that names no owner is still subject to the expiration rule.
+    assert storage.store(10, rec("squatter", NOW + 500))
+    assert not storage.store(10, rec("other", NOW + 30), "free-for-all")
+
+
+def test_bytes_are_capped_per_key_per_owner_and_in_all(clock):
+    cost = 1000 + len(OWNER_A) + RECORD_OVERHEAD_BYTES  # one signed record of 1000 bytes
+    storage = DHTStorage(
+        clock, max_records=1000, max_bytes=5 * cost, max_bytes_per_key=2 * cost,
+        max_bytes_per_owner=3 * cost,
+    )  # fmt: skip
+    owners = ["peer:" + f"{i:02x}" * 32 for i in range(8)]
+    # per key: two owners fit under key 1, a third does not
+    assert storage.store(1, signed_rec(1000, NOW + 10), owners[0])
+    assert storage.store(1, signed_rec(1000, NOW + 10), owners[1])
+    assert not storage.store(1, signed_rec(1000, NOW + 10), owners[2])
+    # an owner may replace its own record under a full key (same size or smaller)
+    assert storage.store(1, signed_rec(900, NOW + 20), owners[0])
+    # per owner: owners[2] writes three keys, not a fourth
+    for key in (2, 3, 4):
+        assert storage.store(key, signed_rec(1000, NOW + 10), owners[2])
+    assert not storage.store(5, signed_rec(1000, NOW + 10), owners[2])
+    # in all: five records' worth are held; nobody gets a sixth
+    assert storage.num_bytes <= 5 * cost
+    assert not storage.store(6, signed_rec(1000, NOW + 10), owners[3])
+    clock.now = NOW + 15  # expirations give the bytes back
+    assert storage.store(6, signed_rec(1000, NOW + 100), owners[3])
+    held = [storage.owner_bytes(o.removeprefix("peer:")) for o in owners]
+    assert storage.num_bytes == sum(held) + storage.owner_bytes(ANONYMOUS) > 0
+
+
+def test_unowned_records_cannot_crowd_out_owned_ones(clock):
+    storage = DHTStorage(
+        clock, max_records=10_000, max_bytes_per_key=20_000, max_unowned_bytes_per_key=4000,
+        max_unowned_bytes=10_000,
+    )  # fmt: skip
+    stored = sum(storage.store(1, rec("x" * 900, NOW + 100), f"s{i}") for i in range(100))
+    assert 0 < stored < 5  # the unowned share of the key is spent...
+    assert storage.store(1, signed_rec(5000, NOW + 100), OWNER_A)  # ...owners keep the rest
+    assert storage.store(1, signed_rec(5000, NOW + 100), OWNER_B)
+    # and unowned records over all keys stay under their own cap
+    for key in range(2, 50):
+        storage.store(key, rec("y" * 900, NOW + 100))
+    assert storage.owner_bytes(ANONYMOUS) <= 10_000

@@ -13,8 +13,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from dht.errors import BusyError, RemoteError, RequestTimeoutError, TransportError
+from dht.errors import BusyError, RemoteError, RequestTimeoutError, TransportError, WrongPeerError
 from dht.http_config import TransportConfig
+from dht.session import SessionIssuer
 from dht.wire import MessageLimits
 
 pytestmark = pytest.mark.timeout(60)
@@ -196,3 +197,38 @@ async def test_tls(make_transport, tmp_path):
     untrusting = await make_transport()  # system CAs only: the self-signed cert is refused
     with pytest.raises(TransportError):
         await untrusting.call(server.address, "echo", "hi")
+
+
+async def test_the_answering_peer_is_proven_and_another_than_expected_is_refused(make_transport):
+    calls = []
+
+    async def record(ctx, payload):
+        calls.append(ctx.sender)
+        return payload
+
+    server = await make_transport(rpc={"record": record}, streams={"halve": halve})
+    other = await make_transport()
+    client = await make_transport()
+    assert await client.call(server.address, "record", 1, expected_peer=server.peer_id) == 1
+    assert client.peer_at(server.address) == server.peer_id
+    with pytest.raises(WrongPeerError) as info:
+        await client.call(server.address, "record", 2, expected_peer=other.peer_id)
+    assert (info.value.expected, info.value.actual) == (other.peer_id, server.peer_id)
+    with pytest.raises(WrongPeerError):
+        async with client.open_stream(
+            server.address, "halve", {"numel": 1}, expected_peer=other.peer_id
+        ):
+            pass
+    assert calls == [client.peer_id]  # refused before anything was sent
+
+
+async def test_a_node_that_forgot_its_sessions_gets_a_new_one_transparently(make_transport):
+    server = await make_transport(rpc={"echo": echo})
+    client = await make_transport()
+    assert (await client.call(server.address, "echo", 1))["payload"] == 1
+    # the node restarts: its ticket key is new, the client's session unknown to it
+    server.server.issuer = SessionIssuer(
+        server.identity, swarm_key=None, lifetime_s=60.0, replay_window_s=30.0
+    )
+    assert (await client.call(server.address, "echo", 2))["payload"] == 2
+    assert client.sessions.num_handshakes == 2

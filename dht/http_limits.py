@@ -1,0 +1,186 @@
+"""What a node spends on others before and after they proved who they are, bounded.
+
+* :class:`ConnectionGate`: open TCP connections, in all and per source address; a connection
+  over either cap is closed at once, before a byte of it is parsed.
+* :class:`BytesBudget`: request bytes being received before their digest is checked, across all
+  requests; a request that does not fit is refused at once (503) instead of being buffered.
+* :class:`RateLimiter`: a token bucket per source address (handshakes cost a signature check).
+* :class:`StreamSlots`: concurrent streams per proven peer id and per source address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
+
+logger = logging.getLogger(__name__)
+
+
+def peer_host(transport: asyncio.BaseTransport | None) -> str:
+    """The source IP of a connection ("" when unknown, e.g. a closed transport)."""
+    if transport is None:
+        return ""
+    peername = transport.get_extra_info("peername")
+    if isinstance(peername, tuple) and peername:
+        return str(peername[0])
+    return ""
+
+
+class ConnectionGate:
+    """Counts the server's connections and closes those over the caps.
+
+    It hooks the aiohttp ``web.Server`` (the protocol factory of the listening socket):
+    aiohttp calls the server's ``connection_made`` / ``connection_lost`` for every connection,
+    which is the earliest point that knows the peer's address.
+
+    Args:
+        max_connections: the most connections open at once.
+        max_per_address: the most connections open at once from one source IP.
+    """
+
+    def __init__(self, *, max_connections: int, max_per_address: int):
+        self.max_connections = max_connections
+        self.max_per_address = max_per_address
+        self.num_refused = 0
+        self._open: dict[object, str] = {}
+        self._per_address: Counter[str] = Counter()
+        self._last_warning_s = -float("inf")
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    def install(self, server) -> None:
+        """Wrap ``server.connection_made`` / ``connection_lost`` (an aiohttp ``web.Server``)."""
+        made, lost = server.connection_made, server.connection_lost
+
+        def connection_made(handler, transport) -> None:
+            made(handler, transport)
+            host = peer_host(transport)
+            if (
+                len(self._open) >= self.max_connections
+                or self._per_address[host] >= self.max_per_address
+            ):
+                self.num_refused += 1
+                self._warn(host)
+                # Abort once aiohttp has set the connection up (its request task is scheduled
+                # right after this hook returns): its connection_lost then cleans up as for any
+                # client that hung up, and nothing of the connection is ever parsed.
+                asyncio.get_running_loop().call_soon(transport.abort)
+                return
+            self._open[handler] = host
+            self._per_address[host] += 1
+
+        def connection_lost(handler, exc=None) -> None:
+            host = self._open.pop(handler, None)
+            if host is not None:
+                self._per_address[host] -= 1
+                if not self._per_address[host]:
+                    del self._per_address[host]
+            lost(handler, exc)
+
+        server.connection_made = connection_made
+        server.connection_lost = connection_lost
+
+    def _warn(self, host: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning_s >= 10.0:  # a flood must not flood the log too
+            self._last_warning_s = now
+            logger.warning(
+                "refused connections over the caps (%d open, %d from %s; %d refused so far)",
+                len(self._open), self._per_address[host], host or "?", self.num_refused,
+            )  # fmt: skip
+
+
+class BytesBudget:
+    """A shared allowance of bytes, reserved before reading and released after."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.in_use = 0
+
+    def reserve(self, num_bytes: int) -> _Reservation:
+        """Hold ``num_bytes`` for a ``with`` block; entering raises :class:`OverBudget` if they
+        do not fit."""
+        return _Reservation(self, num_bytes)
+
+
+class _Reservation:
+    __slots__ = ("_budget", "_num_bytes")
+
+    def __init__(self, budget: BytesBudget, num_bytes: int):
+        self._budget = budget
+        self._num_bytes = num_bytes
+
+    def __enter__(self) -> None:
+        budget = self._budget
+        if budget.in_use + self._num_bytes > budget.max_bytes:
+            raise OverBudget(f"{budget.in_use} of {budget.max_bytes} bytes in flight")
+        budget.in_use += self._num_bytes
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._budget.in_use -= self._num_bytes
+
+
+class OverBudget(Exception):
+    """A reservation did not fit."""
+
+
+class RateLimiter:
+    """A token bucket per key (a source address), in bounded memory.
+
+    Args:
+        rate_per_s: tokens added per second.
+        burst: the most tokens a bucket holds.
+        max_keys: the most buckets kept; the least recently used is forgotten (a forgotten key
+            starts full again, so this only bounds memory, never blocks a newcomer).
+    """
+
+    def __init__(self, *, rate_per_s: float, burst: float, max_keys: int = 4096):
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.max_keys = max_keys
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def allow(self, key: str, now_s: float | None = None) -> bool:
+        """Take one token for ``key``; False if its bucket is empty."""
+        now_s = time.monotonic() if now_s is None else now_s
+        tokens, last_s = self._buckets.pop(key, (self.burst, now_s))
+        tokens = min(self.burst, tokens + (now_s - last_s) * self.rate_per_s)
+        allowed = tokens >= 1.0
+        self._buckets[key] = (tokens - allowed, now_s)
+        while len(self._buckets) > self.max_keys:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
+class StreamSlots:
+    """Concurrent streams per proven peer id and per source address."""
+
+    def __init__(self, *, max_per_peer: int, max_per_address: int):
+        self.max_per_peer = max_per_peer
+        self.max_per_address = max_per_address
+        self._per_peer: Counter[str] = Counter()
+        self._per_address: Counter[str] = Counter()
+
+    @contextmanager
+    def hold(self, peer: str, address: str):
+        """Hold a slot for the ``with`` block; raises :class:`OverBudget` when none is free."""
+        if self._per_peer[peer] >= self.max_per_peer:
+            raise OverBudget(f"more than {self.max_per_peer} concurrent streams from this peer")
+        if self._per_address[address] >= self.max_per_address:
+            raise OverBudget(
+                f"more than {self.max_per_address} concurrent streams from this address"
+            )
+        self._per_peer[peer] += 1
+        self._per_address[address] += 1
+        try:
+            yield
+        finally:
+            for counter, key in ((self._per_peer, peer), (self._per_address, address)):
+                counter[key] -= 1
+                if not counter[key]:
+                    del counter[key]
