@@ -1,0 +1,485 @@
+"""``peer.Optimizer``: a drop-in for ``hivemind.Optimizer`` in any PyTorch training loop.
+
+It composes what ``peer join`` runs (:mod:`peer.run.runner`): the swarm services attached to the
+user's :class:`peer.DHT`, the collaborative optimizer as the step hook (called from
+:meth:`Optimizer.step` instead of from our trainer), state catch-up, the profiler with its DHT
+record, trace and exit table, the round record the dashboard reads, and the metrics stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from averaging.config import check_prefix
+from dht.identity import short_id
+from peer.api.dht import DHT
+from peer.api.errors import UNSUPPORTED_OPTIMIZER, reject_unsupported
+from peer.api.options import grad_compression, make_config, positive, state_compression
+from peer.api.profile import LoopPhases, set_active
+from peer.api.session import Session
+from peer.api.swarm import LoopCounts, params_module
+from peer.train.device import Amp
+from peer.train.trainer import StepContext
+
+logger = logging.getLogger(__name__)
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+class Optimizer:
+    """Wraps a PyTorch optimizer; turns local steps into swarm epochs (see docs/API.md).
+
+    Like ``hivemind.Optimizer``: each :meth:`step` reports ``batch_size_per_step`` samples;
+    once the swarm has processed ``target_batch_size`` samples in total, the peers average and
+    the epoch advances (``local_epoch``). Call :meth:`zero_grad` as usual.
+
+    Args:
+        dht: a running :class:`peer.DHT`.
+        run_id: the training run; every peer with the same run id trains together.
+        target_batch_size: samples the swarm gathers per epoch (one global step).
+        batch_size_per_step: samples behind each :meth:`step` (or pass ``batch_size``).
+        optimizer: a ``torch.optim.Optimizer``, or a factory ``params -> optimizer``.
+        params: parameters or param groups for the factory (with an instance: omit).
+        scheduler: an LR scheduler or a factory ``optimizer -> scheduler``; it steps once per
+            swarm epoch (never per local step), so peers that join late agree on the LR.
+        matchmaking_time: seconds to look for a group at an epoch boundary.
+        averaging_timeout: seconds for the all-reduce of one round.
+        load_state_timeout: seconds for one download of the swarm's state.
+        reuse_grad_buffers: accumulate straight into ``.grad`` (grad mode; saves a pass per
+            step); then never call :meth:`zero_grad` and keep the batch size constant.
+        delay_optimizer_step: overlap each round and its optimizer step with the next epoch's
+            compute (grad mode; at most one step of staleness: delayed parameter updates).
+        use_local_updates: step the optimizer on every local batch and average the parameters
+            at each epoch boundary (``mode="params"``).
+        client_mode: must match the DHT's (None: the DHT's).
+        grad_compression: ``"none"``, ``"fp16"``, ``"uint8"`` or a hivemind compression object.
+        state_averaging_compression: must equal ``grad_compression`` (one wire format).
+        load_state_compression: ``"none"`` or ``"bf16"`` for state downloads.
+        shutdown_timeout: seconds :meth:`shutdown` waits for each part to leave.
+        verbose: log one line per epoch (group size, loss) at INFO.
+        mode: ``"grad"`` (default), ``"params"`` or ``"diloco"`` (inner ``optimizer`` steps
+            locally; an outer Nesterov SGD applies the averaged pseudo-gradient each epoch).
+        outer_lr: the outer optimizer's learning rate (``diloco``).
+        outer_momentum: the outer optimizer's Nesterov momentum (``diloco``).
+        **options: the rest of ``peer join``'s settings that apply to a library peer
+            (``target_group_size``, ``min_group_size``, ``newcomer_wait``, ``publish_interval``,
+            ``wait_for_peers``, ``wait_for_peers_timeout``, ``lr_schedule``, ``warmup_epochs``,
+            ``schedule_epochs``, ``min_lr_ratio``, ``metrics_file``, ``metrics_interval``,
+            ``trace``, ``trace_max_mb``, ``profile_interval``, ``profile_window``), ``summary``
+            (print the profiler's table at shutdown; default True) and hivemind's arguments
+            that have no equivalent (a value other than their default raises ``TypeError``).
+
+    Raises:
+        TypeError: an argument that does not exist here (the message says what to use).
+        ValueError: a bad value, naming the argument.
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: DHT,
+        run_id: str,
+        target_batch_size: int,
+        batch_size_per_step: int | None = None,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        params: Iterable[Any] | None = None,
+        scheduler: Any = None,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 30.0,
+        load_state_timeout: float = 600.0,
+        reuse_grad_buffers: bool = False,
+        delay_optimizer_step: bool | None = None,
+        use_local_updates: bool = False,
+        client_mode: bool | None = None,
+        grad_compression: Any = None,
+        state_averaging_compression: Any = None,
+        load_state_compression: Any = None,
+        shutdown_timeout: float = 5.0,
+        verbose: bool = False,
+        mode: str | None = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        **options: Any,
+    ):
+        summary = options.pop("summary", True)
+        ours = {name: options.pop(name) for name in _OURS if name in options}
+        reject_unsupported("peer.Optimizer", options, UNSUPPORTED_OPTIMIZER)
+        _check_dht(dht, client_mode)
+        positive("batch_size_per_step", batch_size_per_step, allow_none=True, integer=True)
+        positive("shutdown_timeout", shutdown_timeout)
+        for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"{name}: a number >= 0, got {value!r}")
+        try:
+            check_prefix(run_id)
+        except ValueError as e:
+            raise ValueError(f"run_id: {e}") from None
+        mode = _resolve_mode(mode, use_local_updates)
+        compression = _compressions(grad_compression, state_averaging_compression)
+        if reuse_grad_buffers and (mode != "grad" or delay_optimizer_step):
+            raise ValueError("reuse_grad_buffers: only with mode='grad' and no delayed step")
+        config = make_config(
+            run_id=run_id,
+            target_batch_size=target_batch_size,
+            mode=mode,
+            delay_update=bool(delay_optimizer_step),
+            compression=compression,
+            state_compression=state_compression(load_state_compression),
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            load_state_timeout=load_state_timeout,
+            client_mode=dht.client_mode,
+            **ours,
+        )
+        if scheduler is not None and config.lr_schedule != "constant":
+            raise ValueError("scheduler: pass either scheduler= or lr_schedule=, not both")
+        self.dht, self.run_id = dht, run_id
+        self.target_batch_size, self.batch_size_per_step = target_batch_size, batch_size_per_step
+        self.config, self.verbose, self.summary = config, verbose, summary
+        self.shutdown_timeout = shutdown_timeout
+        self.opt = _make_optimizer(optimizer, params)
+        self._params = [p for group in self.opt.param_groups for p in group["params"]]
+        self._reuse_grad_buffers = reuse_grad_buffers
+        self._amp = Amp(torch.device("cpu"), "off")  # the user's loop owns autocast and scaling
+        self._counts = LoopCounts(model=params_module(self._params))
+        self._last_loss: torch.Tensor | None = None
+        self._forced_epoch: int | None = None
+        self._jump_mode: str | None = None  # None, "forced" (load_state_dict) or "download"
+        self._downloaded = False
+        self._epoch_logged = -1
+        self._closed = False
+        if verbose:
+            _log_to_stderr()
+        self.session = Session(
+            config,
+            dht=dht,
+            optimizer=self.opt,
+            counts=self._counts,
+            collaborative=dataclasses.replace(
+                config.collaborative_config(),
+                accumulate_in_grad=reuse_grad_buffers,
+                outer_lr=float(outer_lr),
+                outer_momentum=float(outer_momentum),
+            ),
+            on_epoch=self._on_epoch,
+            on_behind=self._on_behind,
+            progress=lambda: (self.local_epoch, self._counts.total_samples, self._last_loss),
+            process_name=f"peer {short_id(dht.peer_id)}",
+        )
+        self._hook = self.session.hook
+        dht.attached_run = run_id
+        self.scheduler = _make_scheduler(scheduler, self.opt, self.local_epoch)
+        self._scheduler_epoch = self.local_epoch
+        self.loop_phases = LoopPhases(self.session.profiler.clock, self._params)
+        set_active(self)
+
+    # ---- the training loop -------------------------------------------------------------------
+
+    def step(
+        self,
+        closure: Callable[[], torch.Tensor] | None = None,
+        batch_size: int | None = None,
+        grad_scaler: Any = None,
+        *,
+        loss: torch.Tensor | float | None = None,
+    ) -> torch.Tensor | None:
+        """Report one local step's gradients (``batch_size`` samples): accumulate them, step
+        locally or average with the swarm, as the mode says.
+
+        Args:
+            closure: recomputes the loss (called with grad enabled), as in PyTorch.
+            batch_size: samples behind this step (default: ``batch_size_per_step``).
+            grad_scaler: not supported (unscale before ``step``; see docs/API.md).
+            loss: this step's loss, for the metrics stream, the dashboard and the summary
+                (the closure's result when there is one).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        if grad_scaler is not None:
+            raise TypeError("step(): grad_scaler is not supported here; unscale_ the gradients")
+        if self._closed:
+            raise RuntimeError("step() after shutdown()")
+        batch_size = batch_size if batch_size is not None else self.batch_size_per_step
+        positive("batch_size", batch_size, integer=True)
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.loop_phases.switch("optimizer")
+        try:
+            self._step(batch_size, loss)
+        finally:
+            self.loop_phases.after_step()
+        return loss if closure is not None else None
+
+    def _step(self, batch_size: int, loss: Any) -> None:
+        if isinstance(loss, torch.Tensor):
+            self._last_loss = loss.detach()
+        elif loss is not None:
+            self._last_loss = torch.tensor(float(loss))
+        counts = self._counts
+        counts.step += 1
+        counts.total_samples += batch_size
+        if self._reuse_grad_buffers:
+            self._hook.backward_weight(batch_size)  # fixes the unit: the first batch's size
+            if batch_size != self._hook._sample_unit:
+                raise ValueError("batch_size: must stay the same with reuse_grad_buffers")
+        self._hook.on_step(
+            StepContext(
+                step=counts.step,
+                batch_samples=batch_size,
+                loss=self._last_loss if self._last_loss is not None else _NO_LOSS,
+                model=counts.model,
+                optimizer=self.opt,
+                amp=self._amp,
+                clock=self.session.profiler.clock,
+            )
+        )
+        self.session.after_step(batch_size, self._last_loss)
+        self._sync_scheduler()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the parameters' gradients (as ``torch.optim.Optimizer.zero_grad``).
+
+        Raises:
+            ValueError: with ``reuse_grad_buffers=True``, where ``.grad`` holds the swarm's
+                accumulated gradients.
+        """
+        if self._reuse_grad_buffers:
+            raise ValueError(
+                "zero_grad(): with reuse_grad_buffers=True the gradients are the accumulators; "
+                "do not zero them"
+            )
+        for param in self._params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.detach_().zero_()
+
+    @property
+    def local_epoch(self) -> int:
+        """This peer's epoch: swarm epochs completed (it follows the swarm's)."""
+        return self._hook.epoch
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (LR changes apply to it)."""
+        return self.opt.param_groups
+
+    @property
+    def stats(self):
+        """Counters of finished rounds (:class:`peer.swarm.round.EpochStats`)."""
+        return self._hook.stats
+
+    def is_synchronized_with_peers(self) -> bool:
+        """Whether this peer is at most one epoch behind the swarm."""
+        return self.local_epoch >= self.session.services.tracker.current().epoch - 1
+
+    def is_alive(self) -> bool:
+        """Whether the optimizer still takes part in the swarm (not shut down)."""
+        return not self._closed
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def load_state_from_peers(self) -> bool:
+        """Download the newest state of the run (parameters, optimizer state, epoch) from a
+        peer that serves it; this peer's progress in the current epoch is discarded.
+
+        Returns:
+            Whether a state was loaded (False when no peer delivered one in time).
+        """
+        swarm = self.session.refresh()
+        return self._jump(max(swarm.epoch, self.local_epoch), mode="download")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict with ``state["local_epoch"]`` (as hivemind's)."""
+        state = self.opt.state_dict()
+        state["state"]["local_epoch"] = self.local_epoch
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (the epoch too, when it holds one)."""
+        state = dict(state_dict, state=dict(state_dict["state"]))
+        epoch = state["state"].pop("local_epoch", None)
+        self.opt.load_state_dict(state)
+        if epoch is not None and epoch != self.local_epoch:
+            self._forced_epoch = int(epoch)
+            self._jump(int(epoch), mode="forced")
+
+    def _jump(self, epoch: int, *, mode: str) -> bool:
+        # The collaborative optimizer resets an epoch's progress (accumulators, DiLoCo's start
+        # point, the LR) when a catch-up reaches a later epoch: enter it one epoch below.
+        hook, before = self._hook, self.local_epoch
+        self._jump_mode, self._downloaded = mode, False
+        hook.epoch = epoch - 1
+        try:
+            hook._catch_up(epoch)
+        finally:
+            self._jump_mode, self._forced_epoch = None, None
+        loaded = hook.epoch >= epoch
+        if not loaded:  # nothing was loaded: this peer stays where it was
+            hook.epoch = before
+        self.session.after_jump(self.local_epoch)
+        self._sync_scheduler()
+        return loaded
+
+    def _on_behind(self, swarm_epoch: int) -> int:
+        epoch = self._hook.epoch
+        if self._jump_mode == "forced":  # the LR came with the loaded state, as a download's
+            self._downloaded = True
+            return self._forced_epoch
+        if self._jump_mode == "download":
+            reached = self.session.download(swarm_epoch, fallback=epoch)
+        else:
+            reached = self.session.catch_up(swarm_epoch, epoch=epoch)
+        self._downloaded = self._downloaded or reached > epoch
+        return reached
+
+    def _on_epoch(self, epoch: int) -> None:
+        self.session.on_epoch(epoch)
+        if self.verbose and epoch != self._epoch_logged:
+            self._epoch_logged = epoch
+            stats = self._hook.stats
+            logger.info(
+                "epoch %d: averaged with %d peer(s) (%s)",
+                epoch,
+                stats.last_group_size,
+                stats.last_reason or "ok",
+            )
+
+    def _sync_scheduler(self) -> None:
+        """Step the scheduler once per epoch; after a download the LR came with the state."""
+        if self.scheduler is None or self.local_epoch == self._scheduler_epoch:
+            return
+        if self._downloaded or self.local_epoch < self._scheduler_epoch:
+            self.scheduler.last_epoch = self.local_epoch
+            self._downloaded = False
+        else:
+            for _ in range(self.local_epoch - self._scheduler_epoch):
+                self.scheduler.step()
+        self._scheduler_epoch = self.local_epoch
+
+    # ---- leaving -----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Finish a round still in flight, stop publishing, leave the swarm (the DHT stays up:
+        it is the caller's); print the profiler's table unless ``summary=False``. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        set_active(None)
+        self.dht.attached_run = None
+        self.loop_phases.close()
+        self.session.close(
+            last_loss=self._last_loss, summary=self.summary, timeout_s=self.shutdown_timeout
+        )
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"peer.Optimizer(run_id={self.run_id!r}, epoch={self.local_epoch})"
+
+
+_NO_LOSS = torch.zeros(())
+# peer join's settings a library peer takes as keyword arguments (PeerConfig fields)
+_OURS = (
+    "target_group_size",
+    "min_group_size",
+    "newcomer_wait",
+    "publish_interval",
+    "wait_for_peers",
+    "wait_for_peers_timeout",
+    "lr_schedule",
+    "warmup_epochs",
+    "schedule_epochs",
+    "min_lr_ratio",
+    "metrics_file",
+    "metrics_interval",
+    "trace",
+    "trace_max_mb",
+    "profile_interval",
+    "profile_window",
+)
+
+
+def _check_dht(dht: Any, client_mode: bool | None) -> None:
+    if not isinstance(dht, DHT):
+        raise ValueError(f"dht: a running peer.DHT, got {type(dht).__name__}")
+    if not dht.is_alive():
+        raise ValueError("dht: this peer.DHT was shut down")
+    if dht.attached_run is not None:
+        raise ValueError(f"dht: it already serves run {dht.attached_run!r}; one Optimizer per DHT")
+    if client_mode is not None and bool(client_mode) != dht.client_mode:
+        raise ValueError(
+            f"client_mode: {client_mode} but the DHT has client_mode={dht.client_mode}; "
+            "set it on peer.DHT (or leave it None here)"
+        )
+
+
+def _resolve_mode(mode: str | None, use_local_updates: bool) -> str:
+    if mode is None:
+        return "params" if use_local_updates else "grad"
+    if mode not in ("grad", "params", "diloco"):
+        raise ValueError(f"mode: 'grad', 'params' or 'diloco', got {mode!r}")
+    if use_local_updates and mode != "params":
+        raise ValueError(f"use_local_updates: True means mode='params', not mode={mode!r}")
+    return mode
+
+
+def _compressions(grad: Any, state: Any) -> str:
+    compression = grad_compression(grad)
+    if state is not None and grad_compression(state) != compression:
+        raise ValueError(
+            "state_averaging_compression: must equal grad_compression (one wire format for "
+            "every round)"
+        )
+    return compression
+
+
+def _make_optimizer(optimizer: Any, params: Iterable[Any] | None) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if params is not None:
+            raise ValueError("params: only with an optimizer factory (the instance has them)")
+        return optimizer
+    if not callable(optimizer):
+        raise ValueError(f"optimizer: an optimizer or a factory, got {type(optimizer).__name__}")
+    if params is None:
+        raise ValueError("params: required when optimizer is a factory")
+    params = list(params)
+    if not params:
+        raise ValueError("params: empty")
+    made = optimizer(params)
+    if not isinstance(made, torch.optim.Optimizer):
+        raise ValueError(f"optimizer: the factory returned {type(made).__name__}")
+    return made
+
+
+def _make_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, epoch: int) -> Any:
+    if scheduler is None:
+        return None
+    if not hasattr(scheduler, "step"):
+        if not callable(scheduler):
+            raise ValueError(f"scheduler: a scheduler or a factory, got {scheduler!r}")
+        scheduler = scheduler(optimizer)
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("scheduler: it schedules another optimizer than this one wraps")
+    scheduler.last_epoch = epoch  # a downloaded state came with its epoch's LR
+    return scheduler
+
+
+def _log_to_stderr() -> None:
+    # like hivemind's verbose=True: the lines show even where logging is not configured
+    root = logging.getLogger("peer")
+    if not logging.getLogger().handlers and not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(min(root.level or logging.INFO, logging.INFO))
