@@ -167,7 +167,7 @@ class Optimizer:
             ),
             on_epoch=self._on_epoch,
             on_behind=self._on_behind,
-            progress=lambda: (self.local_epoch, self._counts.total_samples, self._last_loss),
+            last_loss=lambda: self._last_loss,
             process_name=f"peer {short_id(dht.peer_id)}",
         )
         self._hook = self.session.hook
@@ -340,7 +340,6 @@ class Optimizer:
         return reached
 
     def _on_epoch(self, epoch: int) -> None:
-        self.session.on_epoch(epoch)
         if self.verbose and epoch != self._epoch_logged:
             self._epoch_logged = epoch
             stats = self._hook.stats

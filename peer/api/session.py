@@ -40,7 +40,7 @@ class Session:
         collaborative: the collaborative optimizer's settings.
         on_epoch: called with each new epoch (after the session's own bookkeeping).
         on_behind: the collaborative optimizer's catch-up callback.
-        progress: ``() -> (epoch, samples, loss)`` for the profiler.
+        last_loss: ``() -> the last step's loss`` (or None) for the profiler.
         process_name: the trace's process name.
     """
 
@@ -54,7 +54,7 @@ class Session:
         collaborative: CollaborativeConfig,
         on_epoch: Callable[[int], None],
         on_behind: Callable[[int], int],
-        progress: Callable[[], tuple[int, int, Any]],
+        last_loss: Callable[[], Any],
         process_name: str,
     ):
         self.config, self.dht, self.counts = config, dht, counts
@@ -109,7 +109,7 @@ class Session:
                 newcomer_hold=NewcomerHold(config.newcomer_hold_config()),
                 on_behind=on_behind,
             )
-            self._start(epoch, progress)
+            self._start(epoch, last_loss)
         except BaseException:
             self.close(last_loss=None, summary=False, timeout_s=CALL_TIMEOUT_S)
             raise
@@ -118,7 +118,7 @@ class Session:
         swarm = self.refresh()
         return self.state.download(swarm.epoch, fallback=0) if swarm.epoch > 0 else 0
 
-    def _start(self, epoch: int, progress: Callable[[], tuple[int, int, Any]]) -> None:
+    def _start(self, epoch: int, last_loss: Callable[[], Any]) -> None:
         services, config = self.services, self.config
         services.tracker.report_local_progress(epoch, 0)
         if config.wait_for_peers > 1:
@@ -136,7 +136,9 @@ class Session:
             )
         self.loop_thread.run(services.state_server.announce(), timeout_s=CALL_TIMEOUT_S)
         self.profiler.attach(
-            progress=lambda: StepProgress(*progress()),
+            progress=lambda: StepProgress(
+                self.hook.epoch, self.counts.total_samples, last_loss()
+            ),
             counters=services.transport.counters,
             device=str(next(self.counts.model.parameters()).device),
         )
