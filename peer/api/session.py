@@ -136,9 +136,7 @@ class Session:
             )
         self.loop_thread.run(services.state_server.announce(), timeout_s=CALL_TIMEOUT_S)
         self.profiler.attach(
-            progress=lambda: StepProgress(
-                self.hook.epoch, self.counts.total_samples, last_loss()
-            ),
+            progress=lambda: StepProgress(self.hook.epoch, self.counts.total_samples, last_loss()),
             counters=services.transport.counters,
             device=str(next(self.counts.model.parameters()).device),
         )
@@ -153,8 +151,9 @@ class Session:
         services.tracker.report_local_progress(epoch, 0)  # training starts now
 
     def _wait_for_peers(self) -> None:
-        wanted, deadline = self.config.wait_for_peers, time.monotonic() + (
-            self.config.wait_for_peers_timeout
+        wanted, deadline = (
+            self.config.wait_for_peers,
+            time.monotonic() + (self.config.wait_for_peers_timeout),
         )
         while self.refresh().num_peers < wanted:
             if time.monotonic() >= deadline:

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def spawn(args: list[str], **kwargs) -> subprocess.Popen:
     """``python ARGS`` from the repository root, stdout piped (text), stderr kept apart."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    # one torch thread per process: several peers share the machine's cores
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, *args],
         cwd=ROOT,
