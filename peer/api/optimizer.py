@@ -120,6 +120,8 @@ class Optimizer:
             raise ValueError(f"run_id: {e}") from None
         mode = _resolve_mode(mode, use_local_updates)
         compression = _compressions(grad_compression, state_averaging_compression)
+        if delay_optimizer_step and mode != "grad":
+            raise ValueError(f"delay_optimizer_step: needs mode='grad', not {mode!r}")
         if reuse_grad_buffers and (mode != "grad" or delay_optimizer_step):
             raise ValueError("reuse_grad_buffers: only with mode='grad' and no delayed step")
         config = make_config(
@@ -135,6 +137,8 @@ class Optimizer:
             client_mode=dht.client_mode,
             **ours,
         )
+        if scheduler is not None and not (hasattr(scheduler, "step") or callable(scheduler)):
+            raise ValueError(f"scheduler: a scheduler or a factory, got {scheduler!r}")
         if scheduler is not None and config.lr_schedule != "constant":
             raise ValueError("scheduler: pass either scheduler= or lr_schedule=, not both")
         self.dht, self.run_id = dht, run_id
@@ -171,10 +175,14 @@ class Optimizer:
             process_name=f"peer {short_id(dht.peer_id)}",
         )
         self._hook = self.session.hook
+        try:  # the scheduler starts at the epoch reached (the swarm's, after a download)
+            self.scheduler = _make_scheduler(scheduler, self.opt, self.local_epoch)
+            self._scheduler_epoch = self.local_epoch
+            self.loop_phases = LoopPhases(self.session.profiler.clock, self._params)
+        except BaseException:
+            self.session.close(last_loss=None, summary=False, timeout_s=shutdown_timeout)
+            raise
         dht.attached_run = run_id
-        self.scheduler = _make_scheduler(scheduler, self.opt, self.local_epoch)
-        self._scheduler_epoch = self.local_epoch
-        self.loop_phases = LoopPhases(self.session.profiler.clock, self._params)
         set_active(self)
 
     # ---- the training loop -------------------------------------------------------------------
