@@ -148,3 +148,21 @@ def test_the_converted_hivemind_script_trains_two_processes_that_average(tmp_pat
         assert re.search(r"epoch \d+: averaged with 2 peer", err), err[-3000:]
     for result in results:
         assert result["local_epoch"] >= 2 and result["last"] < result["first"]
+
+
+@pytest.mark.timeout(300)
+def test_the_lightning_callback_trains_two_peers_to_equal_parameters(tmp_path):
+    pytest.importorskip("lightning", reason="examples/lightning_callback.py needs lightning")
+    saved = [tmp_path / "a.pt", tmp_path / "b.pt"]
+    script = ["examples/lightning_callback.py", "--swarm-epochs", "4", "--wait-for-peers", "2"]
+    first = spawn([*script, "--seed", "1", "--save", str(saved[0])])
+    url = url_of(first_line(first))
+    second = spawn([*script, "--seed", "2", "--save", str(saved[1]), "--initial-peers", url])
+    for process in (first, second):
+        out, err = process.communicate(timeout=240)
+        assert process.returncode == 0, err[-4000:]
+        result = last_json(out)
+        assert result["epoch"] == 4 and result["rounds_with_others"] >= 1, result
+    a, b = (torch.load(path, weights_only=True) for path in saved)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
