@@ -72,6 +72,7 @@ def test_the_scheduler_and_state_dict_follow_swarm_epochs():
         assert opt.local_epoch >= saved_epoch + 1
         assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**opt.local_epoch)
 
+
 def test_profile_charges_the_loop_phases():
     model = torch.nn.Linear(4, 2)
 
