@@ -61,10 +61,12 @@ def compression_name(value: Any, *, argument: str, names: dict[str, str]) -> str
 
 
 def grad_compression(value: Any) -> str:
+    """The wire format of rounds for ``grad_compression=value``."""
     return compression_name(value, argument="grad_compression", names=_GRAD_COMPRESSION)
 
 
 def state_compression(value: Any) -> str:
+    """The state download format for ``load_state_compression=value``."""
     names = {**_STATE_COMPRESSION, "bf16": "bf16"}
     return compression_name(value, argument="load_state_compression", names=names)
 

@@ -40,6 +40,7 @@ def set_active(optimizer: Optimizer | None) -> None:
 
 
 def active_loop_phases() -> LoopPhases | None:
+    """The phases of the newest optimizer alive, or None."""
     optimizer = _active() if _active is not None else None
     return None if optimizer is None else optimizer.loop_phases
 
@@ -61,6 +62,7 @@ class LoopPhases:
         self._handles = [p.register_hook(self._on_grad) for p in params if p.requires_grad]
 
     def switch(self, name: str) -> None:
+        """Charge the time from now on to ``name`` (a no-op when it already is)."""
         if self._closed or name == self._current:
             return
         self._current = name
@@ -71,6 +73,7 @@ class LoopPhases:
             self.switch("backward")
 
     def after_step(self) -> None:
+        """``opt.step()`` returned: the loop's own code runs until the next batch."""
         self.switch("other" if self.profiled else "forward")
 
     def close(self) -> None:

@@ -168,9 +168,11 @@ class Session:
         return self.loop_thread.run(self.services.tracker.refresh(), timeout_s=CALL_TIMEOUT_S)
 
     def catch_up(self, swarm_epoch: int, *, epoch: int) -> int:
+        """Download the swarm's state when behind (see :meth:`StateCatchUp.catch_up`)."""
         return self.state.catch_up(swarm_epoch, epoch=epoch)
 
     def download(self, min_epoch: int, *, fallback: int) -> int:
+        """Download a state of epoch >= ``min_epoch`` now; the epoch reached, or ``fallback``."""
         return self.state.download(min_epoch, fallback=fallback)
 
     def after_step(self, batch_size: int, loss: torch.Tensor | None) -> None:

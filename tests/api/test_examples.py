@@ -166,3 +166,16 @@ def test_the_lightning_callback_trains_two_peers_to_equal_parameters(tmp_path):
     a, b = (torch.load(path, weights_only=True) for path in saved)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.timeout(240)
+def test_the_original_script_is_hivemind_api_it_runs_on_hivemind():
+    """The script before conversion really is hivemind's API: hivemind itself runs it."""
+    pytest.importorskip("hivemind", reason="the [hivemind] extra runs the original script")
+    process = spawn(["examples/hivemind_original.py", "--seconds", "4"])
+    line = first_line(process)
+    assert "/p2p/" in line  # a libp2p multiaddr: hivemind's own DHT
+    out, err = process.communicate(timeout=200)
+    assert process.returncode == 0, err[-4000:]
+    result = last_json(out)
+    assert result["local_epoch"] >= 1 and result["last"] < result["first"]
