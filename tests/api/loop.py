@@ -51,6 +51,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--target-batch-size", type=int, default=128)
     parser.add_argument("--peers", type=int, default=2)
+    parser.add_argument("--mode", default="grad", choices=["grad", "params", "diloco"])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dht = peer.DHT(initial_peers=args.initial_peers, host="127.0.0.1")
@@ -67,13 +68,14 @@ def main(argv: list[str]) -> None:
         averaging_timeout=20.0,
         publish_interval=0.2,
         wait_for_peers=args.peers,
+        mode=args.mode,
         summary=False,
     )
-    index, first_loss = 0, None
+    index, losses = 0, []
     with dht, opt:
         while opt.local_epoch < args.epochs:
             loss = loss_fn(model, make_batch(args.seed, index))
-            first_loss = float(loss) if first_loss is None else first_loss
+            losses.append(float(loss))
             index += 1
             loss.backward()
             opt.step(loss=loss)
@@ -85,6 +87,7 @@ def main(argv: list[str]) -> None:
             "group_sizes": [outcome.num_peers for outcome in stats.history],
             "num_failed_rounds": stats.num_failed_rounds,
             "epoch": opt.local_epoch,
+            "losses": losses,
         }
     torch.save(result, args.out)
 

@@ -65,3 +65,31 @@ def test_two_processes_in_grad_mode_equal_one_process_over_the_union(tmp_path):
         for got, want in zip(result["params"], expected, strict=True):
             difference = torch.linalg.vector_norm(got.double() - want.double())
             assert difference <= 1e-5 * torch.linalg.vector_norm(want.double())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("mode", "target"), [("params", 64), ("diloco", 256)], ids=["params", "diloco"]
+)
+def test_two_processes_in_params_and_diloco_modes_end_equal_with_a_lower_loss(
+    tmp_path, mode, target
+):
+    seeds, epochs = [1, 2], 6
+    outs = [tmp_path / f"{mode}{seed}.pt" for seed in seeds]
+    common = ["-m", "tests.api.loop", "--epochs", str(epochs), "--mode", mode]
+    common += ["--target-batch-size", str(target)]
+    first = spawn([*common, "--seed", "1", "--out", str(outs[0])])
+    url = first_line(first)
+    second = spawn([*common, "--seed", "2", "--out", str(outs[1]), "--initial-peers", url])
+    first_line(second)
+    for process in (first, second):
+        finish(process, timeout_s=200)
+    results = [torch.load(out, weights_only=True) for out in outs]
+    for result in results:
+        assert result["epoch"] == epochs and result["num_failed_rounds"] == 0
+        assert result["group_sizes"][-1] == 2, result["group_sizes"]
+        losses = result["losses"]
+        assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, (losses[:4], losses[-4:])
+    # the last round leaves both with the average (params) or the same outer step (diloco)
+    for got, want in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(got, want)
