@@ -15,11 +15,15 @@ from typing import Any
 
 import torch
 
-from averaging.config import check_prefix
 from dht.identity import short_id
 from peer.api.dht import DHT
-from peer.api.errors import UNSUPPORTED_OPTIMIZER, reject_unsupported
-from peer.api.options import grad_compression, make_config, positive, state_compression
+from peer.api.options import (
+    check_arguments,
+    log_to_stderr,
+    make_optimizer,
+    make_scheduler,
+    positive,
+)
 from peer.api.profile import LoopPhases, set_active
 from peer.api.session import Session
 from peer.api.swarm import LoopCounts, params_module
@@ -105,47 +109,33 @@ class Optimizer:
         outer_momentum: float = 0.9,
         **options: Any,
     ):
-        summary = options.pop("summary", True)
-        ours = {name: options.pop(name) for name in _OURS if name in options}
-        reject_unsupported("peer.Optimizer", options, UNSUPPORTED_OPTIMIZER)
-        _check_dht(dht, client_mode)
-        positive("batch_size_per_step", batch_size_per_step, allow_none=True, integer=True)
-        positive("shutdown_timeout", shutdown_timeout)
-        for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"{name}: a number >= 0, got {value!r}")
-        try:
-            check_prefix(run_id)
-        except ValueError as e:
-            raise ValueError(f"run_id: {e}") from None
-        mode = _resolve_mode(mode, use_local_updates)
-        compression = _compressions(grad_compression, state_averaging_compression)
-        if delay_optimizer_step and mode != "grad":
-            raise ValueError(f"delay_optimizer_step: needs mode='grad', not {mode!r}")
-        if reuse_grad_buffers and (mode != "grad" or delay_optimizer_step):
-            raise ValueError("reuse_grad_buffers: only with mode='grad' and no delayed step")
-        config = make_config(
+        config, summary = check_arguments(
+            dht=dht,
             run_id=run_id,
             target_batch_size=target_batch_size,
-            mode=mode,
-            delay_update=bool(delay_optimizer_step),
-            compression=compression,
-            state_compression=state_compression(load_state_compression),
+            batch_size_per_step=batch_size_per_step,
+            scheduler=scheduler,
             matchmaking_time=matchmaking_time,
             averaging_timeout=averaging_timeout,
             load_state_timeout=load_state_timeout,
-            client_mode=dht.client_mode,
-            **ours,
+            reuse_grad_buffers=reuse_grad_buffers,
+            delay_optimizer_step=delay_optimizer_step,
+            use_local_updates=use_local_updates,
+            client_mode=client_mode,
+            grad_compression=grad_compression,
+            state_averaging_compression=state_averaging_compression,
+            load_state_compression=load_state_compression,
+            shutdown_timeout=shutdown_timeout,
+            mode=mode,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            options=options,
         )
-        if scheduler is not None and not (hasattr(scheduler, "step") or callable(scheduler)):
-            raise ValueError(f"scheduler: a scheduler or a factory, got {scheduler!r}")
-        if scheduler is not None and config.lr_schedule != "constant":
-            raise ValueError("scheduler: pass either scheduler= or lr_schedule=, not both")
         self.dht, self.run_id = dht, run_id
         self.target_batch_size, self.batch_size_per_step = target_batch_size, batch_size_per_step
         self.config, self.verbose, self.summary = config, verbose, summary
         self.shutdown_timeout = shutdown_timeout
-        self.opt = _make_optimizer(optimizer, params)
+        self.opt = make_optimizer(optimizer, params)
         self._params = [p for group in self.opt.param_groups for p in group["params"]]
         self._reuse_grad_buffers = reuse_grad_buffers
         self._amp = Amp(torch.device("cpu"), "off")  # the user's loop owns autocast and scaling
@@ -157,7 +147,7 @@ class Optimizer:
         self._epoch_logged = -1
         self._closed = False
         if verbose:
-            _log_to_stderr()
+            log_to_stderr()
         self.session = Session(
             config,
             dht=dht,
@@ -176,7 +166,7 @@ class Optimizer:
         )
         self._hook = self.session.hook
         try:  # the scheduler starts at the epoch reached (the swarm's, after a download)
-            self.scheduler = _make_scheduler(scheduler, self.opt, self.local_epoch)
+            self.scheduler = make_scheduler(scheduler, self.opt, self.local_epoch)
             self._scheduler_epoch = self.local_epoch
             self.loop_phases = LoopPhases(self.session.profiler.clock, self._params)
         except BaseException:
@@ -396,97 +386,3 @@ class Optimizer:
 
 
 _NO_LOSS = torch.zeros(())
-# peer join's settings a library peer takes as keyword arguments (PeerConfig fields)
-_OURS = (
-    "target_group_size",
-    "min_group_size",
-    "newcomer_wait",
-    "publish_interval",
-    "wait_for_peers",
-    "wait_for_peers_timeout",
-    "lr_schedule",
-    "warmup_epochs",
-    "schedule_epochs",
-    "min_lr_ratio",
-    "metrics_file",
-    "metrics_interval",
-    "trace",
-    "trace_max_mb",
-    "profile_interval",
-    "profile_window",
-)
-
-
-def _check_dht(dht: Any, client_mode: bool | None) -> None:
-    if not isinstance(dht, DHT):
-        raise ValueError(f"dht: a running peer.DHT, got {type(dht).__name__}")
-    if not dht.is_alive():
-        raise ValueError("dht: this peer.DHT was shut down")
-    if dht.attached_run is not None:
-        raise ValueError(f"dht: it already serves run {dht.attached_run!r}; one Optimizer per DHT")
-    if client_mode is not None and bool(client_mode) != dht.client_mode:
-        raise ValueError(
-            f"client_mode: {client_mode} but the DHT has client_mode={dht.client_mode}; "
-            "set it on peer.DHT (or leave it None here)"
-        )
-
-
-def _resolve_mode(mode: str | None, use_local_updates: bool) -> str:
-    if mode is None:
-        return "params" if use_local_updates else "grad"
-    if mode not in ("grad", "params", "diloco"):
-        raise ValueError(f"mode: 'grad', 'params' or 'diloco', got {mode!r}")
-    if use_local_updates and mode != "params":
-        raise ValueError(f"use_local_updates: True means mode='params', not mode={mode!r}")
-    return mode
-
-
-def _compressions(grad: Any, state: Any) -> str:
-    compression = grad_compression(grad)
-    if state is not None and grad_compression(state) != compression:
-        raise ValueError(
-            "state_averaging_compression: must equal grad_compression (one wire format for "
-            "every round)"
-        )
-    return compression
-
-
-def _make_optimizer(optimizer: Any, params: Iterable[Any] | None) -> torch.optim.Optimizer:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if params is not None:
-            raise ValueError("params: only with an optimizer factory (the instance has them)")
-        return optimizer
-    if not callable(optimizer):
-        raise ValueError(f"optimizer: an optimizer or a factory, got {type(optimizer).__name__}")
-    if params is None:
-        raise ValueError("params: required when optimizer is a factory")
-    params = list(params)
-    if not params:
-        raise ValueError("params: empty")
-    made = optimizer(params)
-    if not isinstance(made, torch.optim.Optimizer):
-        raise ValueError(f"optimizer: the factory returned {type(made).__name__}")
-    return made
-
-
-def _make_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, epoch: int) -> Any:
-    if scheduler is None:
-        return None
-    if not hasattr(scheduler, "step"):
-        if not callable(scheduler):
-            raise ValueError(f"scheduler: a scheduler or a factory, got {scheduler!r}")
-        scheduler = scheduler(optimizer)
-    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
-        raise ValueError("scheduler: it schedules another optimizer than this one wraps")
-    scheduler.last_epoch = epoch  # a downloaded state came with its epoch's LR
-    return scheduler
-
-
-def _log_to_stderr() -> None:
-    # like hivemind's verbose=True: the lines show even where logging is not configured
-    root = logging.getLogger("peer")
-    if not logging.getLogger().handlers and not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        root.addHandler(handler)
-    root.setLevel(min(root.level or logging.INFO, logging.INFO))
