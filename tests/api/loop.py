@@ -52,10 +52,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--target-batch-size", type=int, default=128)
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--mode", default="grad", choices=["grad", "params", "diloco"])
+    parser.add_argument("--client-mode", action="store_true", help="run no server (NAT)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    dht = peer.DHT(initial_peers=args.initial_peers, host="127.0.0.1")
-    print(dht.urls[0], flush=True)
+    dht = peer.DHT(initial_peers=args.initial_peers, client_mode=args.client_mode)
+    print((dht.urls or args.initial_peers)[0], flush=True)
     model = build_model()
     opt = peer.Optimizer(
         dht=dht,

@@ -188,6 +188,7 @@ DHT_BAD_VALUES = [
     ({"host_maddrs": ["/ip4/127.0.0.1/udp/1"]}, "host_maddrs"),
     ({"announce_maddrs": ["nowhere"]}, "announce_maddrs"),
     ({"swarm_key": 3}, "swarm_key"),
+    ({"swarm_key": "short"}, "swarm_key"),
 ]
 
 

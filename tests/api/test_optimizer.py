@@ -12,6 +12,7 @@ import torch
 
 import peer
 from dht.config import get_dht_time
+from dht.errors import TransportError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,6 +52,21 @@ def test_dht_addresses_multiaddrs_and_shutdown():
         second.shutdown()  # twice is fine
         with peer.DHT(client_mode=True, initial_peers=first.urls) as client:
             assert client.address is None and client.urls == []
+
+
+def test_identity_file_and_swarm_key(tmp_path):
+    key_file = tmp_path / "id.key"
+    with peer.DHT(identity_path=key_file) as dht:
+        peer_id = dht.peer_id
+    with peer.DHT(identity_path=key_file) as dht:
+        assert dht.peer_id == peer_id  # the same identity from the same file
+    key = "a swarm secret of 32 bytes......"
+    with peer.DHT(swarm_key=key) as private:
+        with peer.DHT(swarm_key=key.encode(), initial_peers=private.urls) as member:
+            assert member.store("k", 1, get_dht_time() + 30)
+            assert private.get("k", latest=True).value == 1
+        with pytest.raises(TransportError):  # without the key nobody answers it
+            peer.DHT(swarm_key="another secret of 32 bytes......", initial_peers=private.urls)
 
 
 def test_the_scheduler_and_state_dict_follow_swarm_epochs():

@@ -35,14 +35,13 @@ def reference_params(seeds: list[int], epoch_samples: list[list[int]], batch: in
     return [p.detach() for p in params]
 
 
-def run_two(tmp_path, seeds: list[int], epochs: int) -> list[dict]:
+def run_two(tmp_path, seeds: list[int], epochs: int, *second_args: str) -> list[dict]:
     outs = [tmp_path / f"peer{seed}.pt" for seed in seeds]
     common = ["-m", "tests.api.loop", "--epochs", str(epochs)]
     first = spawn([*common, "--seed", str(seeds[0]), "--out", str(outs[0])])
     url = first_line(first)
-    second = spawn(
-        [*common, "--seed", str(seeds[1]), "--out", str(outs[1]), "--initial-peers", url]
-    )
+    args = [*common, "--seed", str(seeds[1]), "--out", str(outs[1]), "--initial-peers", url]
+    second = spawn([*args, *second_args])
     first_line(second)
     for process in (first, second):
         finish(process, timeout_s=150)
@@ -50,9 +49,12 @@ def run_two(tmp_path, seeds: list[int], epochs: int) -> list[dict]:
 
 
 @pytest.mark.timeout(200)
-def test_two_processes_in_grad_mode_equal_one_process_over_the_union(tmp_path):
+@pytest.mark.parametrize("client_mode", [False, True], ids=["servers", "one-behind-nat"])
+def test_two_processes_in_grad_mode_equal_one_process_over_the_union(tmp_path, client_mode):
+    """The second peer may run in client mode (no server, as behind a NAT): it still
+    contributes its batches and receives the same average."""
     seeds = [11, 22]
-    results = run_two(tmp_path, seeds, EPOCHS)
+    results = run_two(tmp_path, seeds, EPOCHS, *(["--client-mode"] if client_mode else []))
     for result in results:
         assert result["epoch"] == EPOCHS
         assert result["num_failed_rounds"] == 0
