@@ -18,7 +18,7 @@ import peer
 
 BATCH = 16
 IN_DIM, HIDDEN, OUT_DIM = 8, 16, 4
-LR = 1e-2
+LR = 5e-2
 
 
 def build_model() -> torch.nn.Module:
@@ -52,6 +52,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--target-batch-size", type=int, default=128)
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--mode", default="grad", choices=["grad", "params", "diloco"])
+    parser.add_argument("--delay", action="store_true", help="delay_optimizer_step=True")
     parser.add_argument("--client-mode", action="store_true", help="run no server (NAT)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -70,6 +71,7 @@ def main(argv: list[str]) -> None:
         publish_interval=0.2,
         wait_for_peers=args.peers,
         mode=args.mode,
+        delay_optimizer_step=args.delay,
         summary=False,
     )
     index, losses = 0, []
@@ -81,15 +83,16 @@ def main(argv: list[str]) -> None:
             loss.backward()
             opt.step(loss=loss)
             opt.zero_grad()
-        stats = opt.stats
-        result = {
-            "params": [p.detach().clone() for p in model.parameters()],
-            "epoch_samples": list(stats.epoch_samples),
-            "group_sizes": [outcome.num_peers for outcome in stats.history],
-            "num_failed_rounds": stats.num_failed_rounds,
-            "epoch": opt.local_epoch,
-            "losses": losses,
-        }
+    # after shutdown: a delayed round still in flight has been applied
+    stats = opt.stats
+    result = {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "epoch_samples": list(stats.epoch_samples),
+        "group_sizes": [outcome.num_peers for outcome in stats.history],
+        "num_failed_rounds": stats.num_failed_rounds,
+        "epoch": opt.local_epoch,
+        "losses": losses,
+    }
     torch.save(result, args.out)
 
 
