@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,8 +35,12 @@ logger = logging.getLogger(__name__)
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
-class Optimizer:
+class Optimizer(torch.optim.Optimizer):
     """Wraps a PyTorch optimizer; turns local steps into swarm epochs (see docs/API.md).
+
+    As ``hivemind.Optimizer``, it is a ``torch.optim.Optimizer`` whose ``param_groups`` and
+    ``state`` are the wrapped optimizer's, so code that takes a PyTorch optimizer (an LR
+    scheduler, a framework calling ``step(closure)`` and ``zero_grad()``) takes it.
 
     Like ``hivemind.Optimizer``: each :meth:`step` reports ``batch_size_per_step`` samples;
     once the swarm has processed ``target_batch_size`` samples in total, the peers average and
@@ -131,6 +136,10 @@ class Optimizer:
             outer_momentum=outer_momentum,
             options=options,
         )
+        # torch.optim.Optimizer's own __init__ would copy the param groups: the wrapped
+        # optimizer keeps them, and only the hook registries of the base class are needed
+        for registry in _TORCH_HOOK_REGISTRIES:
+            setattr(self, registry, OrderedDict())
         self.dht, self.run_id = dht, run_id
         self.target_batch_size, self.batch_size_per_step = target_batch_size, batch_size_per_step
         self.config, self.verbose, self.summary = config, verbose, summary
@@ -166,7 +175,7 @@ class Optimizer:
         )
         self._hook = self.session.hook
         try:  # the scheduler starts at the epoch reached (the swarm's, after a download)
-            self.scheduler = make_scheduler(scheduler, self.opt, self.local_epoch)
+            self.scheduler = make_scheduler(scheduler, self.opt, self.local_epoch, wrapper=self)
             self._scheduler_epoch = self.local_epoch
             self.loop_phases = LoopPhases(self.session.profiler.clock, self._params)
         except BaseException:
@@ -264,9 +273,27 @@ class Optimizer:
         return self._hook.epoch
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """The wrapped optimizer's param groups (LR changes apply to it)."""
         return self.opt.param_groups
+
+    @property
+    def state(self):  # type: ignore[override]
+        """The wrapped optimizer's per-parameter state."""
+        return self.opt.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's defaults."""
+        return self.opt.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: every peer of a run must average the same tensors.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError("add_param_group: give every parameter group at construction")
 
     @property
     def stats(self):
@@ -386,3 +413,11 @@ class Optimizer:
 
 
 _NO_LOSS = torch.zeros(())
+_TORCH_HOOK_REGISTRIES = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)

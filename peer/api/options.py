@@ -253,15 +253,18 @@ def make_optimizer(optimizer: Any, params: Iterable[Any] | None) -> torch.optim.
     return made
 
 
-def make_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, epoch: int) -> Any:
-    """The scheduler (made by the factory if one is given), set to ``epoch``."""
+def make_scheduler(
+    scheduler: Any, optimizer: torch.optim.Optimizer, epoch: int, *, wrapper: Any = None
+) -> Any:
+    """The scheduler (made by the factory if one is given), set to ``epoch``; it may schedule
+    the wrapped ``optimizer`` or its ``wrapper`` (the same param groups)."""
     if scheduler is None:
         return None
     if not hasattr(scheduler, "step"):
         if not callable(scheduler):
             raise ValueError(f"scheduler: a scheduler or a factory, got {scheduler!r}")
         scheduler = scheduler(optimizer)
-    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+    if getattr(scheduler, "optimizer", optimizer) not in (optimizer, wrapper):
         raise ValueError("scheduler: it schedules another optimizer than this one wraps")
     scheduler.last_epoch = epoch  # a downloaded state came with its epoch's LR
     return scheduler

@@ -138,3 +138,24 @@ def test_a_newcomer_loads_the_swarms_state():
         finally:
             stop.set()
             thread.join(timeout=30)
+
+
+def test_it_is_a_torch_optimizer_for_code_that_takes_one():
+    model = torch.nn.Linear(4, 2)
+    with peer.DHT() as dht, make_opt(dht, model) as opt:
+        assert isinstance(opt, torch.optim.Optimizer)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+        for _ in range(3):
+            train_steps(opt, model, 1)
+            scheduler.step()  # a per-step schedule the user chose: it sets the wrapped LR
+        assert opt.opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        assert isinstance(opt.step(closure), torch.Tensor)  # as torch's step(closure)
+        with pytest.raises(ValueError, match="add_param_group"):
+            opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
