@@ -70,13 +70,12 @@ class HttpTransport:
         return self._address
 
     def add_rpc_handler(self, name: str, handler: RpcHandler) -> None:
-        if self._runner is not None:
-            raise RuntimeError("add handlers before start()")
+        """Serve ``POST /v1/rpc/{name}``; also after :meth:`start` (a component attached to a
+        running node, as the library's optimizer to its DHT: requests before get a 404)."""
         self._rpc_handlers[name] = handler
 
     def add_stream_handler(self, name: str, handler: StreamHandler) -> None:
-        if self._runner is not None:
-            raise RuntimeError("add handlers before start()")
+        """Serve ``POST /v1/stream/{name}``; also after :meth:`start`, as RPC handlers."""
         self._stream_handlers[name] = handler
 
     def add_http_get(self, path: str, handler: HttpGetHandler) -> None:

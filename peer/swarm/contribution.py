@@ -89,6 +89,11 @@ class Contribution:
             self._sample_unit, self._unit_fixed = float(batch_samples), True
         return batch_samples / self._sample_unit
 
+    @property
+    def sample_unit(self) -> float:
+        """The batch size that weighs 1 when autograd accumulates (the first batch's)."""
+        return self._sample_unit
+
     def add_batch(self, batch_samples: int, step_local) -> None:
         """Take one local batch's gradient (``step_local()`` steps the local optimizer)."""
         if self.in_grad:

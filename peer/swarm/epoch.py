@@ -47,6 +47,18 @@ class Epoch:
             listener(epoch)
         return True
 
+    def jump_to(self, epoch: int) -> bool:
+        """Move to ``epoch`` either way (a state the user loaded, which may be older) and tell
+        the listeners; False when it is the epoch already."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch == self._value:
+            return False
+        self._value = epoch
+        for listener in self._listeners:
+            listener(epoch)
+        return True
+
     def __int__(self) -> int:
         return self._value
 

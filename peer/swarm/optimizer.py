@@ -271,6 +271,14 @@ class CollaborativeOptimizer:
             self.contribution.discard()
             self.epoch_counter.advance_to(reached)
 
+    def jump_to(self, epoch: int) -> None:
+        """The model now holds the state of ``epoch`` from outside a round (a download the
+        caller made, a state dict it loaded): drop what was gathered and enter that epoch."""
+        self.flush()
+        self.contribution.discard()
+        if not self.epoch_counter.jump_to(epoch):
+            self._entered(epoch)  # the same epoch: start gathering it anew all the same
+
     def _entered(self, epoch: int) -> None:
         """A new epoch, by a round or a download: start gathering anew."""
         self.samples = 0

@@ -36,24 +36,33 @@ class SwarmServices:
 
 async def open_services(
     config: PeerConfig,
-    identity: PeerIdentity,
+    identity: PeerIdentity | None = None,
     *,
     tensors: Sequence[torch.Tensor],
     routes: Iterable[Callable[[HttpTransport], None]] = (),
+    node: DHTNode | None = None,
 ) -> SwarmServices:
     """Start everything (handlers are registered before the transport starts serving).
 
     Args:
         config: the peer's settings.
-        identity: its key pair.
+        identity: its key pair (for a transport and node of its own).
         tensors: what the averager averages in place (the optimizer's fixed buffers).
         routes: each adds its own plain routes to the transport (``GET /metrics``) before it
             serves.
+        node: a DHT node already running (a library user's :class:`peer.DHT`): the services
+            attach to it, and closing them leaves it running (``routes`` must be empty).
     """
     stack = AsyncExitStack()
+    owns_node = node is None
     try:
-        transport = HttpTransport(identity, config.transport_config())
-        node = DHTNode(transport=transport, identity=identity, config=config.dht_config())
+        if node is None:
+            if identity is None:
+                raise ValueError("open_services: give identity or a running node")
+            transport = HttpTransport(identity, config.transport_config())
+            node = DHTNode(transport=transport, identity=identity, config=config.dht_config())
+        else:
+            transport, routes = node.transport, ()
         prefix = config.run_id
         state_server = StateServer(
             transport=transport, dht=node, prefix=prefix, config=config.state_sync_config()
@@ -68,8 +77,9 @@ async def open_services(
         )
         for add_routes in routes:
             add_routes(transport)
-        await stack.enter_async_context(transport)
-        await stack.enter_async_context(node)
+        if owns_node:
+            await stack.enter_async_context(transport)
+            await stack.enter_async_context(node)
         await stack.enter_async_context(state_server)
         await tracker.refresh()
         await stack.enter_async_context(tracker)

@@ -1,0 +1,215 @@
+"""``peer.DHT``: start or join a swarm from Python.
+
+The blocking facade (:class:`dht.facade.DHT`) with the keyword arguments of ``hivemind.DHT``
+where they mean the same thing. Addresses are URLs (``http://host:port``); hivemind-style
+multiaddrs (``/ip4/1.2.3.4/tcp/31337``) are accepted wherever an address goes, so a script that
+passes ``host_maddrs=[...]`` or ``get_visible_maddrs()`` around keeps working.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dht.config import DHTConfig
+from dht.errors import ConfigError
+from dht.facade import DHT as BlockingDHT
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
+from dht.options import peer_url, read_swarm_key
+from dht.storage import ValueWithExpiration
+from peer.api.errors import UNSUPPORTED_DHT, reject_unsupported
+
+_MULTIADDR = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?$")
+# Starting: bind, then reach the initial peers (their own timeouts bound each request).
+START_TIMEOUT_S = 60.0
+
+
+def parse_multiaddr(addr: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``/ip4/HOST/tcp/PORT[/...]`` (ip6, dns too), or None if not one."""
+    match = _MULTIADDR.match(str(addr))
+    return (match.group(2), int(match.group(3))) if match else None
+
+
+def as_url(addr: Any, *, argument: str) -> str:
+    """An initial peer as a URL; a multiaddr becomes ``http://host:port``.
+
+    Raises:
+        ValueError: naming ``argument``, when it is neither.
+    """
+    parsed = parse_multiaddr(str(addr))
+    if parsed is not None:
+        host, port = parsed
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    try:
+        return peer_url(str(addr))
+    except ValueError as e:
+        raise ValueError(f"{argument}: {e}") from None
+
+
+class DHT:
+    """A peer's node in the swarm's DHT, started when constructed; ``with`` closes it.
+
+    Example::
+
+        with peer.DHT(initial_peers=["http://10.0.0.1:31337"], host="0.0.0.0", port=0) as dht:
+            print("others join with initial_peers=", dht.urls)
+
+    Args:
+        initial_peers: URLs (``http://host:port``) of peers already in the swarm; none to start
+            a new swarm. hivemind multiaddrs with a TCP port are accepted too.
+        host: interface to listen on.
+        port: TCP port; 0 picks a free one.
+        announce_host: host others use to reach this peer (default: ``host``).
+        identity_path: Ed25519 key file, created on first use; the peer id derives from it
+            (default: a fresh identity each run).
+        swarm_key: shared secret of a private swarm (bytes or str); default: the environment's
+            ``VP_SWARM_KEY``, else an open swarm.
+        client_mode: run no server (behind a NAT): this peer calls others, nobody calls it.
+            None means False, as in hivemind.
+        start: must be True (hivemind's default use); this DHT starts when constructed.
+        host_maddrs: hivemind's way to say ``host``/``port``: ``["/ip4/0.0.0.0/tcp/0"]``.
+        announce_maddrs: hivemind's way to say ``announce_host``.
+        **hivemind_kwargs: hivemind arguments with no equivalent; a value other than
+            hivemind's default raises :class:`TypeError` (see docs/API.md).
+
+    Raises:
+        TypeError: an argument that does not exist here.
+        ValueError: a bad value, naming the argument.
+    """
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        announce_host: str | None = None,
+        identity_path: str | Path | None = None,
+        swarm_key: bytes | str | None = None,
+        client_mode: bool | None = None,
+        start: bool = True,
+        host_maddrs: Sequence[str] | None = None,
+        announce_maddrs: Sequence[str] | None = None,
+        **hivemind_kwargs: Any,
+    ):
+        reject_unsupported("peer.DHT", hivemind_kwargs, UNSUPPORTED_DHT)
+        if start is not True:
+            raise TypeError(
+                "peer.DHT(): start=False is not supported here; the DHT starts when constructed "
+                "(create it where hivemind calls run_in_background())"
+            )
+        if isinstance(initial_peers, str):
+            raise ValueError("initial_peers: a list of URLs, not one string")
+        urls = [as_url(a, argument="initial_peers") for a in initial_peers or ()]
+        host, port = _listen_address(host, port, host_maddrs)
+        if announce_maddrs:
+            parsed = parse_multiaddr(announce_maddrs[0])
+            if parsed is None:
+                raise ValueError(f"announce_maddrs: {announce_maddrs[0]!r} is not /ip4/H/tcp/P")
+            announce_host = parsed[0]
+        if swarm_key is not None and not isinstance(swarm_key, bytes | str):
+            raise ValueError(f"swarm_key: bytes or str, got {type(swarm_key).__name__}")
+        key = swarm_key.encode() if isinstance(swarm_key, str) else swarm_key
+        try:
+            transport_config = TransportConfig(
+                host=host,
+                port=port,
+                announce_host=announce_host,
+                client_mode=bool(client_mode),
+                swarm_key=key if key is not None else read_swarm_key(None),
+            )
+            identity = (
+                PeerIdentity.load_or_create(Path(identity_path))
+                if identity_path is not None
+                else PeerIdentity.generate()
+            )
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        self._facade = BlockingDHT(
+            identity=identity,
+            transport_config=transport_config,
+            dht_config=DHTConfig(initial_peers=tuple(urls)),
+            call_timeout_s=START_TIMEOUT_S,
+        )
+        self.initial_peers = urls
+        self.client_mode = bool(client_mode)
+        self._alive = True
+        self.attached_run: str | None = None  # the run of the Optimizer using this DHT
+
+    # ---- who this peer is --------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's id (derived from its Ed25519 public key)."""
+        return self._facade.peer_id
+
+    @property
+    def address(self) -> str | None:
+        """The URL this peer serves on; None in client mode."""
+        return self._facade.address
+
+    @property
+    def urls(self) -> list[str]:
+        """What others pass as ``initial_peers`` to join through this peer (empty in client
+        mode: pass the ones this peer joined through)."""
+        return [self.address] if self.address else []
+
+    def get_visible_maddrs(self, latest: bool = False) -> list[str]:
+        """hivemind's name for :attr:`urls` (URLs here, which ``initial_peers`` accepts)."""
+        del latest  # our address does not change while the DHT runs
+        return self.urls
+
+    # ---- the facade's parts, for the optimizer --------------------------------------------
+
+    @property
+    def node(self):
+        """The :class:`dht.node.DHTNode` (on :attr:`loop_thread`)."""
+        return self._facade.node
+
+    @property
+    def loop_thread(self):
+        """The event-loop thread the node runs on."""
+        return self._facade.loop_thread
+
+    def store(self, key, value: Any, expiration_time: float, subkey=None) -> bool:
+        """Store ``value`` until ``expiration_time`` (DHT time, seconds); True if a replica
+        took it (as ``hivemind.DHT.store``)."""
+        return self._facade.store(key, value, expiration_time, subkey=subkey)
+
+    def get(self, key, latest: bool = False) -> ValueWithExpiration | None:
+        """The value under ``key`` (a dict of subkeys for dictionary values), or None."""
+        return self._facade.get(key, latest=latest)
+
+    def is_alive(self) -> bool:
+        """Whether the DHT still runs (not shut down)."""
+        return self._alive
+
+    def shutdown(self) -> None:
+        """Leave the swarm and stop the network thread; safe to call twice."""
+        self._alive = False
+        self._facade.close()
+
+    def __enter__(self) -> DHT:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"peer.DHT(peer_id={self.peer_id[:8]!r}, address={self.address!r})"
+
+
+def _listen_address(host: str, port: int, host_maddrs: Sequence[str] | None) -> tuple[str, int]:
+    if host_maddrs:
+        parsed = parse_multiaddr(host_maddrs[0])
+        if parsed is None:
+            raise ValueError(f"host_maddrs: {host_maddrs[0]!r} is not /ip4/HOST/tcp/PORT")
+        host, port = parsed
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"port: an integer in 0..65535, got {port!r}")
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host: an interface name or address, got {host!r}")
+    return host, port

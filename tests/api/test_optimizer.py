@@ -1,0 +1,161 @@
+"""peer.DHT and peer.Optimizer in one process (real HTTP servers on loopback): addresses, the
+scheduler following swarm epochs, state dicts, the phases of a user's loop, and a newcomer
+loading the swarm's state."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import peer
+from dht.config import get_dht_time
+from dht.errors import TransportError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_opt(dht, model, **changes):
+    kwargs = dict(
+        dht=dht,
+        run_id="inproc",
+        target_batch_size=32,
+        batch_size_per_step=8,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        params=model.parameters(),
+        publish_interval=0.2,
+        summary=False,
+    )
+    return peer.Optimizer(**{**kwargs, **changes})
+
+
+def train_steps(opt, model, num_steps: int, batches=None) -> None:
+    batches = batches if batches is not None else (torch.randn(8, 4) for _ in range(num_steps))
+    for inputs in batches:
+        model(inputs).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_dht_addresses_multiaddrs_and_shutdown():
+    first = peer.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    with first:
+        assert first.urls == [first.address] == first.get_visible_maddrs()
+        port = first.address.rsplit(":", 1)[1]
+        with peer.DHT(initial_peers=[f"/ip4/127.0.0.1/tcp/{port}/p2p/QmWhatever"]) as second:
+            assert second.peer_id != first.peer_id
+            assert second.store("key", "value", get_dht_time() + 30)
+            assert first.get("key", latest=True).value == "value"
+        assert not second.is_alive()
+        second.shutdown()  # twice is fine
+        with peer.DHT(client_mode=True, initial_peers=first.urls) as client:
+            assert client.address is None and client.urls == []
+
+
+def test_identity_file_and_swarm_key(tmp_path):
+    key_file = tmp_path / "id.key"
+    with peer.DHT(identity_path=key_file) as dht:
+        peer_id = dht.peer_id
+    with peer.DHT(identity_path=key_file) as dht:
+        assert dht.peer_id == peer_id  # the same identity from the same file
+    key = "a swarm secret of 32 bytes......"
+    with peer.DHT(swarm_key=key) as private:
+        with peer.DHT(swarm_key=key.encode(), initial_peers=private.urls) as member:
+            assert member.store("k", 1, get_dht_time() + 30)
+            assert private.get("k", latest=True).value == 1
+        with pytest.raises(TransportError):  # without the key nobody answers it
+            peer.DHT(swarm_key="another secret of 32 bytes......", initial_peers=private.urls)
+
+
+def test_the_scheduler_and_state_dict_follow_swarm_epochs():
+    model = torch.nn.Linear(4, 2)
+    factory = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # noqa: E731
+    with peer.DHT() as dht, make_opt(dht, model, scheduler=factory) as opt:
+        train_steps(opt, model, 24)  # alone: an epoch every 32 samples
+        assert opt.local_epoch >= 3
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**opt.local_epoch)
+        saved_epoch = opt.local_epoch
+        state = opt.state_dict()
+        assert state["state"]["local_epoch"] == saved_epoch
+        train_steps(opt, model, 16)
+        assert opt.local_epoch >= saved_epoch + 2
+        opt.load_state_dict(state)  # back to the checkpoint: its epoch and its LR
+        assert opt.local_epoch == saved_epoch and opt.scheduler.last_epoch == saved_epoch
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**saved_epoch)
+        train_steps(opt, model, 8)
+        assert opt.local_epoch >= saved_epoch + 1
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**opt.local_epoch)
+
+
+def test_profile_charges_the_loop_phases():
+    model = torch.nn.Linear(4, 2)
+
+    def slow_batches(n):
+        for _ in range(n):
+            time.sleep(0.05)  # a slow loader
+            yield torch.randn(8, 4)
+
+    with peer.DHT() as dht, make_opt(dht, model) as opt:
+        clock = opt.session.profiler.clock
+        before = clock.snapshot().seconds
+        train_steps(opt, model, 0, batches=peer.profile(slow_batches(10)))
+        after = clock.snapshot().seconds
+    spent = {phase: after[phase] - before[phase] for phase in after}
+    assert spent["data"] >= 10 * 0.05  # each wait for a batch, at least the loader's sleep
+    for phase in ("forward", "backward", "optimizer"):
+        assert spent[phase] > 0, (phase, spent)
+
+
+def test_a_newcomer_loads_the_swarms_state():
+    first_model, stop = torch.nn.Linear(4, 2), threading.Event()
+    with peer.DHT() as first_dht, make_opt(first_dht, first_model) as first:
+
+        def train_first():
+            while not stop.is_set():
+                train_steps(first, first_model, 1)
+
+        thread = threading.Thread(target=train_first)
+        thread.start()
+        try:
+            while first.local_epoch < 5:
+                time.sleep(0.05)
+            torch.manual_seed(123)
+            model = torch.nn.Linear(4, 2)  # other initial parameters than the swarm's
+            with peer.DHT(initial_peers=first_dht.urls) as dht, make_opt(dht, model) as opt:
+                # downloaded at construction if the swarm's records already said epoch >= 5
+                # (they are published every 0.2 s), else when its first steps see it behind
+                for _ in range(500):
+                    if opt.local_epoch >= 5:
+                        break
+                    train_steps(opt, model, 1)
+                assert opt.local_epoch >= 5
+                assert opt.stats.num_rounds < 5  # it got there by loading, not by training
+                reached = first.local_epoch
+                assert opt.load_state_from_peers()
+                assert opt.local_epoch >= reached
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+
+
+def test_it_is_a_torch_optimizer_for_code_that_takes_one():
+    model = torch.nn.Linear(4, 2)
+    with peer.DHT() as dht, make_opt(dht, model) as opt:
+        assert isinstance(opt, torch.optim.Optimizer)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+        for _ in range(3):
+            train_steps(opt, model, 1)
+            scheduler.step()  # a per-step schedule the user chose: it sets the wrapped LR
+        assert opt.opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        assert isinstance(opt.step(closure), torch.Tensor)  # as torch's step(closure)
+        with pytest.raises(ValueError, match="add_param_group"):
+            opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
