@@ -327,8 +327,8 @@ def run_train_bench_repeated(config: TrainBenchConfig, repeat: int) -> dict:
     ``ratio`` (the lower middle one for an even count; ``samples_per_s`` without a baseline)
     and, in ``runs_ratio`` and ``runs_samples_per_s``, every run's figure in order.
 
-    On a shared host one run's ratio moves by a few percent with the host's load (see
-    ``baseline_samples_per_s_halves``); the median of a few runs does not.
+    Each run's ratio is already a median over pairs of windows (``ratio_iqr`` its spread);
+    repeating adds the spread between runs (start-up, the data each run sees).
     """
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
