@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 from pathlib import Path
 
 from peer.bench.pairs import Interleaved, interleave
@@ -81,10 +82,20 @@ async def run_windows(config, peers, peer_metrics: list[Path], *, start_grace_s:
         await asyncio.sleep(WARMUP_S)  # both warm: no window holds a side's first steps
         swarm.pause()
         plain.pause()
+        # the windows run in a thread, which a cancelled await leaves running: once told, it
+        # skips its remaining windows (the bench's Ctrl-C returns within one window)
+        cancelled = threading.Event()
+
+        def gated(side: PausedGroups):
+            return lambda seconds: None if cancelled.is_set() else side(seconds)
+
         try:
             windows: Interleaved = await asyncio.to_thread(
-                interleave, plain, swarm, num_pairs=num_pairs, window_s=window_s
+                interleave, gated(plain), gated(swarm), num_pairs=num_pairs, window_s=window_s
             )
+        except BaseException:
+            cancelled.set()
+            raise
         finally:
             swarm.resume()
         plain.resume()
