@@ -225,7 +225,11 @@ async def _run_peers(config: TrainBenchConfig, during: Schedule | None = None) -
         talks = [asyncio.create_task(p.communicate()) for p in processes]
         try:
             if during is not None:
-                await during(processes, metrics)
+                try:
+                    await during(processes, metrics)
+                except RuntimeError:
+                    await _raise_for_failed(processes, talks)
+                    raise
                 for process in processes:  # SIGTERM: each peer leaves and prints its summary
                     os.killpg(process.pid, signal.SIGCONT)
                     process.terminate()
@@ -242,6 +246,15 @@ async def _run_peers(config: TrainBenchConfig, during: Schedule | None = None) -
                 talk.cancel()
             await asyncio.gather(*talks, return_exceptions=True)
     return _summaries(processes, outputs, peaks)
+
+
+async def _raise_for_failed(processes, talks) -> None:
+    """Raise with the stderr of a peer that exited with an error, if one did."""
+    for process, talk in zip(processes, talks, strict=True):
+        if process.returncode not in (None, 0):
+            _, stderr = await talk
+            tail = stderr.decode().strip().splitlines()[-3:]
+            raise RuntimeError(f"a peer failed (exit {process.returncode}): {tail}")
 
 
 def _summaries(processes, outputs, peaks) -> list[dict]:
