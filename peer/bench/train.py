@@ -221,7 +221,11 @@ async def _run_peers(config: TrainBenchConfig, during: Schedule | None = None) -
         talks = [asyncio.create_task(p.communicate()) for p in processes]
         try:
             if during is not None:
-                await during(processes, metrics)
+                try:
+                    await during(processes, metrics)
+                except RuntimeError:
+                    await _raise_for_failed(processes, talks)
+                    raise
                 for process in processes:  # SIGTERM: each peer leaves and prints its summary
                     os.killpg(process.pid, signal.SIGCONT)
                     process.terminate()
@@ -238,6 +242,15 @@ async def _run_peers(config: TrainBenchConfig, during: Schedule | None = None) -
                 talk.cancel()
             await asyncio.gather(*talks, return_exceptions=True)
     return _summaries(processes, outputs, peaks)
+
+
+async def _raise_for_failed(processes, talks) -> None:
+    """Raise with the stderr of a peer that exited with an error, if one did."""
+    for process, talk in zip(processes, talks, strict=True):
+        if process.returncode not in (None, 0):
+            _, stderr = await talk
+            tail = stderr.decode().strip().splitlines()[-3:]
+            raise RuntimeError(f"a peer failed (exit {process.returncode}): {tail}")
 
 
 def _summaries(processes, outputs, peaks) -> list[dict]:
@@ -323,8 +336,8 @@ def run_train_bench_repeated(config: TrainBenchConfig, repeat: int) -> dict:
     ``ratio`` (the lower middle one for an even count; ``samples_per_s`` without a baseline)
     and, in ``runs_ratio`` and ``runs_samples_per_s``, every run's figure in order.
 
-    On a shared host one run's ratio moves by a few percent with the host's load (see
-    ``baseline_samples_per_s_halves``); the median of a few runs does not.
+    Each run's ratio is already a median over pairs of windows (``ratio_iqr`` its spread);
+    repeating adds the spread between runs (start-up, the data each run sees).
     """
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 from pathlib import Path
 
 from peer.bench.pairs import Interleaved, interleave
@@ -59,16 +60,15 @@ async def _wait_started(metrics: MetricsFiles, processes, timeout_s: float) -> N
 
 async def run_windows(config, peers, peer_metrics: list[Path], *, start_grace_s: float) -> dict:
     """Start the baseline process, wait until it and every peer train, measure both in
-    alternate windows; returns ``{"windows": Interleaved, "baseline": its summary,
-    "baseline_metrics": its (samples seen, loss) per line}``. The peers are left running."""
+    alternate windows; returns ``{"windows": Interleaved, "baseline": its summary, "curve":
+    its (samples seen, loss) per metrics line}``. The peers are left running."""
     num_pairs, window_s = config.windows()
     settle_s = min(SETTLE_S, window_s / 4)
     path = peer_metrics[0].parent / "baseline.jsonl"
-    max_time_s = 4 * config.seconds + start_grace_s
     log = path.with_suffix(".log")
     with log.open("wb") as stderr_file:
         baseline = await asyncio.create_subprocess_exec(
-            *baseline_command(config, path, max_time_s),
+            *baseline_command(config, path, 4 * config.seconds + start_grace_s),
             stdout=asyncio.subprocess.PIPE,
             stderr=stderr_file,
             process_group=0,  # a group to pause, in the bench's session (autogroup) as the peers
@@ -77,14 +77,27 @@ async def run_windows(config, peers, peer_metrics: list[Path], *, start_grace_s:
         swarm = PausedGroups([p.pid for p in peers], MetricsFiles(peer_metrics), settle_s=settle_s)
         plain = PausedGroups([baseline.pid], MetricsFiles([path]), settle_s=settle_s)
         await _wait_started(swarm.metrics, peers, start_grace_s)
-        await _wait_started(plain.metrics, [baseline], start_grace_s)
+        try:
+            await _wait_started(plain.metrics, [baseline], start_grace_s)
+        except RuntimeError as e:
+            raise RuntimeError(f"the baseline: {e}: {_tail(log)}") from None
         await asyncio.sleep(WARMUP_S)  # both warm: no window holds a side's first steps
         swarm.pause()
         plain.pause()
+        # the windows run in a thread, which a cancelled await leaves running: once told, it
+        # skips its remaining windows (the bench's Ctrl-C returns within one window)
+        cancelled = threading.Event()
+
+        def gated(side: PausedGroups):
+            return lambda seconds: None if cancelled.is_set() else side(seconds)
+
         try:
             windows: Interleaved = await asyncio.to_thread(
-                interleave, plain, swarm, num_pairs=num_pairs, window_s=window_s
+                interleave, gated(plain), gated(swarm), num_pairs=num_pairs, window_s=window_s
             )
+        except BaseException:
+            cancelled.set()
+            raise
         finally:
             swarm.resume()
         plain.resume()
@@ -94,9 +107,12 @@ async def run_windows(config, peers, peer_metrics: list[Path], *, start_grace_s:
         await stop_process_group(baseline)
     lines = stdout.decode().strip().splitlines()
     if baseline.returncode != 0 or not lines:
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-        raise RuntimeError(f"the baseline failed (exit {baseline.returncode}): {tail}")
+        raise RuntimeError(f"the baseline failed (exit {baseline.returncode}): {_tail(log)}")
     return {"windows": windows, "baseline": json.loads(lines[-1]), "curve": _curve(path)}
+
+
+def _tail(log: Path) -> list[str]:
+    return log.read_text(errors="replace").strip().splitlines()[-3:]
 
 
 def _curve(path: Path) -> list[tuple[int, float]]:

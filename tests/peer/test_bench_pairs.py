@@ -121,3 +121,15 @@ def test_paired_runs_take_turns():
     calls = []
     a, b = paired_runs(lambda: calls.append("a") or 1, lambda: calls.append("b") or 2, num_pairs=3)
     assert calls == ["a", "b", "b", "a", "a", "b"] and a == [1, 1, 1] and b == [2, 2, 2]
+
+
+def test_repeated_train_bench_reports_the_run_with_the_median_ratio(monkeypatch):
+    from peer.bench import train
+
+    ratios = iter([1.2, 0.9, 1.0, 0.8])
+    monkeypatch.setattr(
+        train, "run_train_bench", lambda config: {"ratio": next(ratios), "samples_per_s": 1.0}
+    )
+    result = train.run_train_bench_repeated(train.TrainBenchConfig(), 4)
+    # the lower middle of an even count: the worse of the two middle runs
+    assert result["ratio"] == 0.9 and result["runs_ratio"] == [1.2, 0.9, 1.0, 0.8]

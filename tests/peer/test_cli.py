@@ -176,8 +176,7 @@ TRAIN_FIELDS = {
 def test_bench_train_prints_the_contract_json_from_interleaved_windows():
     result = run(
         "bench", "train", "--peers", "1", "--seconds", "3", "--window", "0.75", "--threads", "1",
-        "--target-batch-size", "256", "--task-option", "hidden_dim=64", "--repeat", "2",
-        "--json",
+        "--target-batch-size", "256", "--task-option", "hidden_dim=64", "--json",
         timeout_s=110,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -203,6 +202,4 @@ def test_bench_train_prints_the_contract_json_from_interleaved_windows():
     )
     # both sides trained the same task on the same data, as far as the windows took them
     assert report["baseline_samples"] > 0 and report["baseline_eval_loss"] is not None
-    # --repeat 2: two whole runs; the one reported is the lower middle, i.e. the worse ratio
-    assert len(report["runs_ratio"]) == 2 and report["ratio"] == min(report["runs_ratio"])
-    assert report["samples_per_s"] in report["runs_samples_per_s"]
+    assert report["runs_ratio"] == [report["ratio"]]
