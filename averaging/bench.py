@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
-import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from averaging.averager import DecentralizedAverager
+from averaging.bench_processes import contract_summary, run_peer_processes
 from averaging.compression import Compression
 from averaging.config import AveragerConfig
 from dht.config import DHTConfig
@@ -174,75 +173,27 @@ def run_allreduce_bench(
         "log_level": log_level,
         "places": places,
     }
-    context = mp.get_context("spawn")
-    barrier = context.Barrier(num_peers)
-    results = context.Queue()
-    processes = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        processes.append(context.Process(target=_worker, args=(0, spec, barrier, results)))
-        processes[0].start()
-        kind, rank, address = _next(results, deadline)
-        if kind != "address":
-            raise RuntimeError(f"peer {rank} failed to start: {address}")
-        spec["initial_peers"] = [address]
-        for rank in range(1, num_peers):
-            processes.append(context.Process(target=_worker, args=(rank, spec, barrier, results)))
-            processes[-1].start()
-        rounds = _collect(results, num_peers, num_rounds, deadline)
-        for process in processes:
-            process.join(max(1.0, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    rounds = run_peer_processes(
+        _worker,
+        spec,
+        num_peers=num_peers,
+        num_rounds=num_rounds,
+        timeout_s=timeout_s,
+        startup_timeout_s=_STARTUP_TIMEOUT_S,
+    )
     return _summary(rounds, num_peers, size, compression, include_phases)
 
 
-def _next(results, deadline: float) -> tuple:
-    try:
-        return results.get(timeout=max(0.1, min(_STARTUP_TIMEOUT_S, deadline - time.monotonic())))
-    except queue.Empty:
-        raise RuntimeError("benchmark peers stopped answering") from None
-
-
-def _collect(results, num_peers: int, num_rounds: int, deadline: float) -> list[list[dict]]:
-    rounds: dict[int, list[dict]] = {}
-    expected = num_peers * num_rounds
-    received = 0
-    while received < expected:
-        if time.monotonic() > deadline:
-            raise RuntimeError("allreduce benchmark timed out")
-        kind, rank, payload = _next(results, deadline)
-        if kind == "error":
-            raise RuntimeError(f"peer {rank} failed: {payload}")
-        if kind == "round":
-            rounds.setdefault(payload["round"], []).append(payload)
-            received += 1
-    return [rounds[r] for r in sorted(rounds)]
-
-
 def _summary(rounds, num_peers, size, compression, include_phases) -> dict[str, Any]:
-    def p50_of_slowest(field: str) -> float:
-        return statistics.median(max(peer[field] for peer in peers) for peers in rounds)
-
-    allreduce_s = p50_of_slowest("allreduce_s")
     bytes_sent = statistics.mean(peer["bytes_sent"] for peers in rounds for peer in peers)
-    errors = [peer["max_abs_err"] for peers in rounds for peer in peers]
-    summary: dict[str, Any] = {
-        "backend": "native",
-        "peers": num_peers,
-        "size": size,
-        "compression": compression,
-        "rounds": sum(all(peer["status"] == "ok" for peer in peers) for peers in rounds),
-        "round_s_p50": round(p50_of_slowest("round_s"), 4),
-        "allreduce_s_p50": round(allreduce_s, 4),
-        "matchmaking_s_p50": round(p50_of_slowest("matchmaking_s"), 4),
-        "max_abs_err": max((e for e in errors if e is not None), default=None),
-        "bytes_sent_per_peer": int(bytes_sent),
-        "gbit_per_s": round(bytes_sent * 8 / allreduce_s / 1e9, 3) if allreduce_s else 0.0,
-    }
+    summary = contract_summary(
+        rounds,
+        backend="native",
+        num_peers=num_peers,
+        size=size,
+        compression=compression,
+        bytes_sent_per_peer=int(bytes_sent),
+    )
     if include_phases:
         phases = {k for peers in rounds for peer in peers for k in peer["phase_s"]}
         summary["phases_s_p50"] = {

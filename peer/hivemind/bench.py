@@ -30,6 +30,7 @@ import numpy as np
 import psutil
 
 from averaging.bench import _exact_mean, _values
+from averaging.bench_processes import contract_summary, run_peer_processes
 from peer.bench.processes import tree_memory_bytes
 from peer.hivemind.hook import BYTES_PER_VALUE, AllreduceWatch, hivemind_compression
 from peer.hivemind.hook import import_hivemind as _import_hivemind
@@ -154,76 +155,29 @@ def run_hivemind_allreduce_bench(
         "compression": compression,
         "initial_peers": [],
     }
-    context = mp.get_context("spawn")
-    barrier = context.Barrier(num_peers)
-    results = context.Queue()
-    processes = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        processes.append(context.Process(target=_worker, args=(0, spec, barrier, results)))
-        processes[0].start()
-        kind, rank, address = _next(results, deadline)
-        if kind != "address":
-            raise RuntimeError(f"peer {rank} failed to start: {address}")
-        spec["initial_peers"] = address
-        for rank in range(1, num_peers):
-            processes.append(context.Process(target=_worker, args=(rank, spec, barrier, results)))
-            processes[-1].start()
-        rounds = _collect(results, num_peers, num_rounds, deadline)
-        for process in processes:
-            process.join(max(1.0, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    rounds = run_peer_processes(
+        _worker,
+        spec,
+        num_peers=num_peers,
+        num_rounds=num_rounds,
+        timeout_s=timeout_s,
+        startup_timeout_s=_STARTUP_TIMEOUT_S,
+        initial_peers=lambda address: address,
+    )
     return _summary(rounds, num_peers, size, compression)
 
 
-def _next(results, deadline: float) -> tuple:
-    import queue
-
-    try:
-        return results.get(timeout=max(0.1, min(_STARTUP_TIMEOUT_S, deadline - time.monotonic())))
-    except queue.Empty:
-        raise RuntimeError("benchmark peers stopped answering") from None
-
-
-def _collect(results, num_peers: int, num_rounds: int, deadline: float) -> list[list[dict]]:
-    rounds: dict[int, list[dict]] = {}
-    received = 0
-    while received < num_peers * num_rounds:
-        if time.monotonic() > deadline:
-            raise RuntimeError("hivemind allreduce benchmark timed out")
-        kind, rank, payload = _next(results, deadline)
-        if kind == "error":
-            raise RuntimeError(f"peer {rank} failed: {payload}")
-        if kind == "round":
-            rounds.setdefault(payload["round"], []).append(payload)
-            received += 1
-    return [rounds[r] for r in sorted(rounds)]
-
-
 def _summary(rounds, num_peers: int, size: int, compression: str) -> dict[str, Any]:
-    def p50_of_slowest(field: str) -> float:
-        return statistics.median(max(peer[field] for peer in peers) for peers in rounds)
-
-    allreduce_s = p50_of_slowest("allreduce_s")
-    bytes_sent = int(2 * (num_peers - 1) / num_peers * size * BYTES_PER_VALUE[compression])
-    errors = [peer["max_abs_err"] for peers in rounds for peer in peers]
-    return {
-        "backend": "hivemind",
-        "peers": num_peers,
-        "size": size,
-        "compression": compression,
-        "rounds": sum(all(peer["status"] == "ok" for peer in peers) for peers in rounds),
-        "round_s_p50": round(p50_of_slowest("round_s"), 4),
-        "allreduce_s_p50": round(allreduce_s, 4),
-        "matchmaking_s_p50": round(p50_of_slowest("matchmaking_s"), 4),
-        "max_abs_err": max((e for e in errors if e is not None), default=None),
-        "bytes_sent_per_peer": bytes_sent,
-        "gbit_per_s": round(bytes_sent * 8 / allreduce_s / 1e9, 3) if allreduce_s else 0.0,
-    }
+    return contract_summary(
+        rounds,
+        backend="hivemind",
+        num_peers=num_peers,
+        size=size,
+        compression=compression,
+        bytes_sent_per_peer=int(
+            2 * (num_peers - 1) / num_peers * size * BYTES_PER_VALUE[compression]
+        ),
+    )
 
 
 def _percentile_ms(samples_s: list[float], fraction: float) -> float:
