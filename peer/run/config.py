@@ -49,7 +49,9 @@ class PeerConfig(BaseModel):
 
     # the run
     run_id: str = Field("vp-run", description="name of the training run; the DHT key prefix")
-    task: str = Field("synthetic", description="synthetic, charlm, or package.module:function")
+    task: str = Field(
+        "synthetic", description="synthetic, charlm, images, or package.module:function"
+    )
     task_option: list[str] = Field(
         default_factory=list, description="task option KEY=VALUE (repeatable)"
     )
