@@ -110,6 +110,7 @@ def study_sections(
             groups, spec.resources.total_cpus, calibrated=spec.calibration.enabled
         ),
         *study.study_lines(groups, target, spec.resources.total_cpus),
+        *study.decomposition_lines(groups, target),
         *study.findings_lines(groups, factors),
     ]
 

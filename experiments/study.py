@@ -277,6 +277,51 @@ def load_lines(groups: list[Group]) -> list[str]:
     ]
 
 
+def decomposition_lines(groups: list[Group], target: float | None) -> list[str]:
+    """Each speedup split exactly into fewer samples to the target (statistical efficiency) and
+    more samples per second on the way there (hardware efficiency):
+    ``T_b / T_c = (S_b / S_c) x ((S_c / T_c) / (S_b / T_b))`` per seed, with S samples and T
+    seconds to target, b the same seed's baseline and c the configuration."""
+    baselines = {r.seed: r for g in groups if g.baseline for r in g.results}
+    header = ["config", "speedup", "x fewer samples", "x faster samples/s", "mostly from"]
+    rows = []
+    for group in (g for g in groups if not g.baseline):
+        parts = [_split(r, baselines.get(r.seed), target) for r in group.results]
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            continue
+        statistical = Spread.of(p[0] for p in parts)
+        hardware = Spread.of(p[1] for p in parts)
+        speedup = Spread.of(p[0] * p[1] for p in parts)
+        assert statistical is not None and hardware is not None
+        source = "fewer samples" if statistical.mean > hardware.mean else "throughput"
+        rows.append(
+            [group.key, spread_text(speedup, 2), statistical.text(2), hardware.text(2), source]
+        )
+    if not rows:
+        return []
+    note = (
+        "Speedup = (the baseline's samples to target / the configuration's) x (its samples/s "
+        "on the way to the target / the baseline's), per seed. A speedup from fewer samples "
+        "comes from the optimisation (e.g. local updates take more, smaller steps per sample), "
+        "which a single node could also get with other hyperparameters; one from throughput "
+        "comes from the system."
+    )
+    return ["## Where the speedup comes from", "", note, "", *_table(header, rows), ""]
+
+
+def _split(
+    result: ConfigResult, baseline: ConfigResult | None, target: float | None
+) -> tuple[float, float] | None:
+    if baseline is None:
+        return None
+    s_c, s_b = samples_to_target(result, target), samples_to_target(baseline, target)
+    t_c, t_b = result.time_to_target_s, baseline.time_to_target_s
+    if not (s_c and s_b and t_c and t_b):
+        return None
+    return s_b / s_c, (s_c / t_c) / (s_b / t_b)
+
+
 def _reached(group: Group) -> str:
     reached = sum(r.time_to_target_s is not None for r in group.results)
     return f"{reached}/{len(group.results)}"
