@@ -151,9 +151,11 @@ def baseline_lines(out_dir: Path, results: list[ConfigResult]) -> list[str]:
     lines += [
         f"Tuned baseline: **{threads} torch thread{'s' * (threads > 1)}, "
         f"OMP_WAIT_POLICY={chosen['wait_policy']}, {tuning['num_workers']} loader workers on "
-        f"{cpus} CPUs**, the fastest calibrated setting ({chosen['samples_per_s']:.1f} samples/s).",
+        f"{cpus} CPUs**, the calibration's choice ({chosen['samples_per_s']:.1f} samples/s: the "
+        "fastest setting, or one within 10% of it that is less fragile under load).",
         "",
     ]
+    lines += _drift_lines(results, chosen["samples_per_s"])
     path = out_dir / CALIBRATION_FILE
     if path.is_file():
         calibration = Calibration.from_json(json.loads(path.read_text(encoding="utf-8")))
@@ -185,6 +187,25 @@ _CALIBRATED = (
     "to use the CPUs (threads scale worse than processes): then the speedup measures that, not "
     "collaborative training."
 )
+
+
+# The baseline's rate in the sweep below this share of its calibrated rate: something changed.
+DRIFT_FRACTION = 0.5
+
+
+def _drift_lines(results: list[ConfigResult], calibrated_per_s: float) -> list[str]:
+    """A warning when the baseline ran far slower in the sweep than when it was calibrated."""
+    rates = [r.swarm.samples_per_s for r in results if r.baseline and r.swarm.wall_s > 0]
+    if not rates or min(rates) >= DRIFT_FRACTION * calibrated_per_s:
+        return []
+    return [
+        f"**Warning: the baseline ran at {min(rates):.1f}-{max(rates):.1f} samples/s in the "
+        f"sweep, under {DRIFT_FRACTION:.0%} of the {calibrated_per_s:.1f} it was calibrated at.** "
+        "The machine's load changed, or the setting is fragile under load (spinning OpenMP "
+        "threads, more threads than free cores); every comparison with it below is unfair. "
+        'Rerun on a quiet machine, with `repeats = 2`, or with `wait_policies = ["PASSIVE"]`.',
+        "",
+    ]
 
 
 def suspect_lines(groups: list[Group], total_cpus: int, *, calibrated: bool) -> list[str]:

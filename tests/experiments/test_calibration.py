@@ -105,3 +105,22 @@ def test_repeats_are_pooled_by_their_median():
     rows = {row[2]: row for row in settings_table(calibration)}
     assert rows["1"][5] == "95.0 (100.0, 90.0, -)" and rows["1"][6] == "fastest"
     assert rows["2"][5] == "60.0 (300.0, 50.0, 60.0)" and rows["2"][6] == ""
+
+
+def test_a_near_tie_goes_to_the_least_fragile_setting():
+    spinning, passive = Setting(2, 2, "ACTIVE", 0), Setting(2, 2, "PASSIVE", 0)
+    one_thread = Setting(2, 1, "PASSIVE", 0)
+    calibration = Calibration(
+        "k",
+        [
+            Trial("baseline", spinning, 100.0),
+            Trial("baseline", passive, 92.0),
+            Trial("baseline", one_thread, 80.0),
+        ],
+    )
+    # 92 is within 10% of 100: passive threads, which degrade gently under load, win
+    assert calibration.best("baseline", 2).setting == passive
+    clear = Calibration("k", [Trial("baseline", spinning, 100.0), *calibration.trials[1:2]])
+    assert clear.best("baseline", 2).setting == passive
+    far = Calibration("k", [Trial("baseline", spinning, 130.0), Trial("baseline", passive, 92.0)])
+    assert far.best("baseline", 2).setting == spinning
