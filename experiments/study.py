@@ -118,6 +118,8 @@ def per_cpu(row: dict[str, Any], total_cpus: int) -> float | None:
 def compare(config: Spread | None, baseline: Spread | None, *, lower_is_better: bool) -> str:
     """``faster``/``slower`` than the baseline (``lower_is_better``: a time), ``noise`` when
     the spreads of two or more seeds each overlap."""
+    if config is not None and baseline is None and lower_is_better:
+        return "faster (the baseline never reached it)"
     if config is None or baseline is None:
         return "-"
     if config.count >= 2 and baseline.count >= 2 and config.overlaps(baseline):
@@ -402,7 +404,7 @@ def findings_lines(groups: list[Group], factors: list[str]) -> list[str]:
 def _speedup_finding(groups: list[Group]) -> list[str]:
     swarms = [g for g in groups if not g.baseline and g.spread("speedup") is not None]
     if not swarms:
-        return ["No swarm configuration and the baseline both reached the target loss.", ""]
+        return _lower_bound_finding(groups)
     best = max(swarms, key=lambda g: g.spread("speedup").mean)  # type: ignore[union-attr]
     speedup = best.spread("speedup")
     assert speedup is not None
@@ -414,6 +416,26 @@ def _speedup_finding(groups: list[Group]) -> list[str]:
         f"The best swarm configuration, `{best.key}`, reached the target with a speedup of "
         f"{speedup.text(2)} over the tuned baseline ({where}{tail}).",
         f"Where its time went: {bound[0] if bound else '-'}.",
+        "",
+    ]
+
+
+def _lower_bound_finding(groups: list[Group]) -> list[str]:
+    """Without a baseline time to target: a lower bound on the speedup when the swarm got there."""
+    baseline = next((g for g in groups if g.baseline), None)
+    reached = [g for g in groups if not g.baseline and g.spread("time_to_target_s") is not None]
+    if baseline is None or baseline.spread("time_to_target_s") is not None or not reached:
+        return ["No swarm configuration and the baseline both reached the target loss.", ""]
+    best = min(reached, key=lambda g: g.spread("time_to_target_s").mean)  # type: ignore[union-attr]
+    time_to = best.spread("time_to_target_s")
+    wall = baseline.spread_of(lambda r: r.swarm.wall_s)
+    loss = baseline.spread("final_loss")
+    assert time_to is not None and wall is not None
+    return [
+        f"The baseline never reached the target loss (it trained {wall.text()} s and ended at "
+        f"loss {spread_text(loss, 4)}); `{best.key}` reached it in {time_to.text()} s: a "
+        f"speedup of at least {wall.mean / time_to.mean:.2f}x, if the baseline was fair (see "
+        "Fairness).",
         "",
     ]
 
