@@ -35,6 +35,8 @@ from experiments.launch_base import pinned, python
 from experiments.spec import ExperimentSpec, RunConfig, cpu_split, peer_counts
 
 CALIBRATION_FILE = "calibration.json"
+# Settings this close to the fastest (a share of its rate) are a tie: the least fragile wins.
+TIE_FRACTION = 0.1
 # Import time of the probe process on top of the trained seconds, for its timeout.
 PROBE_OVERHEAD_S = 60.0
 
@@ -85,7 +87,13 @@ class Calibration:
             and trial.samples_per_s is not None
             and (num_workers is None or trial.setting.num_workers == num_workers)
         ]
-        return max(medians, key=lambda t: t.samples_per_s or 0.0, default=None)
+        if not medians:
+            return None
+        # Within TIE_FRACTION of the fastest, the least fragile setting wins: spinning OpenMP
+        # threads (ACTIVE), extra threads and extra workers lose most when the load rises.
+        top = max(t.samples_per_s or 0.0 for t in medians)
+        close = [t for t in medians if (t.samples_per_s or 0.0) >= (1 - TIE_FRACTION) * top]
+        return min(close, key=_fragility)
 
     def medians(self) -> list[Trial]:
         """One trial per (role, setting), in first-tried order: the median of its successful
@@ -113,6 +121,11 @@ class Calibration:
             for t in data["trials"]
         ]
         return cls(data["key"], trials, list(data.get("load_average", [])))
+
+
+def _fragility(trial: Trial) -> tuple[int, int, int]:
+    setting = trial.setting
+    return (setting.wait_policy != "PASSIVE", setting.torch_threads, setting.num_workers)
 
 
 def peer_worker_counts(spec: ExperimentSpec) -> list[int]:

@@ -2,10 +2,10 @@
 
 Trains the task with the single-node baseline's loop (micro-batches accumulated to the target
 batch size, then one optimizer step; :mod:`peer.bench.baseline_run`) for ``--warmup-s`` seconds
-unmeasured, then ``--measure-s`` seconds measured, and prints one JSON line:
-``{"samples_per_s": ..., "num_samples": ..., "elapsed_s": ...}``. The OpenMP wait policy comes
-from the environment (it is read once, when OpenMP starts) and the CPUs from the caller's
-``taskset``, so that the probe runs exactly as the process it stands for.
+unmeasured (after the loader workers' first batches), then ``--measure-s`` seconds measured,
+and prints one JSON line: ``{"samples_per_s": ..., "num_samples": ..., "elapsed_s": ...}``.
+The OpenMP wait policy comes from the environment (it is read once, when OpenMP starts) and the
+CPUs from the caller's ``taskset``, so that the probe runs exactly as the process it stands for.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     num_micro = max(1, math.ceil(args.target_batch_size / task.batch_size))
     batches = iter(task.make_loader(DataShard(seed=0), num_workers=args.num_workers))
+    # The warm-up lasts warmup_s and at least until the loader's workers have each delivered
+    # their prefetched batches (their start-up is no part of the steady rate).
+    warmup_batches = 2 + 2 * args.num_workers
+    for _ in range(warmup_batches):
+        next(batches)
     start = time.monotonic()
     measure_from = start + args.warmup_s
     deadline = measure_from + args.measure_s

@@ -103,17 +103,18 @@ def study_sections(
 ) -> list[str]:
     """The baseline's setting, fairness, the seed-pooled table and the findings
     (:mod:`experiments.study`)."""
-    from experiments import study
+    from experiments import fairness, study
 
     spec = load_spec(out_dir / "spec.toml")
     groups = study.make_groups(results, rows)
     factors = [key for key, values in spec.grid.items() if len(values) > 1]
     return [
-        *study.baseline_lines(out_dir, results),
-        *study.suspect_lines(
+        *fairness.baseline_lines(out_dir, results),
+        *fairness.suspect_lines(
             groups, spec.resources.total_cpus, calibrated=spec.calibration.enabled
         ),
         *study.study_lines(groups, target, spec.resources.total_cpus),
+        *study.decomposition_lines(groups, target),
         *study.findings_lines(groups, factors),
     ]
 

@@ -110,6 +110,13 @@ def test_spreads_noise_fairness_and_findings(tmp_path: Path):
     assert rows["target_batch_size-128"]["reached"] == "2/2"
     assert "Machine load (1-minute load average at each configuration's start and end): " in report
     assert "1.0-2.0 on" in report
+    # speedup = fewer samples x faster samples/s: seed 0 10000/7000 x (7000/5)/(10000/10)
+    split = table(section(report, "Where the speedup comes from"))["target_batch_size-128"]
+    statistical = (10000 / 7000 + 11000 / 8400) / 2
+    assert split["x fewer samples"] == f"{statistical:.2f} [1.31-1.43]"
+    assert split["x faster samples/s"] == "1.40 [1.40-1.40]"
+    assert split["speedup"] == rows["target_batch_size-128"]["speedup"]
+    assert split["mostly from"] == "throughput"
     findings = section(report, "Findings")
     ratio = ((9 + 12) / 2) / ((5 + 6) / 2)
     assert "1. **target_batch_size** moved time to target most" in findings
