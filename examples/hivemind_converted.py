@@ -21,6 +21,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--initial-peers", nargs="*", default=[])
 parser.add_argument("--seconds", type=float, default=30.0)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--target-batch-size", type=int, default=512)
 parser.add_argument("--save", default=None)
 args = parser.parse_args()
 
@@ -42,7 +43,7 @@ opt = hivemind.Optimizer(
     dht=dht,  # use a DHT that is connected with other peers
     run_id="my_cifar_run",  # unique identifier of this collaborative run
     batch_size_per_step=32,  # each call to opt.step adds this many samples towards the next epoch
-    target_batch_size=512,  # after peers collectively process this many samples, average
+    target_batch_size=args.target_batch_size,  # after peers process this many samples, average
     optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),  # wrap a torch optimizer
     params=model.parameters(),
     use_local_updates=False,  # accumulate gradients; average them at each epoch's end

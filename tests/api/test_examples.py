@@ -133,11 +133,14 @@ def test_the_converted_hivemind_script_differs_only_in_import_lines():
 @pytest.mark.timeout(240)
 def test_the_converted_hivemind_script_trains_two_processes_that_average(tmp_path):
     script = "examples/hivemind_converted.py"
-    first = spawn([script, "--seconds", "16", "--seed", "1"])
+    # epochs of a few hundred steps: the second process, started after the first printed its
+    # address (seconds on a loaded machine), can still catch the first one's epoch
+    slow = ["--target-batch-size", "8192"]
+    first = spawn([script, "--seconds", "20", "--seed", "1", *slow])
     line = first_line(first)
     initial = re.findall(r"'([^']+)'", line)
     assert initial and initial[0].startswith("http://"), line  # our backend's address
-    second = spawn([script, "--seconds", "12", "--seed", "2", "--initial-peers", *initial])
+    second = spawn([script, "--seconds", "14", "--seed", "2", *slow, "--initial-peers", *initial])
     errs, results = [], []
     for process in (first, second):
         out, err = process.communicate(timeout=200)
