@@ -114,6 +114,10 @@ class EstimatedCounters:
         self.sent = 0
         self.recv = 0
 
+    def median_rtt_s(self, since_s: float) -> float | None:
+        """None: hivemind does not say how long its libp2p requests take (no ``rtt_ms``)."""
+        return None
+
     def add_round(self, num_values: int, num_peers: int, bytes_per_value: float) -> None:
         one_way = butterfly_bytes(num_values, num_peers, bytes_per_value)
         self.sent += one_way
