@@ -128,6 +128,7 @@ def run_allreduce_bench(
     include_phases: bool = False,
     timeout_s: float = 600.0,
     log_level: str = "WARNING",
+    aggregation: str = "mean",
 ) -> dict[str, Any]:
     """Run ``num_rounds`` measured rounds (after ``num_warmup``) of ``num_peers`` processes.
 
@@ -142,6 +143,8 @@ def run_allreduce_bench(
     Every peer uses ``config`` (default: groups of exactly ``num_peers``, the given compression,
     the other settings at their defaults); ``log_level`` is the peers' ``averaging`` log level
     (their log lines go to stderr with wall-clock timestamps, for cross-process timelines).
+    ``aggregation`` picks the reducers' rule (:mod:`averaging.robust`; the summary says which,
+    and ``max_abs_err`` stays against the weighted mean, which a robust rule departs from).
 
     Raises:
         ValueError: bad arguments.
@@ -151,7 +154,10 @@ def run_allreduce_bench(
         raise ValueError("need num_peers >= 2, size >= 1, num_rounds >= 1, num_warmup >= 0")
     compression = Compression(compression).value
     config = config or AveragerConfig(
-        target_group_size=num_peers, min_group_size=num_peers, compression=compression
+        target_group_size=num_peers,
+        min_group_size=num_peers,
+        compression=compression,
+        aggregation=aggregation,
     )
     spec = {
         "num_peers": num_peers,
@@ -186,7 +192,9 @@ def run_allreduce_bench(
             if process.is_alive():
                 process.kill()
                 process.join()
-    return _summary(rounds, num_peers, size, compression, include_phases)
+    summary = _summary(rounds, num_peers, size, compression, include_phases)
+    summary["aggregation"] = config.aggregation.value
+    return summary
 
 
 def _next(results, deadline: float) -> tuple:

@@ -45,6 +45,13 @@ def add_bench_allreduce_command(bench_sub) -> None:
         help="measured rounds after one warm-up (default: 5)",
     )
     parser.add_argument(
+        "--aggregation",
+        choices=["mean", "trimmed_mean", "centered_clip"],
+        default="mean",
+        help="how reducers combine contributions (native only; max_abs_err stays against the "
+        "weighted mean) (default: mean)",
+    )
+    parser.add_argument(
         "--backend",
         choices=["native", "hivemind"],
         default="native",
@@ -64,7 +71,12 @@ def run_bench_allreduce(args: argparse.Namespace) -> int:
         from averaging.bench import run_allreduce_bench
 
         result = run_allreduce_bench(
-            args.peers, args.size, args.compression, args.rounds, include_phases=args.phases
+            args.peers,
+            args.size,
+            args.compression,
+            args.rounds,
+            include_phases=args.phases,
+            aggregation=args.aggregation,
         )
     if not args.json:
         for name, value in result.items():
