@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from averaging.bounds import is_number
 from averaging.config import AveragerConfig
 from averaging.errors import ProtocolViolation
 from averaging.group import GroupInfo, GroupMember
@@ -50,8 +51,10 @@ class Leader:
         except ProtocolViolation:
             return {"status": "malformed"}
         remaining_s = request.get("remaining_s")
-        if member.peer_id != ctx.sender or not isinstance(remaining_s, int | float):
+        if member.peer_id != ctx.sender or not is_number(remaining_s):
             return {"status": "malformed"}
+        # a seat is held no longer than this leader would wait itself, whatever is asked
+        remaining_s = min(max(0.0, remaining_s), self._config.matchmaking_time_s)
         if request.get("numel") != search.numel:
             return {"status": "incompatible"}
         now = asyncio.get_running_loop().time()
@@ -59,7 +62,7 @@ class Leader:
         if member.peer_id not in term.followers:
             if 1 + len(term.followers) >= search.target_group_size:
                 return {"status": "full", "members": [search.me.peer_id, *term.followers]}
-        deadline = now + max(0.0, remaining_s)
+        deadline = now + remaining_s
         follower = term.followers.get(member.peer_id)
         if follower is None:
             term.followers[member.peer_id] = Follower(member, deadline, now)
