@@ -45,10 +45,19 @@ def num_trimmed(num_contributions: int) -> int:
     return 0 if num_contributions < 3 else max(1, num_contributions // 4)
 
 
+def _combine(coefficients: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out = sum_i coefficients[i] * rows[i]``, row by row (numpy's vector-matrix product is
+    several times slower for a few long rows)."""
+    np.multiply(rows[0], np.float32(coefficients[0]), out=out)
+    scratch = np.empty_like(out)
+    for coefficient, row in zip(coefficients[1:], rows[1:], strict=True):
+        np.multiply(row, np.float32(coefficient), out=scratch)
+        out += scratch
+
+
 def weighted_mean(rows: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
     """``out = sum_i weights[i] * rows[i] / sum(weights)`` (float32 rows, float64 weights)."""
-    share = (weights / weights.sum()).astype(np.float32)
-    np.dot(share, rows, out=out)
+    _combine(weights / weights.sum(), rows, out)
 
 
 def _trim_in_place(rows: np.ndarray, b: int) -> None:
@@ -83,17 +92,24 @@ def trimmed_mean(rows: np.ndarray, out: np.ndarray) -> None:
 def centered_clip(rows: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
     """CenteredClip of ``rows`` (k x m) with ``weights`` (k) into ``out`` (m), from the
     trimmed mean (the median for three or four contributions)."""
-    share = (weights / weights.sum()).astype(np.float32)
+    share = weights / weights.sum()
     trimmed_mean(rows.copy(), out)
-    diffs = np.empty_like(rows)
+    diffs, step = np.empty_like(rows), np.empty_like(out)
     for _ in range(CLIP_ITERATIONS):
         np.subtract(rows, out, out=diffs)
-        distances = np.sqrt(np.einsum("ij,ij->i", diffs, diffs, dtype=np.float64))
+        # distances of the differences scaled into [-1, 1]: no square overflows float32, and
+        # the clipping factors tau / distance do not depend on the scale
+        scale = float(max(diffs.max(), -diffs.min()))
+        if not scale > 0:
+            return  # every contribution equals the center
+        diffs *= np.float32(1 / scale)
+        distances = np.sqrt(np.array([np.dot(d, d) for d in diffs], dtype=np.float64))
         tau = float(np.median(distances))
         if tau <= 0:
-            return  # most contributions agree exactly: the median is the answer
-        scale = np.minimum(1.0, tau / np.maximum(distances, 1e-300)).astype(np.float32)
-        out += np.dot(share * scale, diffs)
+            return  # most contributions agree exactly: the center is the answer
+        clipped = np.minimum(1.0, tau / np.maximum(distances, 1e-300))
+        _combine(share * clipped * scale, diffs, step)
+        out += step
 
 
 def aggregate(

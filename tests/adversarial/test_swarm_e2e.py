@@ -140,3 +140,44 @@ async def test_a_newcomer_refuses_a_poisoned_donor_and_joins_with_the_honest_sta
             assert "state download from" in newcomer.stderr  # it tried the liar and said why
             assert "NaN" in newcomer.stderr, newcomer.stderr[-3000:]
             equal_replicas(await attacker.announcements(), [p.peer_id for p in swarm.peers])
+
+
+async def test_a_stranger_in_the_rounds_with_huge_weights_and_values_changes_nothing(tmp_path):
+    """A stranger runs a real averager (client mode: it reduces nothing) and tries to join
+    every round with weight 2**53 and values of 1e37: bounded to a multiple of the group's
+    median weight, its values overflow once weighted, and honest reducers drop it."""
+    from averaging.averager import DecentralizedAverager
+    from averaging.config import AveragerConfig
+
+    task = load_task("synthetic", dict(option.split("=") for option in TASK_OPTIONS))
+    numel = sum(p.numel() for p in task.build_model().parameters() if p.requires_grad)
+    poison = torch.full((numel,), 1e37).numpy()
+    with Swarm(tmp_path, COMMON) as swarm:
+        honest = [swarm.add_peer("--max-time", "45", "--wait-for-peers", "2") for _ in range(2)]
+        await swarm.wait_until(
+            lambda: min(p.epoch() for p in honest) >= 2, "the swarm did not reach epoch 2"
+        )
+        before = max(p.epoch() for p in honest)
+        async with Attacker(swarm.url) as attacker:
+            averagers = []
+
+            def join_rounds(transport, node):
+                config = AveragerConfig(matchmaking_time_s=2.0, request_timeout_s=2.0)
+                averagers.append(
+                    DecentralizedAverager(
+                        [poison], transport=transport, dht=node, prefix=RUN_ID, config=config
+                    )
+                )
+
+            await attacker.another_key(client_mode=True, before_start=join_rounds)
+            (averager,) = averagers
+            statuses = []
+            deadline = asyncio.get_running_loop().time() + 20
+            while asyncio.get_running_loop().time() < deadline:
+                epoch = max((r.epoch for r in await attacker.progress()), default=before)
+                result = await averager.step(weight=2.0**53, epoch=epoch, timeout_s=5.0)
+                statuses.append(result.status)
+            swarm.stop()
+            swarm.check_healthy(epoch_before_attack=before)
+            equal_replicas(await attacker.announcements(), [p.peer_id for p in honest])
+    assert statuses  # it tried; whether it got into a group or not, nothing changed
