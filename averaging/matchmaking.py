@@ -94,7 +94,7 @@ class Matchmaker:
         self._search: Search | None = None
         self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
         self.partners: frozenset[str] = frozenset()
-        self._leader = Leader(config, lambda: self._search)
+        self._leader = Leader(config, lambda: self._search, lambda: self.partners)
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
         transport.add_rpc_handler(self._invite_name, self._on_invite)

@@ -95,7 +95,8 @@ class SwarmAverager:
             reason=result.reason,
             matchmaking_s=result.matchmaking_s,
             allreduce_s=result.allreduce_s,
-            members=tuple(result.members),
+            # the members whose values are in the average: a dropped one is nobody's partner
+            members=tuple(m for m in result.members if m not in result.dropped_peers),
             epoch=epoch,
             status=result.status,
             sent_bytes=result.bytes_sent,

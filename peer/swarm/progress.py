@@ -92,7 +92,8 @@ class ProgressConfig:
 
 @dataclass(frozen=True)
 class GlobalProgress:
-    """The swarm as one peer estimates it."""
+    """The swarm as one peer estimates it (``peers``: this one first, then every other peer
+    seen; only the counted ones are in ``samples_accumulated`` and ``samples_per_s``)."""
 
     epoch: int
     samples_accumulated: int
@@ -171,15 +172,23 @@ def estimate(
     counted = trusted or others  # no partner here: a newcomer counts everyone it sees
     target = config.target_batch_size
     rate_cap = _rate_cap((r.samples_per_s for r in [own, *counted] if r.epoch == epoch), config)
-    peers = [own, *(_capped_rate(r, rate_cap) for r in counted)]
+    counted = [_capped_rate(r, rate_cap) for r in counted]
     accumulated = float(own.samples) if own.epoch == epoch else 0.0
-    for record in peers[1:]:
+    for record in counted:
         if record.epoch == epoch:
             accumulated += _claimed(record, now, config, round_peers.get(record.peer_id))
-    accumulated = min(accumulated, float(target * len(peers)))
-    rate = sum(record.samples_per_s for record in peers)
+    accumulated = min(accumulated, float(target * (1 + len(counted))))
+    rate = own.samples_per_s + sum(record.samples_per_s for record in counted)
     missing = max(0.0, target - accumulated)
     eta_s = 0.0 if not missing else (missing / rate if rate > 0 else math.inf)
+    # every peer seen, counted or not: who is at this epoch sizes groups (seats for newcomers;
+    # partners keep theirs, see averaging.leader) and tells a peer whether it is alone
+    counted_ids = {r.peer_id for r in counted}
+    peers = [
+        own,
+        *counted,
+        *(_capped_rate(r, rate_cap) for r in others if r.peer_id not in counted_ids),
+    ]
     return GlobalProgress(
         epoch=epoch,
         samples_accumulated=int(accumulated),
