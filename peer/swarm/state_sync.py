@@ -61,6 +61,8 @@ DTYPES = {
 
 # A donor announces at once when its state changes, but not more often than this, in seconds.
 MIN_ANNOUNCE_GAP_S = 0.5
+# Snapshots waiting for their digest at most (a state copy each; the oldest is dropped).
+PENDING_DIGESTS = 4
 
 
 class StateSyncError(Exception):
@@ -197,7 +199,9 @@ class StateServer:
         self.digest_fn = digest
         self.snapshot: StateSnapshot | None = None
         self.digests: collections.deque[EpochDigest] = collections.deque(maxlen=MAX_DIGESTS)
-        self._digested: StateSnapshot | None = None
+        # snapshots handed over and not digested yet, oldest first: every epoch gets its digest
+        # (peers agree on epochs they all digested) unless epochs outrun hashing by this many
+        self._pending: collections.deque[StateSnapshot] = collections.deque(maxlen=PENDING_DIGESTS)
         self._digest_task: asyncio.Task | None = None
         self._last_announce = -math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -209,33 +213,37 @@ class StateServer:
         announce its digest; call from the training thread at every epoch change."""
         self.snapshot = snapshot
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._start_digesting)
+            self._loop.call_soon_threadsafe(self._start_digesting, snapshot)
 
-    def _start_digesting(self) -> None:
+    def _start_digesting(self, snapshot: StateSnapshot) -> None:
+        self._pending.append(snapshot)
         if self._digest_task is None or self._digest_task.done():
             self._digest_task = asyncio.create_task(
                 self._digest_and_announce(), name="state-digest"
             )
 
     async def _digest_and_announce(self) -> None:
-        while (snapshot := self.snapshot) is not None and snapshot is not self._digested:
-            try:
-                exact, rounded = await asyncio.to_thread(self._digests_of, snapshot)
-            except Exception:  # a bug, not a peer's fault: say so, keep serving
-                logger.exception(
-                    "cannot compute the digest of the state of epoch %d", snapshot.epoch
-                )
-                return
-            if self.digests and self.digests[-1].epoch == snapshot.epoch:
-                self.digests.pop()  # a new snapshot of the same epoch (a download, a resume)
-            self.digests.append(EpochDigest(snapshot.epoch, exact, rounded))
-            self._digested = snapshot
-        if asyncio.get_running_loop().time() - self._last_announce >= MIN_ANNOUNCE_GAP_S:
-            await self.announce()
+        loop = asyncio.get_running_loop()
+        while True:
+            while self._pending:
+                snapshot = self._pending.popleft()
+                try:
+                    exact, rounded = await asyncio.to_thread(self._digests_of, snapshot)
+                except Exception:  # a bug, not a peer's fault: say so, keep serving
+                    logger.exception("cannot digest the state of epoch %d", snapshot.epoch)
+                    return
+                if self.digests and self.digests[-1].epoch == snapshot.epoch:
+                    self.digests.pop()  # a new snapshot of the same epoch (a download, a resume)
+                self.digests.append(EpochDigest(snapshot.epoch, exact, rounded))
+            wait_s = self._last_announce + MIN_ANNOUNCE_GAP_S - loop.time()
+            if wait_s <= 0:
+                break
+            await asyncio.sleep(wait_s)  # then digest what came meanwhile, and announce it all
+        await self.announce()
 
     async def settle(self) -> None:
-        """Wait until the last snapshot handed over is digested (and announced, unless an
-        announcement went out less than ``MIN_ANNOUNCE_GAP_S`` ago)."""
+        """Wait until the last snapshot handed over is digested and announced (at most
+        ``MIN_ANNOUNCE_GAP_S`` after the previous announcement)."""
         await asyncio.sleep(0)  # an update from this thread schedules its digest first
         task = self._digest_task
         if task is not None:
@@ -293,6 +301,8 @@ class StateServer:
 
     async def __aenter__(self) -> StateServer:
         self._loop = asyncio.get_running_loop()
+        if self.snapshot is not None:  # handed over before the server started
+            self._start_digesting(self.snapshot)
         self._announcer.start()
         return self
 

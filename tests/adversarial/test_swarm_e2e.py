@@ -19,7 +19,13 @@ from peer.swarm.state_digest import digest_scope, optimizer_structure, state_dig
 from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncConfig
 from peer.train.checkpoint import Progress, pack_state
 from peer.train.tasks import load_task
-from tests.adversarial.harness_swarm import RUN_ID, TASK_OPTIONS, Attacker, Swarm, equal_replicas
+from tests.adversarial.harness_swarm import (
+    RUN_ID,
+    TASK_OPTIONS,
+    Attacker,
+    Swarm,
+    wait_equal_replicas,
+)
 
 pytestmark = pytest.mark.timeout(300)
 TARGET = 1024
@@ -61,9 +67,9 @@ async def test_forged_progress_neither_stops_nor_steers_the_swarm(tmp_path):
                     num_stored += await attacker.store(progress_key(RUN_ID), value, node=node)
                     await asyncio.sleep(0.1)
             assert num_stored > 20  # the records were in the DHT for the honest peers to read
+            await wait_equal_replicas(attacker, [p.peer_id for p in honest])
             swarm.stop()
             swarm.check_healthy(epoch_before_attack=before)
-            equal_replicas(await attacker.announcements(), [p.peer_id for p in honest])
     # "target reached" did not end epochs early: the swarm gathered the target in each epoch
     # (the first ones aside: before its first round a peer has no partner to trust)
     summaries = [p.summary() for p in honest]
@@ -134,12 +140,13 @@ async def test_a_newcomer_refuses_a_poisoned_donor_and_joins_with_the_honest_sta
                 await swarm.wait_until(
                     lambda: newcomer.epoch() >= before + 1, "the newcomer never trained"
                 )
+                # side by side, the three announce the same state
+                await wait_equal_replicas(attacker, [p.peer_id for p in swarm.peers])
                 swarm.stop([newcomer])
             swarm.stop()
             swarm.check_healthy(epoch_before_attack=before, min_epochs_after=1)
             assert "state download from" in newcomer.stderr  # it tried the liar and said why
             assert "NaN" in newcomer.stderr, newcomer.stderr[-3000:]
-            equal_replicas(await attacker.announcements(), [p.peer_id for p in swarm.peers])
 
 
 async def test_a_stranger_in_the_rounds_with_huge_weights_and_values_changes_nothing(tmp_path):
@@ -191,7 +198,7 @@ async def test_a_stranger_in_the_rounds_with_huge_weights_and_values_changes_not
                 await attacker.store(progress_key(RUN_ID), value, node=member)
                 result = await averager.step(weight=2.0**53, epoch=epoch, timeout_s=5.0)
                 statuses.append(result.status)
+            await wait_equal_replicas(attacker, [p.peer_id for p in honest])
             swarm.stop()
             swarm.check_healthy(epoch_before_attack=before)
-            equal_replicas(await attacker.announcements(), [p.peer_id for p in honest])
     assert statuses, "the stranger never tried"
