@@ -298,7 +298,8 @@ class DecentralizedAverager:
     def _finish(self, key: str, result: RoundResult, matchmaking_s: float) -> RoundResult:
         result = dataclasses.replace(result, matchmaking_s=matchmaking_s)
         if self._matchmaker is not None and result.status in ("ok", "partial"):
-            self._matchmaker.note_round(result.members)
+            # a member dropped from the round (bad data, a stall) is nobody's partner
+            self._matchmaker.note_round(set(result.members) - set(result.dropped_peers))
         self.num_rounds += 1
         if result.status != "ok":
             logger.warning(

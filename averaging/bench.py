@@ -133,6 +133,7 @@ def run_allreduce_bench(
     timeout_s: float = 600.0,
     log_level: str = "WARNING",
     places: list[tuple[Callable[[], None], str]] | None = None,
+    aggregation: str = "mean",
 ) -> dict[str, Any]:
     """Run ``num_rounds`` measured rounds (after ``num_warmup``) of ``num_peers`` processes.
 
@@ -149,6 +150,8 @@ def run_allreduce_bench(
     (their log lines go to stderr with wall-clock timestamps, for cross-process timelines).
     ``places`` (one per peer, picklable): a function the peer's process calls first (e.g. to move
     into a network namespace) and the address it listens on; default: all on 127.0.0.1.
+    ``aggregation`` picks the reducers' rule (:mod:`averaging.robust`; the summary says which,
+    and ``max_abs_err`` stays against the weighted mean, which a robust rule departs from).
 
     Raises:
         ValueError: bad arguments.
@@ -160,7 +163,10 @@ def run_allreduce_bench(
         raise ValueError(f"places: need one per peer ({num_peers}), got {len(places)}")
     compression = Compression(compression).value
     config = config or AveragerConfig(
-        target_group_size=num_peers, min_group_size=num_peers, compression=compression
+        target_group_size=num_peers,
+        min_group_size=num_peers,
+        compression=compression,
+        aggregation=aggregation,
     )
     spec = {
         "num_peers": num_peers,
@@ -181,7 +187,10 @@ def run_allreduce_bench(
         timeout_s=timeout_s,
         startup_timeout_s=_STARTUP_TIMEOUT_S,
     )
-    return _summary(rounds, num_peers, size, compression, include_phases)
+    summary = _summary(rounds, num_peers, size, compression, include_phases)
+    if config.aggregation.value != "mean":  # an extra field only when asked for
+        summary["aggregation"] = config.aggregation.value
+    return summary
 
 
 def _summary(rounds, num_peers, size, compression, include_phases) -> dict[str, Any]:

@@ -1,5 +1,9 @@
 """The leader's side of matchmaking: seats followers and closes the group.
 
+A leader keeps a seat for each of its partners (the members of its last rounds) that has not
+joined yet: a stranger is refused once the seats left are its partners', so strangers cannot fill
+a group before the partners arrive (a group of a leader and fresh ids, the partners left out).
+
 ``join`` is answered at once: a seat is reserved, or refused with why (full, following a better
 leader, not looking, incompatible). ``wait`` takes the seat and is answered when the term ends:
 with the group, with a redirect to the better leader this peer moved to, or with the reason the
@@ -15,6 +19,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from averaging.bounds import is_number
 from averaging.config import AveragerConfig
 from averaging.errors import ProtocolViolation
 from averaging.group import GroupInfo, GroupMember
@@ -31,9 +36,15 @@ class Leader:
         current: the search in progress, or None when this peer is not looking.
     """
 
-    def __init__(self, config: AveragerConfig, current: Callable[[], Search | None]):
+    def __init__(
+        self,
+        config: AveragerConfig,
+        current: Callable[[], Search | None],
+        partners: Callable[[], frozenset[str]] = frozenset,
+    ):
         self._config = config
         self._current = current
+        self._partners = partners
 
     async def on_join(self, ctx, request: Any) -> dict[str, Any]:
         search = self._current()
@@ -50,16 +61,22 @@ class Leader:
         except ProtocolViolation:
             return {"status": "malformed"}
         remaining_s = request.get("remaining_s")
-        if member.peer_id != ctx.sender or not isinstance(remaining_s, int | float):
+        if member.peer_id != ctx.sender or not is_number(remaining_s):
             return {"status": "malformed"}
+        # a seat is held no longer than this leader would wait itself, whatever is asked
+        remaining_s = min(max(0.0, remaining_s), self._config.matchmaking_time_s)
         if request.get("numel") != search.numel:
             return {"status": "incompatible"}
         now = asyncio.get_running_loop().time()
         self._purge_reservations(term, now)
         if member.peer_id not in term.followers:
-            if 1 + len(term.followers) >= search.target_group_size:
+            # a partner's seat is kept for it: strangers (fresh ids among them) take the others,
+            # so they cannot fill a group before the partners arrive and split the swarm
+            partners = self._partners()
+            reserved = 0 if member.peer_id in partners else len(partners - term.followers.keys())
+            if 1 + len(term.followers) + reserved >= search.target_group_size:
                 return {"status": "full", "members": [search.me.peer_id, *term.followers]}
-        deadline = now + max(0.0, remaining_s)
+        deadline = now + remaining_s
         follower = term.followers.get(member.peer_id)
         if follower is None:
             term.followers[member.peer_id] = Follower(member, deadline, now)

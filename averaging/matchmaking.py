@@ -50,7 +50,7 @@ from averaging.bounds import check_address
 from averaging.compression import Compression
 from averaging.config import AveragerConfig
 from averaging.errors import ProtocolViolation
-from averaging.group import GroupInfo, GroupMember
+from averaging.group import MAX_GROUP_SIZE, GroupInfo, GroupMember
 from averaging.leader import Leader
 from averaging.search import (
     CLIENT_RANK,
@@ -94,7 +94,7 @@ class Matchmaker:
         self._search: Search | None = None
         self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
         self.partners: frozenset[str] = frozenset()
-        self._leader = Leader(config, lambda: self._search)
+        self._leader = Leader(config, lambda: self._search, lambda: self.partners)
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
         transport.add_rpc_handler(self._invite_name, self._on_invite)
@@ -330,8 +330,9 @@ class Matchmaker:
                     return None  # a partner that follows a stranger: lead rather than go there
                 continue
             search.excluded.add(target.peer_id)
-            if status == "full":
-                search.excluded.update(p for p in answer.get("members", []) if isinstance(p, str))
+            members = answer.get("members")
+            if status == "full" and isinstance(members, list):
+                search.excluded.update(p for p in members[:MAX_GROUP_SIZE] if is_peer_id(p))
             return None
         return None
 
@@ -359,7 +360,7 @@ class Matchmaker:
                 group = GroupInfo.from_wire(answer.get("group"))
                 self._check_group(search, group, leader)
                 return group
-            except (ProtocolViolation, KeyError, ValueError) as e:
+            except (ProtocolViolation, KeyError, ValueError, TypeError) as e:
                 logger.warning("leader %s sent a bad group: %s", leader.peer_id[:8], e)
         elif status == "redirect":
             redirect = search.parse_candidate(answer.get("leader"))

@@ -22,7 +22,7 @@ from typing import Any
 from averaging.compression import Compression
 from averaging.errors import BadChunkError, ProtocolViolation
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: weights are the bounded ones of the group (averaging.bounds)
 CHUNK_HEADER = struct.Struct("<III")
 REPLY_OK = {"ok": True}
 

@@ -62,6 +62,11 @@ class RoundResult:
         return max(1, len(self.members))
 
     @property
+    def averaged_with(self) -> tuple[str, ...]:
+        """The members whose values are in the average (a dropped one is nobody's partner)."""
+        return tuple(m for m in self.members if m not in self.dropped_peers)
+
+    @property
     def num_dropped(self) -> int:
         """Peers dropped from the round."""
         return len(self.dropped_peers)

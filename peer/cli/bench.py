@@ -47,6 +47,13 @@ def add_bench_allreduce_command(bench_sub) -> None:
         help="measured rounds after one warm-up (default: 5)",
     )
     parser.add_argument(
+        "--aggregation",
+        choices=["mean", "trimmed_mean", "centered_clip"],
+        default="mean",
+        help="how reducers combine contributions (native only; max_abs_err stays against the "
+        "weighted mean) (default: mean)",
+    )
+    parser.add_argument(
         "--backend",
         choices=["native", "hivemind"],
         default="native",
@@ -102,6 +109,7 @@ def _emulated_allreduce_bench(args: argparse.Namespace) -> dict:
                 args.rounds,
                 include_phases=args.phases,
                 places=places,
+                aggregation=args.aggregation,
             )
     except LaunchError as e:
         raise ConfigError(f"--latency-ms/--bandwidth-mbit: {e}") from None
@@ -130,6 +138,7 @@ def allreduce_runner(args: argparse.Namespace, backend: str) -> Callable[[], dic
         args.compression,
         args.rounds,
         include_phases=args.phases,
+        aggregation=args.aggregation,
     )
 
 

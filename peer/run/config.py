@@ -93,6 +93,11 @@ class PeerConfig(BaseModel):
     seed: int | None = Field(None, description="seed of this peer's data (default: from its id)")
     # averaging
     compression: Literal["none", "fp16", "uint8"] = Field("none", description="wire format")
+    aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
+        "mean",
+        description="how reducers combine contributions: the weighted mean, or a rule robust to "
+        "a minority of poisoned gradients (grad mode; every peer of a run must use the same)",
+    )
     target_group_size: int = Field(16, ge=1, description="peers per averaging group")
     min_group_size: int = Field(2, ge=1, description="fewer peers than this is no group")
     matchmaking_time: float = Field(5.0, gt=0, description="seconds to look for a group")
@@ -211,6 +216,7 @@ class PeerConfig(BaseModel):
             matchmaking_time_s=self.matchmaking_time,
             allreduce_timeout_s=self.averaging_timeout,
             compression=self.compression,
+            aggregation=self.aggregation,
         )
 
     def newcomer_hold_config(self) -> NewcomerHoldConfig:

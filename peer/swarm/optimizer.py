@@ -258,7 +258,7 @@ class CollaborativeOptimizer:
             self.contribution.apply()
         self._next_epoch()
         if result.ok and result.members:
-            self.progress.note_round(self.epoch, result.members)
+            self.progress.note_round(self.epoch, result.averaged_with)
         return result
 
     def _next_epoch(self) -> None:
@@ -298,7 +298,7 @@ class CollaborativeOptimizer:
         with self._clock.phase("optimizer"):
             self.contribution.apply()
         if result.ok and result.members:  # they entered the next epoch with this peer
-            self.progress.note_round(self._pending_epoch + 1, result.members)
+            self.progress.note_round(self._pending_epoch + 1, result.averaged_with)
 
     def _apply_lr(self) -> None:
         if self.lr_schedule is None:

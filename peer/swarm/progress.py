@@ -91,7 +91,8 @@ class ProgressConfig:
 
 @dataclass(frozen=True)
 class GlobalProgress:
-    """The swarm as one peer estimates it."""
+    """The swarm as one peer estimates it (``peers``: this one first, then every other peer
+    seen; only the counted ones are in ``samples_accumulated`` and ``samples_per_s``)."""
 
     epoch: int
     samples_accumulated: int
@@ -128,13 +129,15 @@ def _after_round(
 
 def _swarm_epoch(own_epoch: int, others: list[PeerProgress], partners: list[PeerProgress]) -> int:
     """The newest epoch ahead of ``own_epoch`` that two partners (or the only one) or a strict
-    majority of the other peers have reached; ``own_epoch`` if none."""
-    for candidate in sorted({r.epoch for r in others if r.epoch > own_epoch}, reverse=True):
-        if partners and sum(r.epoch >= candidate for r in partners) >= min(2, len(partners)):
-            return candidate
-        if 2 * sum(r.epoch >= candidate for r in others) > len(others):
-            return candidate
-    return own_epoch
+    majority of the other peers have reached; ``own_epoch`` if none (O(n log n): thousands of
+    records cost no more than sorting them)."""
+    candidates = [own_epoch]
+    if others:  # the (n // 2 + 1)-th newest epoch: a strict majority is there or beyond
+        candidates.append(sorted((r.epoch for r in others), reverse=True)[len(others) // 2])
+    if partners:  # the second newest of the partners' epochs (the newest, if only one)
+        quorum = min(2, len(partners))
+        candidates.append(sorted((r.epoch for r in partners), reverse=True)[quorum - 1])
+    return max(candidates)
 
 
 def _rate_cap(rates: Iterable[float], config: ProgressConfig) -> float:
@@ -168,15 +171,23 @@ def estimate(
     counted = trusted or others  # no partner here: a newcomer counts everyone it sees
     target = config.target_batch_size
     rate_cap = _rate_cap((r.samples_per_s for r in [own, *counted] if r.epoch == epoch), config)
-    peers = [own, *(_capped_rate(r, rate_cap) for r in counted)]
+    counted = [_capped_rate(r, rate_cap) for r in counted]
     accumulated = float(own.samples) if own.epoch == epoch else 0.0
-    for record in peers[1:]:
+    for record in counted:
         if record.epoch == epoch:
             accumulated += _claimed(record, now, config, round_peers.get(record.peer_id))
-    accumulated = min(accumulated, float(target * len(peers)))
-    rate = sum(record.samples_per_s for record in peers)
+    accumulated = min(accumulated, float(target * (1 + len(counted))))
+    rate = own.samples_per_s + sum(record.samples_per_s for record in counted)
     missing = max(0.0, target - accumulated)
     eta_s = 0.0 if not missing else (missing / rate if rate > 0 else math.inf)
+    # every peer seen, counted or not: who is at this epoch sizes groups (seats for newcomers;
+    # partners keep theirs, see averaging.leader) and tells a peer whether it is alone
+    counted_ids = {r.peer_id for r in counted}
+    peers = [
+        own,
+        *counted,
+        *(_capped_rate(r, rate_cap) for r in others if r.peer_id not in counted_ids),
+    ]
     return GlobalProgress(
         epoch=epoch,
         samples_accumulated=int(accumulated),

@@ -45,11 +45,10 @@ from peer.swarm.state_sync import (
 
 logger = logging.getLogger(__name__)
 MAX_DIMS = 16
+# Reads of the announcements (0.5, 1 and 2 s apart) before a state's digest counts as unagreed.
+AGREEMENT_READS = 3
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 Verify = Callable[[StateSnapshot], None]
-# Reads of the announcements (MIN_ANNOUNCE_GAP_S apart) before a state whose digest is not
-# agreed yet is refused: a donor announces a new epoch's digest after computing it.
-AGREEMENT_REREADS = 4
 
 
 def layout_of(tensors: dict[str, torch.Tensor]) -> Layout:
@@ -174,11 +173,12 @@ async def _check_digest(
     """The agreement (read again if the state is newer than it), once ``snapshot``'s digest is
     in it; :class:`StateRejected` if it is not."""
     digest = await asyncio.to_thread(digest_of, snapshot, config.compression == "bf16")
-    for _ in range(AGREEMENT_REREADS):
+    for attempt in range(AGREEMENT_READS):
         if agreement.accepts(snapshot.epoch, digest):
             break
-        # the donor may have moved on since the read: its peers announce within a moment
-        await asyncio.sleep(MIN_ANNOUNCE_GAP_S)
+        # the donor may have moved on since the read: peers announce a new epoch's digest
+        # within a moment (MIN_ANNOUNCE_GAP_S, plus the time to compute it)
+        await asyncio.sleep(MIN_ANNOUNCE_GAP_S * 2**attempt)
         agreement = await read_agreement(dht, prefix, config)
     if not agreement.accepts(snapshot.epoch, digest):
         votes = sum(

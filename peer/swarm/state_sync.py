@@ -61,6 +61,8 @@ DTYPES = {
 
 # A donor announces at once when its state changes, but not more often than this, in seconds.
 MIN_ANNOUNCE_GAP_S = 0.5
+# Snapshots waiting for their digest at most (a state copy each; the oldest is dropped).
+PENDING_DIGESTS = 4
 
 
 class StateSyncError(Exception):
@@ -195,12 +197,11 @@ class StateServer:
         self.key = state_key(prefix)
         self.config = config
         self.digest_fn = digest
-        # what is served: the newest snapshot whose digest this peer has announced (a donor
-        # vouches for what it sends, so a downloader can check it against the announcements)
         self.snapshot: StateSnapshot | None = None
-        self.latest: StateSnapshot | None = None  # the newest handed over
         self.digests: collections.deque[EpochDigest] = collections.deque(maxlen=MAX_DIGESTS)
-        self._digested: StateSnapshot | None = None
+        # snapshots handed over and not digested yet, oldest first: every epoch gets its digest
+        # (peers agree on epochs they all digested) unless epochs outrun hashing by this many
+        self._pending: collections.deque[StateSnapshot] = collections.deque(maxlen=PENDING_DIGESTS)
         self._digest_task: asyncio.Task | None = None
         self._last_announce = -math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -209,46 +210,40 @@ class StateServer:
 
     def update(self, snapshot: StateSnapshot) -> None:
         """Serve ``snapshot`` (this peer's state at the start of its epoch) from now on, and
-        announce its digest; call from the training thread at every epoch change. It is served
-        once its digest is announced."""
-        self.latest = snapshot
+        announce its digest; call from the training thread at every epoch change."""
+        self.snapshot = snapshot
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._start_digesting)
+            self._loop.call_soon_threadsafe(self._start_digesting, snapshot)
 
-    def _start_digesting(self) -> None:
+    def _start_digesting(self, snapshot: StateSnapshot) -> None:
+        self._pending.append(snapshot)
         if self._digest_task is None or self._digest_task.done():
             self._digest_task = asyncio.create_task(
                 self._digest_and_announce(), name="state-digest"
             )
 
     async def _digest_and_announce(self) -> None:
-        # until the newest snapshot is announced: one handed over while this task waited or
-        # announced has no task of its own (``_start_digesting`` found this one running)
-        while (snapshot := self.latest) is not None and snapshot is not self.snapshot:
-            if snapshot is not self._digested:
+        loop = asyncio.get_running_loop()
+        while True:
+            while self._pending:
+                snapshot = self._pending.popleft()
                 try:
                     exact, rounded = await asyncio.to_thread(self._digests_of, snapshot)
                 except Exception:  # a bug, not a peer's fault: say so, keep serving
-                    logger.exception(
-                        "cannot compute the digest of the state of epoch %d", snapshot.epoch
-                    )
+                    logger.exception("cannot digest the state of epoch %d", snapshot.epoch)
                     return
                 if self.digests and self.digests[-1].epoch == snapshot.epoch:
                     self.digests.pop()  # a new snapshot of the same epoch (a download, a resume)
                 self.digests.append(EpochDigest(snapshot.epoch, exact, rounded))
-                self._digested = snapshot
-                if self.latest is not snapshot:
-                    continue  # newer already: digest that first, announce both at once
-            # a new epoch's digest goes out at once, or as soon as the gap allows (a
-            # downloader of this state re-reads the announcements within moments)
-            wait_s = MIN_ANNOUNCE_GAP_S - (asyncio.get_running_loop().time() - self._last_announce)
-            if wait_s > 0:
-                await asyncio.sleep(wait_s)
-            if not await self.announce():
-                return  # the periodic announcement tries again
+            wait_s = self._last_announce + MIN_ANNOUNCE_GAP_S - loop.time()
+            if wait_s <= 0:
+                break
+            await asyncio.sleep(wait_s)  # then digest what came meanwhile, and announce it all
+        await self.announce()
 
     async def settle(self) -> None:
-        """Wait until the last snapshot handed over is digested and announced (served)."""
+        """Wait until the last snapshot handed over is digested and announced (at most
+        ``MIN_ANNOUNCE_GAP_S`` after the previous announcement)."""
         await asyncio.sleep(0)  # an update from this thread schedules its digest first
         task = self._digest_task
         if task is not None:
@@ -284,13 +279,12 @@ class StateServer:
             for start in range(0, len(view), step):
                 await stream.send(view[start : start + step])
 
-    async def announce(self) -> bool:
-        """Publish the newest digested epoch, the address and the digests of the last epochs
-        once (with no address in client mode: the digests still count for agreement); that
-        state is served from then on. Returns whether the announcement went out."""
-        snapshot = self._digested
+    async def announce(self) -> None:
+        """Publish the epoch served, the address and the digests of the last epochs once (with
+        no address in client mode: the digests still count for agreement)."""
+        snapshot = self.snapshot
         if snapshot is None or not self.digests:
-            return False
+            return
         self._last_announce = asyncio.get_running_loop().time()
         announcement = StateAnnouncement(
             self.dht.peer_id, snapshot.epoch, self.dht.address, tuple(self.digests)
@@ -304,12 +298,11 @@ class StateServer:
             )
         except DHTError as e:  # the next announcement tries again
             logger.warning("state announcement failed: %s", str(e) or type(e).__name__)
-            return False
-        self.snapshot = snapshot
-        return True
 
     async def __aenter__(self) -> StateServer:
         self._loop = asyncio.get_running_loop()
+        if self.snapshot is not None:  # handed over before the server started
+            self._start_digesting(self.snapshot)
         self._announcer.start()
         return self
 

@@ -180,6 +180,22 @@ def equal_replicas(announcements: list[StateAnnouncement], peer_ids: list[str]) 
     return epoch
 
 
+async def wait_equal_replicas(
+    attacker: Attacker, peer_ids: list[str], timeout_s: float = 20.0
+) -> int:
+    """:func:`equal_replicas` once every peer has announced a digest for a common epoch (their
+    histories overlap within a few seconds of running side by side)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        announcements = await attacker.announcements()
+        try:
+            return equal_replicas(announcements, peer_ids)
+        except AssertionError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(0.3)
+
+
 class Attacker:
     """A stranger: a fresh key and a DHT node of its own, joined through ``url``.
 

@@ -259,3 +259,29 @@ async def test_a_newcomer_joins_the_settled_peers_whatever_its_rank(make_swarm):
     expected = exact_mean(mirrored, [1.0] * 3)
     for peer in everyone:
         np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_leader_keeps_its_partners_seats_from_strangers():
+    """Target 3, one partner not in yet: one stranger gets the free seat, the next is refused
+    (it would take the partner's), and the partner still gets in."""
+    from types import SimpleNamespace
+
+    from averaging.compression import Compression
+    from averaging.leader import Leader
+    from averaging.search import Search
+
+    partner, strangers = "aa" * 32, ["bb" * 32, "cc" * 32]
+    me = GroupMember("ff" * 32, "http://127.0.0.1:9", 1.0, 1.0)
+    search = Search("k", me, 10, Compression.NONE, 1e12, rank_of("k", me.peer_id), 3)
+    search.lead()
+    leader = Leader(fast_config(), lambda: search, lambda: frozenset({partner}))
+
+    async def join(peer_id: str, port: int) -> str:
+        member = GroupMember(peer_id, f"http://127.0.0.1:{port}", 1.0, 1.0)
+        request = {"key": "k", "member": member.to_wire(), "numel": 10, "remaining_s": 1.0}
+        answer = await leader.on_join(SimpleNamespace(sender=peer_id), request)
+        return answer["status"]
+
+    assert await join(strangers[0], 5001) == "accepted"
+    assert await join(strangers[1], 5002) == "full"
+    assert await join(partner, 5003) == "accepted"

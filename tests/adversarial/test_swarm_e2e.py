@@ -19,7 +19,13 @@ from peer.swarm.state_digest import digest_scope, optimizer_structure, state_dig
 from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncConfig
 from peer.train.checkpoint import Progress, pack_state
 from peer.train.tasks import load_task
-from tests.adversarial.harness_swarm import RUN_ID, TASK_OPTIONS, Attacker, Swarm, equal_replicas
+from tests.adversarial.harness_swarm import (
+    RUN_ID,
+    TASK_OPTIONS,
+    Attacker,
+    Swarm,
+    wait_equal_replicas,
+)
 
 pytestmark = pytest.mark.timeout(300)
 TARGET = 1024
@@ -61,9 +67,9 @@ async def test_forged_progress_neither_stops_nor_steers_the_swarm(tmp_path):
                     num_stored += await attacker.store(progress_key(RUN_ID), value, node=node)
                     await asyncio.sleep(0.1)
             assert num_stored > 20  # the records were in the DHT for the honest peers to read
+            await wait_equal_replicas(attacker, [p.peer_id for p in honest])
             swarm.stop()
             swarm.check_healthy(epoch_before_attack=before)
-            equal_replicas(await attacker.announcements(), [p.peer_id for p in honest])
     # "target reached" did not end epochs early: the swarm gathered the target in each epoch
     # (the first ones aside: before its first round a peer has no partner to trust)
     summaries = [p.summary() for p in honest]
@@ -134,9 +140,65 @@ async def test_a_newcomer_refuses_a_poisoned_donor_and_joins_with_the_honest_sta
                 await swarm.wait_until(
                     lambda: newcomer.epoch() >= before + 1, "the newcomer never trained"
                 )
+                # side by side, the three announce the same state
+                await wait_equal_replicas(attacker, [p.peer_id for p in swarm.peers])
                 swarm.stop([newcomer])
             swarm.stop()
             swarm.check_healthy(epoch_before_attack=before, min_epochs_after=1)
             assert "state download from" in newcomer.stderr  # it tried the liar and said why
             assert "NaN" in newcomer.stderr, newcomer.stderr[-3000:]
-            equal_replicas(await attacker.announcements(), [p.peer_id for p in swarm.peers])
+
+
+async def test_a_stranger_in_the_rounds_with_huge_weights_and_values_changes_nothing(tmp_path):
+    """Once the honest peers have averaged together, a stranger publishes progress at their
+    epoch (so that they size their groups for it) and runs a real averager (client mode: it
+    reduces nothing) in every round, at the epoch it reads and the next one, with weight 2**53
+    and values of 1e37. Partners keep their seats, its weight is bounded to a multiple of the
+    group's median, its values overflow once weighted and honest reducers drop it; a dropped
+    member becomes nobody's partner. (Before the honest peers' first round together, a stranger
+    can still pair with each of them apart: see docs/SECURITY-swarm.md.)"""
+    from averaging.averager import DecentralizedAverager
+    from averaging.config import AveragerConfig
+
+    task = load_task("synthetic", dict(option.split("=") for option in TASK_OPTIONS))
+    numel = sum(p.numel() for p in task.build_model().parameters() if p.requires_grad)
+    poison = torch.full((numel,), 1e37).numpy()
+    with Swarm(tmp_path, COMMON) as swarm:
+        # epochs of a second or two, so that the stranger catches the rounds
+        slow = ("--max-time", "50", "--wait-for-peers", "2", "--target-batch-size", "8192")
+        honest = [swarm.add_peer(*slow) for _ in range(2)]
+        await swarm.wait_until(
+            lambda: min(p.epoch() for p in honest) >= 2, "the swarm did not reach epoch 2"
+        )
+        before = max(p.epoch() for p in honest)
+        async with Attacker(swarm.url) as attacker:
+            averagers = []
+
+            def join_rounds(transport, node):
+                config = AveragerConfig(matchmaking_time_s=2.0, request_timeout_s=2.0)
+                averagers.append(
+                    DecentralizedAverager(
+                        [poison], transport=transport, dht=node, prefix=RUN_ID, config=config
+                    )
+                )
+
+            member = await attacker.another_key(client_mode=True, before_start=join_rounds)
+            (averager,) = averagers
+            statuses = []
+            deadline = asyncio.get_running_loop().time() + 20
+            while asyncio.get_running_loop().time() < deadline:
+                seen = max((r.epoch for r in await attacker.progress()), default=before)
+                epoch = seen + len(statuses) % 2  # now, or early for the next round
+                value = {
+                    "epoch": epoch,
+                    "samples": 0,
+                    "samples_per_s": 100.0,
+                    "time": get_dht_time(),
+                }
+                await attacker.store(progress_key(RUN_ID), value, node=member)
+                result = await averager.step(weight=2.0**53, epoch=epoch, timeout_s=5.0)
+                statuses.append(result.status)
+            await wait_equal_replicas(attacker, [p.peer_id for p in honest])
+            swarm.stop()
+            swarm.check_healthy(epoch_before_attack=before)
+    assert statuses, "the stranger never tried"

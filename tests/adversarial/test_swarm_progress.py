@@ -40,7 +40,8 @@ def test_a_strangers_target_reached_record_does_not_end_an_honest_epoch():
     liar = record(9, 5, 10**6, rate=1e6)
     view = estimate([*HONEST, liar], own=OWN, config=CONFIG, now=NOW, partners=PARTNERS)
     assert view.samples_accumulated == 300 and not view.ready
-    assert view.num_peers == 3  # the stranger is not counted at all
+    assert view.samples_per_s == 30  # nor its rate (the ETA is the partners')
+    assert view.num_peers == 4  # it is seen: a seat in the group is there for it
     # many strangers do not either
     liars = [record(10 + i, 5, 10**6, rate=1e6) for i in range(20)]
     view = estimate([*HONEST, *liars], own=OWN, config=CONFIG, now=NOW, partners=PARTNERS)

@@ -63,7 +63,7 @@ def test_group_roundtrips_and_refuses_malformed_groups():
 def test_part_header_and_chunk_header():
     header = PartHeader("g", 1, 2.5, 100, "uint8", 1024)
     assert PartHeader.from_wire(header.to_wire()) == header
-    for change in ({"v": 2}, {"numel": -1}, {"weight": float("nan")}, {"part": "1"}):
+    for change in ({"v": 1}, {"numel": -1}, {"weight": float("nan")}, {"part": "1"}):
         with pytest.raises(ProtocolViolation):
             PartHeader.from_wire({**header.to_wire(), **change})
     assert unpack_chunk_header(pack_chunk_header(3, 40, 2), 3) == (40, 2)
