@@ -42,8 +42,10 @@ class ServerStream:
         counters: ByteCounters,
         own_peer_id: str,
         write_timeout_s: float,
+        remote_host: str = "",
     ):
         self.sender = sender
+        self.remote_host = remote_host
         self.header = header
         self._request = request
         self._reader = reader
