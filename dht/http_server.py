@@ -337,14 +337,17 @@ class HttpServer:
             remote_host=proven.host,
         )
         try:
-            await handler(stream)
-        except (DHTError, TimeoutError) as e:
-            status = status_of(e) if isinstance(e, DHTError) else 408
-            if not stream.reply_started:
-                raise Refused(status, str(e) or "timed out") from None
-            logger.warning("stream %s from %s aborted: %s", request.path, proven.peer_id[:8], e)
-            await stream.abort(str(e) or "timed out")
-        return await stream.finish()
+            try:
+                await handler(stream)
+            except (DHTError, TimeoutError) as e:
+                status = status_of(e) if isinstance(e, DHTError) else 408
+                if not stream.reply_started:
+                    raise Refused(status, str(e) or "timed out") from None
+                logger.warning("stream %s from %s aborted: %s", request.path, proven.peer_id[:8], e)
+                await stream.abort(str(e) or "timed out")
+            return await stream.finish()
+        finally:
+            stream.close()
 
 
 async def _read_at_most(request: web.Request, max_bytes: int) -> bytes:
