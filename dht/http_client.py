@@ -38,7 +38,7 @@ def signed_headers(
     session: Session, own_peer_id: str, method: str, path: str, body_digest: bytes
 ) -> dict[str, str]:
     """The headers that prove one request under ``session``."""
-    ts = f"{time.time():.3f}"
+    ts = f"{time.time() + session.clock_offset_s:.3f}"  # the node's clock, not ours
     nonce = new_nonce()
     return {
         "x-vp-peer": own_peer_id,

@@ -143,10 +143,7 @@ class HttpServer:
         self._stream_handlers = stream_handlers
         self._get_handlers = get_handlers
         self.issuer = SessionIssuer(
-            identity,
-            swarm_key=config.swarm_key,
-            lifetime_s=config.session_lifetime_s,
-            replay_window_s=config.replay_window_s,
+            identity, swarm_key=config.swarm_key, lifetime_s=config.session_lifetime_s
         )
         self.replay = ReplayGuard(
             window_s=config.replay_window_s, max_entries=config.max_remembered_nonces
@@ -268,7 +265,6 @@ class HttpServer:
                 self.swarm.check_hello(body, request.headers.get("x-vp-mac", ""))
             hello = HelloRequest.parse(unpack(body, self.limits))
             self.issuer.check_hello(hello)
-            self.replay.check(hello.peer, hello.nonce.hex(), repr(hello.ts))
             reply = self.issuer.answer(hello)
         except DHTError as e:
             raise Refused(status_of(e), str(e)) from None
@@ -338,16 +334,20 @@ class HttpServer:
             counters=self.counters,
             own_peer_id=self.peer_id,
             write_timeout_s=self.config.stream_write_timeout_s,
+            remote_host=proven.host,
         )
         try:
-            await handler(stream)
-        except (DHTError, TimeoutError) as e:
-            status = status_of(e) if isinstance(e, DHTError) else 408
-            if not stream.reply_started:
-                raise Refused(status, str(e) or "timed out") from None
-            logger.warning("stream %s from %s aborted: %s", request.path, proven.peer_id[:8], e)
-            await stream.abort(str(e) or "timed out")
-        return await stream.finish()
+            try:
+                await handler(stream)
+            except (DHTError, TimeoutError) as e:
+                status = status_of(e) if isinstance(e, DHTError) else 408
+                if not stream.reply_started:
+                    raise Refused(status, str(e) or "timed out") from None
+                logger.warning("stream %s from %s aborted: %s", request.path, proven.peer_id[:8], e)
+                await stream.abort(str(e) or "timed out")
+            return await stream.finish()
+        finally:
+            stream.close()
 
 
 async def _read_at_most(request: web.Request, max_bytes: int) -> bytes:

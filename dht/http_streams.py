@@ -8,6 +8,7 @@ same session key, so the caller knows who answered. With a swarm key every frame
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,40 @@ _END = None  # sentinel in the send queue: the request body is complete
 _SEND_QUEUE_PIECES = 6  # a frame is up to 3 pieces (header, payload, tag): ~2 frames in flight
 
 
+class _WriteWatchdog:
+    """Cuts the connection of a reply whose reader let one write wait ``timeout_s`` or more.
+
+    One timer per stream, checking every ``timeout_s / 2`` (a stalled write is cut after 1 to
+    1.5 times ``timeout_s``), instead of a timer per frame: writes are the data path.
+    """
+
+    def __init__(self, request: web.Request, timeout_s: float):
+        self._request = request
+        self._timeout_s = timeout_s
+        self.waiting_since_s: float | None = None
+        self.fired = False
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self._handle = asyncio.get_running_loop().call_later(self._timeout_s / 2, self._check)
+
+    def _check(self) -> None:
+        since_s = self.waiting_since_s
+        if since_s is not None and time.monotonic() - since_s >= self._timeout_s:
+            self.fired = True
+            self._handle = None
+            transport = self._request.transport
+            if transport is not None:
+                transport.abort()  # the write waiting on it raises at once
+            return
+        self.start()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class ServerStream:
     """The handler's end: read the sender's chunks, reply with a header and chunks."""
 
@@ -42,8 +77,10 @@ class ServerStream:
         counters: ByteCounters,
         own_peer_id: str,
         write_timeout_s: float,
+        remote_host: str = "",
     ):
         self.sender = sender
+        self.remote_host = remote_host
         self.header = header
         self._request = request
         self._reader = reader
@@ -55,6 +92,7 @@ class ServerStream:
         self._write_timeout_s = write_timeout_s
         self._response: web.StreamResponse | None = None
         self._writer: FrameWriter | None = None
+        self._watchdog = _WriteWatchdog(request, write_timeout_s)
 
     @property
     def reply_started(self) -> bool:
@@ -89,39 +127,38 @@ class ServerStream:
         )
         self._response = response
         self._writer = FrameWriter(self._write, tagger=self._tagger, direction=b"down")
-        await self._timed(self._prepare_and_write(packed))
-
-    async def _prepare_and_write(self, packed: bytes) -> None:
-        await self._response.prepare(self._request)
+        self._watchdog.start()
+        await self._guarded(response.prepare(self._request))
         await self._writer.write_message_bytes(packed)
 
-    async def _timed(self, writing) -> None:
-        # One timer per frame (not per write): a receiver that stops reading blocks the writes
-        # once the socket buffers are full, and is dropped after write_timeout_s.
-        try:
-            async with asyncio.timeout(self._write_timeout_s):
-                await writing
-        except TimeoutError:
-            raise RequestTimeoutError(
-                f"receiver of the stream read nothing for {self._write_timeout_s} s"
-            ) from None
-
     async def _write(self, data: bytes | memoryview) -> None:
+        await self._guarded(self._response.write(data))
+
+    async def _guarded(self, writing) -> None:
+        # A receiver that stops reading blocks the writes once the socket buffers are full;
+        # the watchdog then cuts the connection (stream_write_timeout_s).
+        self._watchdog.waiting_since_s = time.monotonic()
         try:
-            await self._response.write(data)
+            await writing
         except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+            if self._watchdog.fired:
+                raise RequestTimeoutError(
+                    f"receiver of the stream read nothing for {self._write_timeout_s} s"
+                ) from None
             raise TransportError(f"receiver of the stream went away: {e}") from e
+        finally:
+            self._watchdog.waiting_since_s = None
 
     async def send(self, chunk: bytes | memoryview) -> None:
         if self._writer is None:
             raise RuntimeError("call reply() before send()")
-        await self._timed(self._writer.write_chunk(chunk))
+        await self._writer.write_chunk(chunk)
         self._counters.add_sent(self.sender, len(memoryview(chunk).cast("B")))
 
     async def abort(self, reason: str) -> None:
         """End the reply early with an error frame (the reply has started)."""
         try:
-            await self._timed(self._writer.write_error(reason))
+            await self._writer.write_error(reason)
         except TransportError:
             pass  # the other end is gone or stuck; nobody is left to tell
 
@@ -129,11 +166,14 @@ class ServerStream:
         if self._response is None:
             await self.reply(None)
         try:
-            async with asyncio.timeout(self._write_timeout_s):
-                await self._response.write_eof()
-        except (ConnectionError, aiohttp.ClientConnectionResetError, TimeoutError):
+            await self._guarded(self._response.write_eof())
+        except TransportError:
             pass  # the client left (or stopped reading) after it had what it wanted
         return self._response
+
+    def close(self) -> None:
+        """Stop the write watchdog (the stream is over, however it ended); safe twice."""
+        self._watchdog.stop()
 
 
 class ClientStream:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from dht import schema
@@ -102,11 +103,14 @@ def _value(value: bytes, max_value_bytes: int) -> bytes:
 
 def decode_peers(nodes: dict[str, str], schemes: tuple[str, ...]) -> list[PeerInfo]:
     """Nodes of a schema-checked answer; BadMessageError if one has another scheme."""
-    peers = []
-    for peer_id, address in nodes.items():
-        schema.parse_address(address, schemes)
-        peers.append(PeerInfo.of(peer_id, address))
-    return peers
+    return [_peer_info(peer_id, address, schemes) for peer_id, address in nodes.items()]
+
+
+@lru_cache(maxsize=16384)
+def _peer_info(peer_id: str, address: str, schemes: tuple[str, ...]) -> PeerInfo:
+    # Every find answer names up to k nodes, mostly the same ones: check and hash each once.
+    schema.parse_address(address, schemes)
+    return PeerInfo.of(peer_id, address)
 
 
 class DHTProtocol:

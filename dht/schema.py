@@ -50,7 +50,7 @@ def parse_address(text: object, schemes: tuple[str, ...] = HTTP_SCHEMES) -> str:
     return _parse_address(text, schemes)
 
 
-@lru_cache(maxsize=65536)  # every find answer names up to k nodes, mostly the same ones
+@lru_cache(maxsize=16384)  # every find answer names up to k nodes, mostly the same ones
 def _parse_address(text: str, schemes: tuple[str, ...]) -> str:
     try:
         parts = urlsplit(text)

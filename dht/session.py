@@ -4,12 +4,17 @@ A caller proves its Ed25519 key once per node in ``POST /v2/hello`` and gets a s
 
 1. The caller sends ``{peer, eph, ts, nonce, sig}``: its peer id, a fresh X25519 public key,
    the time, 16 random bytes and its Ed25519 signature over the four.
-2. The node checks the signature, the timestamp and the nonce, makes its own X25519 key, and
+2. The node checks the signature (and that the time is within a day of its own), makes its own
+   X25519 key, and
    derives ``key = HKDF-SHA256(X25519 secret, salt=swarm key or "", info=both ids, both keys)``.
-   It answers ``{peer, eph, ticket, lifetime_s, sig}``: its own id and X25519 key, the ticket
-   (the caller's id and the session key sealed with AES-GCM under a key only this process
-   knows, so the node keeps no per-session state) and its signature over the transcript.
+   It answers ``{peer, eph, ticket, lifetime_s, now, sig}``: its own id and X25519 key, the
+   ticket (the caller's id and the session key sealed with AES-GCM under a key only this process
+   knows, so the node keeps no per-session state), its clock, and its signature over all of it.
 3. The caller checks that signature: it now knows which peer answered, and shares a key with it.
+
+A replayed hello gets nothing: its session key needs the caller's X25519 private key. So a hello
+needs no replay window; later requests do, and the caller stamps them with the node's clock (the
+offset learnt in the handshake), so peers whose clocks disagree still talk.
 
 Every later request carries the ticket and an HMAC-SHA256 under the session key over method,
 path, the body's digest (for a stream: its header frame), timestamp and nonce; every answer an
@@ -23,6 +28,7 @@ Wall-clock time is used for the timestamps on purpose: they must mean the same o
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
 import math
@@ -50,6 +56,7 @@ NONCE_BYTES = 16
 KEY_BYTES = 32
 _GCM_NONCE_BYTES = 12
 _MAX_OPENED_TICKETS = 4096
+MAX_HELLO_SKEW_S = 86400.0
 
 
 def digest(data: bytes | memoryview) -> bytes:
@@ -79,10 +86,11 @@ def _hello_signed_bytes(peer: str, eph: bytes, ts: float, nonce: bytes) -> bytes
     return pack([HELLO_TAG, peer, eph, ts, nonce])
 
 
-def _reply_signed_bytes(
-    node: str, node_eph: bytes, caller_eph: bytes, nonce: bytes, ticket: bytes, lifetime_s: float
-) -> bytes:
-    return pack([HELLO_REPLY_TAG, node, node_eph, caller_eph, nonce, digest(ticket), lifetime_s])
+def _reply_signed_bytes(reply: HelloReply, caller_eph: bytes, nonce: bytes) -> bytes:
+    return pack(
+        [HELLO_REPLY_TAG, reply.peer, reply.eph, caller_eph, nonce, digest(reply.ticket),
+         reply.lifetime_s, reply.now]
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -131,14 +139,16 @@ class HelloReply:
     eph: bytes
     ticket: bytes
     lifetime_s: float
+    now: float
     sig: bytes
 
     @classmethod
     def parse(cls, obj: object, max_ticket_bytes: int = 512) -> HelloReply:
         """Check types and sizes; raises BadMessageError."""
-        if not isinstance(obj, dict) or set(obj) != {"peer", "eph", "ticket", "lifetime_s", "sig"}:
-            raise BadMessageError("hello reply must be {peer, eph, ticket, lifetime_s, sig}")
-        reply = cls(obj["peer"], obj["eph"], obj["ticket"], obj["lifetime_s"], obj["sig"])
+        fields = ("peer", "eph", "ticket", "lifetime_s", "now", "sig")
+        if not isinstance(obj, dict) or set(obj) != set(fields):
+            raise BadMessageError("hello reply must be {peer, eph, ticket, lifetime_s, now, sig}")
+        reply = cls(*(obj[name] for name in fields))
         if not is_peer_id(reply.peer):
             raise BadMessageError("hello reply names no valid peer id")
         _check_bytes(reply.eph, KEY_BYTES, "eph")
@@ -148,6 +158,8 @@ class HelloReply:
         lifetime = reply.lifetime_s
         if not isinstance(lifetime, float) or not 0 < lifetime <= 86400 * 7:
             raise BadMessageError("hello reply lifetime_s must be a float in (0, 1 week]")
+        if not isinstance(reply.now, float) or not math.isfinite(reply.now):
+            raise BadMessageError("hello reply now must be a finite float")
         return reply
 
     def to_wire(self) -> dict:
@@ -156,6 +168,7 @@ class HelloReply:
             "eph": self.eph,
             "ticket": self.ticket,
             "lifetime_s": self.lifetime_s,
+            "now": self.now,
             "sig": self.sig,
         }
 
@@ -174,12 +187,15 @@ class Session:
         key: the session key (32 bytes).
         ticket: the opaque ticket to present, as it travels in ``x-vp-ticket``.
         renew_at_s: when (``time.monotonic``) to make a new session before this one expires.
+        clock_offset_s: the node's wall clock minus this one's, in seconds (requests are
+            stamped with the node's time).
     """
 
     peer_id: str
     key: bytes
     ticket: str
     renew_at_s: float
+    clock_offset_s: float = 0.0
 
 
 class PendingHello:
@@ -202,10 +218,7 @@ class PendingHello:
             AuthError: its signature does not verify.
         """
         reply = HelloReply.parse(reply_obj)
-        signed = _reply_signed_bytes(
-            reply.peer, reply.eph, self.request.eph, self.request.nonce, reply.ticket,
-            reply.lifetime_s,
-        )  # fmt: skip
+        signed = _reply_signed_bytes(reply, self.request.eph, self.request.nonce)
         if not verify(reply.peer, signed, reply.sig):
             raise AuthError("hello reply signature does not verify")
         try:
@@ -219,7 +232,9 @@ class PendingHello:
         # Renew at 80% of the lifetime: a request never meets a ticket expiring on its way.
         renew_at_s = time.monotonic() + 0.8 * reply.lifetime_s
         ticket = base64.urlsafe_b64encode(reply.ticket).decode()
-        return Session(reply.peer, key, ticket, renew_at_s)
+        # The node read its clock about half way between our hello and its reply.
+        offset_s = reply.now - (self.request.ts + time.time()) / 2
+        return Session(reply.peer, key, ticket, renew_at_s, offset_s)
 
 
 @dataclass(frozen=True)
@@ -237,7 +252,8 @@ class SessionIssuer:
         identity: this node's key pair (signs hello replies).
         swarm_key: the swarm key, or None; mixed into every session key.
         lifetime_s: how long a ticket is good for, in seconds.
-        replay_window_s: how far a hello's timestamp may be from this node's clock, in seconds.
+        max_hello_skew_s: how far a hello's timestamp may be from this node's clock, in seconds
+            (a sanity bound: a replayed hello gets nothing, see the module's docstring).
     """
 
     def __init__(
@@ -246,12 +262,12 @@ class SessionIssuer:
         *,
         swarm_key: bytes | None,
         lifetime_s: float,
-        replay_window_s: float,
+        max_hello_skew_s: float = MAX_HELLO_SKEW_S,
     ):
         self._identity = identity
         self._swarm_key = swarm_key or b""
         self.lifetime_s = lifetime_s
-        self.replay_window_s = replay_window_s
+        self.max_hello_skew_s = max_hello_skew_s
         self._sealer = AESGCM(AESGCM.generate_key(bit_length=256))
         # Tickets opened lately: a caller presents the same one on every request.
         self._opened: OrderedDict[str, tuple[ProvenCaller, float]] = OrderedDict()
@@ -259,7 +275,7 @@ class SessionIssuer:
     def check_hello(self, hello: HelloRequest, now_s: float | None = None) -> None:
         """Raise AuthError unless the hello is fresh and signed by the peer it names."""
         now_s = time.time() if now_s is None else now_s
-        if abs(now_s - hello.ts) > self.replay_window_s:
+        if abs(now_s - hello.ts) > self.max_hello_skew_s:
             raise AuthError(f"stale hello: timestamp {abs(now_s - hello.ts):.0f} s from now")
         signed = _hello_signed_bytes(hello.peer, hello.eph, hello.ts, hello.nonce)
         if not verify(hello.peer, signed, hello.sig):
@@ -279,9 +295,9 @@ class SessionIssuer:
         plain = bytes.fromhex(hello.peer) + key + int(expires_s * 1000).to_bytes(8, "little")
         gcm_nonce = os.urandom(_GCM_NONCE_BYTES)
         ticket = gcm_nonce + self._sealer.encrypt(gcm_nonce, plain, _TICKET_AAD)
-        lifetime = float(self.lifetime_s)
-        signed = _reply_signed_bytes(me, eph_raw, hello.eph, hello.nonce, ticket, lifetime)
-        return HelloReply(me, eph_raw, ticket, lifetime, self._identity.sign(signed))
+        reply = HelloReply(me, eph_raw, ticket, float(self.lifetime_s), time.time(), b"")
+        signed = _reply_signed_bytes(reply, hello.eph, hello.nonce)
+        return dataclasses.replace(reply, sig=self._identity.sign(signed))
 
     def open_ticket(self, ticket: str) -> ProvenCaller:
         """The caller a ticket was issued to.

@@ -90,10 +90,17 @@ class ByteCounters:
 
 
 class IncomingStream(Protocol):
-    """The server side of a stream, handed to a stream handler (``sender`` is proven)."""
+    """The server side of a stream, handed to a stream handler.
+
+    Attributes:
+        sender: the caller's peer id, proven by the transport.
+        header: the stream's header (msgpack, as the caller sent it; its digest was proven).
+        remote_host: the connection's source IP address ("" when not known).
+    """
 
     sender: str
     header: Any
+    remote_host: str
 
     async def recv(self) -> bytes | None:
         """The next chunk from the sender, or None once it finished sending."""

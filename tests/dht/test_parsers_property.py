@@ -201,7 +201,7 @@ def test_hello_parsers_raise_only_bad_message(obj):
 
 def test_hello_round_trip_and_forgeries():
     caller, node = PeerIdentity.generate(), PeerIdentity.generate()
-    issuer = SessionIssuer(node, swarm_key=None, lifetime_s=60, replay_window_s=30)
+    issuer = SessionIssuer(node, swarm_key=None, lifetime_s=60)
     pending = PendingHello(caller)
     hello = HelloRequest.parse(unpack(pack(pending.request.to_wire()), LIMITS))
     issuer.check_hello(hello)
@@ -218,13 +218,12 @@ def test_hello_round_trip_and_forgeries():
     with pytest.raises(AuthError):
         issuer.check_hello(forged)
     # A reply signed by another node than the one it names
-    impostor = SessionIssuer(PeerIdentity.generate(), swarm_key=None, lifetime_s=60,
-                             replay_window_s=30)  # fmt: skip
+    impostor = SessionIssuer(PeerIdentity.generate(), swarm_key=None, lifetime_s=60)
     wire = impostor.answer(hello).to_wire()
     with pytest.raises(AuthError):
         PendingHello(caller).finish({**wire, "peer": node.peer_id}, swarm_key=None)
     # A different swarm key gives a different session key: no request of a non-member verifies
-    keyed = SessionIssuer(node, swarm_key=b"k" * 32, lifetime_s=60, replay_window_s=30)
+    keyed = SessionIssuer(node, swarm_key=b"k" * 32, lifetime_s=60)
     other = PendingHello(caller)
     keyed_session = other.finish(keyed.answer(other.request).to_wire(), swarm_key=None)
     assert keyed.open_ticket(keyed_session.ticket).key != keyed_session.key
@@ -233,8 +232,7 @@ def test_hello_round_trip_and_forgeries():
 @PROPERTY
 @given(st.text(max_size=300))
 def test_tickets_raise_only_auth_errors(ticket):
-    issuer = SessionIssuer(PeerIdentity.generate(), swarm_key=None, lifetime_s=60,
-                           replay_window_s=30)  # fmt: skip
+    issuer = SessionIssuer(PeerIdentity.generate(), swarm_key=None, lifetime_s=60)
     with pytest.raises(AuthError):
         issuer.open_ticket(ticket)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from dht.errors import BusyError, RemoteError, RequestTimeoutError, TransportError, WrongPeerError
+from dht.http import HttpTransport
 from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
 from dht.session import SessionIssuer
 from dht.wire import MessageLimits
 
@@ -227,8 +230,24 @@ async def test_a_node_that_forgot_its_sessions_gets_a_new_one_transparently(make
     client = await make_transport()
     assert (await client.call(server.address, "echo", 1))["payload"] == 1
     # the node restarts: its ticket key is new, the client's session unknown to it
-    server.server.issuer = SessionIssuer(
-        server.identity, swarm_key=None, lifetime_s=60.0, replay_window_s=30.0
-    )
+    server.server.issuer = SessionIssuer(server.identity, swarm_key=None, lifetime_s=60.0)
     assert (await client.call(server.address, "echo", 2))["payload"] == 2
     assert client.sessions.num_handshakes == 2
+
+
+async def test_peers_whose_clocks_disagree_still_talk(tmp_path, monkeypatch):
+    # The node runs in its own process with the true clock; this process's clock is 10 minutes
+    # behind. Requests are stamped with the node's clock (learnt in the handshake), so the
+    # replay window (30 s) holds without asking volunteers to run NTP.
+    from tests.adversarial.harness_net import NodeProcess
+
+    node = await NodeProcess({}, tmp_path / "node.log").started()
+    try:
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() - 600.0)
+        async with HttpTransport(PeerIdentity.generate(), TransportConfig()) as skewed:
+            answer = await skewed.call(node.address, "dht.ping", {"addr": None})
+            assert answer["peer_id"] == node.peer_id
+            assert await skewed.call(node.address, "dht.ping", {"addr": None})
+    finally:
+        node.kill()
