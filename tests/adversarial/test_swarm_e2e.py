@@ -156,7 +156,7 @@ async def test_a_stranger_in_the_rounds_with_huge_weights_and_values_changes_not
     and values of 1e37. Partners keep their seats, its weight is bounded to a multiple of the
     group's median, its values overflow once weighted and honest reducers drop it; a dropped
     member becomes nobody's partner. (Before the honest peers' first round together, a stranger
-    can still pair with each of them apart: see docs/SECURITY-swarm.md.)"""
+    can still pair with each of them apart: see docs/SECURITY.md.)"""
     from averaging.averager import DecentralizedAverager
     from averaging.config import AveragerConfig
 
