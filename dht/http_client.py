@@ -148,7 +148,9 @@ class ClientSessions:
                 async with http.post(address + HELLO_PATH, data=body, headers=headers) as resp:
                     data = await read_limited(resp, MAX_HELLO_BYTES)
         except TimeoutError:
-            raise RequestTimeoutError(f"handshake with {address} took over {timeout_s} s") from None
+            raise RequestTimeoutError(
+                f"no handshake answer from {address} in time ({timeout_s} s)"
+            ) from None
         except (aiohttp.ClientError, OSError, ValueError, BadMessageError) as e:
             raise TransportError(f"handshake with {address} failed: {e}") from e
         if resp.status != 200:

@@ -30,8 +30,9 @@ class TransportConfig:
         request_timeout_s: bound on one RPC (send, remote work, answer), in seconds.
         connect_timeout_s: bound on opening a TCP (and TLS) connection, in seconds.
         stream_idle_timeout_s: bound on each wait for the next frame of a stream, in seconds.
-        stream_write_timeout_s: bound on each write of a stream's reply (a receiver that
-            stops reading is dropped after this long), in seconds.
+        stream_write_timeout_s: bound on each write of a stream's reply, in seconds: a
+            receiver that stops reading has its connection cut once a write waited this long
+            (checked every half of it, so within 1.5 times it).
         max_streams_per_peer: concurrent streams accepted from one proven peer id.
         max_streams_per_address: concurrent streams accepted from one source IP address.
         replay_window_s: accepted distance of a request's timestamp from this node's clock,

@@ -104,7 +104,13 @@ class MemoryNetwork:
         return self._nodes.get(address)
 
     async def deliver(
-        self, sender: str, address: str, name: str, body: bytes, expected: str | None = None
+        self,
+        sender: str,
+        address: str,
+        name: str,
+        body: bytes,
+        expected: str | None = None,
+        sender_address: str = "",
     ) -> tuple[str, bytes]:
         """Carry one request and its answer; raises as a real network would (a node that is
         not ``expected`` is refused before it sees the request, as a handshake would).
@@ -121,7 +127,7 @@ class MemoryNetwork:
             raise TransportError(f"{name} to {address} failed: connection refused")
         if expected is not None and target.peer_id != expected:
             raise WrongPeerError(address, expected, target.peer_id)
-        answer = await target.serve(sender, name, body)
+        answer = await target.serve(sender, name, body, sender_address)
         await self._leg()
         return target.peer_id, answer
 
@@ -218,7 +224,7 @@ class MemoryTransport:
         try:
             async with asyncio.timeout(timeout_s):
                 remote, answer = await self.network.deliver(
-                    self.peer_id, address, name, body, expected_peer
+                    self.peer_id, address, name, body, expected_peer, self._address or ""
                 )
         except TimeoutError:
             raise RequestTimeoutError(
@@ -228,14 +234,17 @@ class MemoryTransport:
         self.counters.add_recv(remote, len(answer))
         return unpack(answer, self.limits)
 
-    async def serve(self, sender: str, name: str, body: bytes) -> bytes:
-        """Run the handler for one request that reached this node; the answer, packed."""
+    async def serve(self, sender: str, name: str, body: bytes, sender_address: str = "") -> bytes:
+        """Run the handler for one request that reached this node; the answer, packed.
+
+        ``sender_address`` stands for the connection's source: the caller's own address.
+        """
         handler = self._rpc_handlers.get(name)
         if handler is None:
             raise RemoteError(404, f"no RPC named {name!r}")
         try:
             payload = unpack(body, self.limits)
-            result = await handler(RequestContext(sender=sender), payload)
+            result = await handler(RequestContext(sender, sender_address), payload)
         except DHTError as e:
             status = next((s for kind, s in _STATUS_OF if isinstance(e, kind)), 500)
             raise RemoteError(status, str(e)) from None

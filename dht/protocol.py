@@ -22,10 +22,12 @@ address is pinged back first). A node that fails to answer is dropped at once.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+from urllib.parse import urlsplit
 
 from dht import schema
 from dht.errors import (
@@ -104,6 +106,22 @@ def _value(value: bytes, max_value_bytes: int) -> bytes:
 def decode_peers(nodes: dict[str, str], schemes: tuple[str, ...]) -> list[PeerInfo]:
     """Nodes of a schema-checked answer; BadMessageError if one has another scheme."""
     return [_peer_info(peer_id, address, schemes) for peer_id, address in nodes.items()]
+
+
+@lru_cache(maxsize=16384)
+def _same_host(address: str, remote_host: str) -> bool:
+    """Whether ``address`` (a node URL) names the host ``remote_host`` (a connection's source
+    IP; the in-memory transport gives the caller's own address)."""
+    if address == remote_host:
+        return True
+    try:
+        claimed = ipaddress.ip_address(urlsplit(address).hostname or "")
+        source = ipaddress.ip_address(remote_host)
+    except ValueError:
+        return False  # a DNS name: only a ping back can tell
+    claimed = getattr(claimed, "ipv4_mapped", None) or claimed
+    source = getattr(source, "ipv4_mapped", None) or source
+    return claimed == source
 
 
 @lru_cache(maxsize=16384)
@@ -187,13 +205,18 @@ class DHTProtocol:
         # ping() marks the node alive or removes it (promoting the newcomer) by itself.
         await self.ping(peer.address, expected=peer)
 
-    def _note_claimed(self, sender: str, address: str) -> None:
-        """A proven ``sender`` says it serves at ``address``: known there already, or pinged
-        back there (expecting that very peer) before it enters the routing table."""
+    def _note_claimed(self, sender: str, address: str, remote_host: str) -> None:
+        """A proven ``sender`` says it serves at ``address``: believed when it is known there
+        already or the address is on the host the request came from; otherwise pinged back
+        there (expecting that very peer) before it enters the routing table."""
         peer = PeerInfo.of(sender, address)
         known = self.routing.get(peer.node_id)
         if known is not None and known.address == address:
             self.note_contact(known)
+            return
+        if remote_host and _same_host(address, remote_host):
+            # A sender can only point its own id at its own host: nothing to verify there.
+            self.note_contact(peer)
             return
         if (
             self._closed
@@ -340,7 +363,7 @@ class DHTProtocol:
 
     def _note_sender(self, ctx: RequestContext, request: Any) -> None:
         if request.addr and is_peer_id(ctx.sender):
-            self._note_claimed(ctx.sender, request.addr)
+            self._note_claimed(ctx.sender, request.addr, ctx.remote_host)
 
     def _answer(self, **fields: Any) -> dict:
         return {"peer_id": self.transport.peer_id, **fields}

@@ -327,3 +327,21 @@ def test_storage_accounting_matches_what_is_held(stores):
     assert totals.get(ANONYMOUS, 0) <= 9000
     assert len(storage) <= 50
     assert math.isfinite(storage.num_bytes)
+
+
+@pytest.mark.parametrize(
+    ("address", "remote_host", "same"),
+    [
+        ("http://127.0.0.1:80", "127.0.0.1", True),
+        ("http://127.0.0.1:80", "127.0.0.2", False),
+        ("http://10.0.0.5:80", "::ffff:10.0.0.5", True),  # a dual-stack listener's view
+        ("http://[::1]:80", "::1", True),
+        ("http://node.example:80", "10.0.0.5", False),  # a name: only a ping back can tell
+        ("mem://3", "mem://3", True),
+        ("mem://3", "mem://4", False),
+    ],
+)
+def test_a_claimed_address_is_on_the_senders_host_or_checked(address, remote_host, same):
+    from dht.protocol import _same_host
+
+    assert _same_host(address, remote_host) is same
