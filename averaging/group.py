@@ -196,3 +196,36 @@ class GroupInfo:
         if not is_number(ratio):
             raise ProtocolViolation("bad weight ratio in group")
         return cls(group_id, parsed, compression, chunk_numel, aggregation, float(ratio))
+
+
+def check_offered(
+    group: GroupInfo,
+    *,
+    me: GroupMember,
+    leader: tuple[str, str],
+    max_size: int,
+    aggregation: Aggregation,
+    max_weight_ratio: float,
+    numel: int,
+) -> None:
+    """Refuse a group a follower cannot take part in honestly: it must list the follower ``me``
+    exactly as it sent itself, and the leader (``(peer id, address)``) as it answered; be no
+    larger than ``max_size``; use the follower's aggregation rule and weight bound; and
+    partition ``numel`` values (by fair bandwidths). Its structure (sorted unique ids, distinct
+    addresses, bounded entries) was checked by :meth:`GroupInfo.from_wire`.
+
+    Raises:
+        ProtocolViolation, KeyError: the group is refused.
+    """
+    mine = group.member(me.peer_id)  # KeyError if we are not in it
+    if (mine.weight, mine.address, mine.bandwidth) != (me.weight, me.address, me.bandwidth):
+        raise ProtocolViolation("the group misrepresents this peer")
+    if group.member(leader[0]).address != leader[1]:
+        raise ProtocolViolation("the group misrepresents its leader")
+    if len(group.members) > max_size:
+        raise ProtocolViolation(f"a group of {len(group.members)} is larger than allowed")
+    if group.aggregation != aggregation:
+        raise ProtocolViolation(f"the group aggregates by {group.aggregation.value}")
+    if group.max_weight_ratio != max_weight_ratio:
+        raise ProtocolViolation(f"the group bounds weights at {group.max_weight_ratio:g}x")
+    group.parts(numel)

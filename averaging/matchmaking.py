@@ -17,19 +17,13 @@ The protocol has three requests, all answered at once except ``wait``:
 * ``invite`` (leader to worse-ranked peers it sees in the DHT): "join me now", so that peers
   that announced before the leader did need not wait for their next read of the DHT.
 
-**Leadership that fresh ids cannot grind.** Ids are free, so anyone can make one that ranks first
-under any key. Peers that have averaged before say so in their announcement (``settled``) and
-rank before newcomers, so a newcomer joins an established peer's group rather than leading a
-group nobody comes to. A peer follows only its *partners* (the members of its last
-``num_partner_rounds`` rounds) while any partner is looking: the best-ranked partner that ranks
-above it, or none (it leads, and its partners come to it). Only a peer with no partner looking
-(a newcomer, the first round) follows whoever ranks best; a peer with partners that sees none of
-them looking leads alone for the first half of its matchmaking time before it follows a stranger
-(a partner's record may not have reached it yet), and a partner's redirect to a stranger is not
-followed. Every wait still points to a better-ranked peer, so there are no cycles. A leader gains
-little anyway: every member checks the whole group description (:meth:`Matchmaker._check_group`),
-parts are bounded by fair bandwidths and weights relative to the group
-(:mod:`averaging.bounds`); what a leader chooses is who joins.
+**Leadership that fresh ids cannot grind** (ids are free: anyone can make one that ranks first).
+Peers that averaged before announce ``settled`` and rank before newcomers. A peer follows only
+its *partners* (members of its last ``num_partner_rounds`` rounds) while any is looking, else
+(none seen for half its matchmaking time, or none at all) whoever ranks best; a partner's
+redirect to a stranger is not followed. Waits still point to better-ranked peers: no cycles.
+Every member checks the whole group (:func:`averaging.group.check_offered`); see
+``docs/SECURITY-swarm.md``.
 
 Peers announce before they first read, so of two peers that start together the later one always
 sees the earlier one. The leader's side is :mod:`averaging.leader`; a leader closes its group as
@@ -50,7 +44,7 @@ from averaging.bounds import check_address
 from averaging.compression import Compression
 from averaging.config import AveragerConfig
 from averaging.errors import ProtocolViolation
-from averaging.group import MAX_GROUP_SIZE, GroupInfo, GroupMember
+from averaging.group import MAX_GROUP_SIZE, GroupInfo, GroupMember, check_offered
 from averaging.leader import Leader
 from averaging.search import (
     CLIENT_RANK,
@@ -375,31 +369,20 @@ class Matchmaker:
         return None
 
     def _check_group(self, search: Search, group: GroupInfo, leader: Candidate) -> None:
-        """Refuse a group this peer cannot take part in honestly: it must list this peer as
-        it is, and the leader as it answered; be no larger than this peer would form; use this
-        peer's aggregation rule and weight bound; and partition (bounded by fair bandwidths).
-        Its structure (sorted unique ids, distinct addresses, bounded entries) was checked by
-        :meth:`GroupInfo.from_wire`.
+        """Refuse a group this peer cannot take part in honestly (see :func:`check_offered`).
 
         Raises:
             ProtocolViolation, KeyError: the group is refused.
         """
-        me = group.member(search.me.peer_id)  # KeyError if we are not in it
-        if (me.weight, me.address, me.bandwidth) != (
-            search.me.weight,
-            search.me.address,
-            search.me.bandwidth,
-        ):
-            raise ProtocolViolation("the group misrepresents this peer")
-        if group.member(leader.peer_id).address != leader.address:
-            raise ProtocolViolation("the group misrepresents its leader")
-        if len(group.members) > max(search.target_group_size, self._config.target_group_size):
-            raise ProtocolViolation(f"a group of {len(group.members)} is larger than allowed")
-        if group.aggregation != self._config.aggregation:
-            raise ProtocolViolation(f"the group aggregates by {group.aggregation.value}")
-        if group.max_weight_ratio != self._config.max_weight_ratio:
-            raise ProtocolViolation(f"the group bounds weights at {group.max_weight_ratio:g}x")
-        group.parts(search.numel)
+        check_offered(
+            group,
+            me=search.me,
+            leader=(leader.peer_id, leader.address),
+            max_size=max(search.target_group_size, self._config.target_group_size),
+            aggregation=self._config.aggregation,
+            max_weight_ratio=self._config.max_weight_ratio,
+            numel=search.numel,
+        )
 
     def _join_request(self, search: Search) -> dict[str, Any]:
         return {

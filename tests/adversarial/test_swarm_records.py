@@ -78,7 +78,7 @@ def check_progress(record: PeerProgress) -> None:
     assert isinstance(record.client_mode, bool)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(progress_like | values)
 def test_progress_parser_never_raises_and_keeps_only_ranged_records(value):
     record = parse_record(OWNER, value, 1e6)

@@ -57,7 +57,7 @@ groups = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(groups | values)
 def test_a_group_description_is_bounded_or_refused(raw):
     try:
@@ -93,7 +93,7 @@ headers = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(headers | values)
 def test_a_part_header_is_typed_or_refused(raw):
     try:
