@@ -211,7 +211,7 @@ def test_fast_epochs_hold_the_target_batch_size_on_average():
     target = 1024
     # both stop at the same boundary (a timer could stop one mid-round and leave the other to
     # end an epoch alone)
-    configs = [config(seed=seed, target_batch_size=target, max_epochs=12) for seed in (1, 2)]
+    configs = [config(seed=seed, target_batch_size=target, max_epochs=40) for seed in (1, 2)]
     results = train_together(start_swarm(configs))
     assert all(result is not None for result in results)
     (_, epoch_a, stats_a), (_, epoch_b, stats_b) = results
