@@ -166,22 +166,24 @@ class Swarm:
             assert summary["final_loss"] is not None and math.isfinite(summary["final_loss"])
 
 
-def equal_replicas(announcements: list[StateAnnouncement], peer_ids: list[str]) -> int:
-    """The newest epoch for which every peer of ``peer_ids`` announced a digest, asserting that
-    they announced the same one for it."""
+def equal_replicas(
+    announcements: list[StateAnnouncement], peer_ids: list[str], *, newest: bool = True
+) -> int:
+    """The newest (or, with ``newest=False``, the oldest) epoch for which every peer of
+    ``peer_ids`` announced a digest, asserting that they announced the same one for it."""
     by_peer = {a.peer_id: {d.epoch: d.digest for d in a.digests} for a in announcements}
     missing = [p[:8] for p in peer_ids if p not in by_peer]
     assert not missing, f"no state announcement from {missing}"
     common = set.intersection(*(set(by_peer[p]) for p in peer_ids))
     assert common, {p[:8]: sorted(by_peer[p]) for p in peer_ids}
-    epoch = max(common)
+    epoch = max(common) if newest else min(common)
     digests = {p[:8]: by_peer[p][epoch] for p in peer_ids}
     assert len(set(digests.values())) == 1, (epoch, digests)
     return epoch
 
 
 async def wait_equal_replicas(
-    attacker: Attacker, peer_ids: list[str], timeout_s: float = 20.0
+    attacker: Attacker, peer_ids: list[str], timeout_s: float = 20.0, *, newest: bool = True
 ) -> int:
     """:func:`equal_replicas` once every peer has announced a digest for a common epoch (their
     histories overlap within a few seconds of running side by side)."""
@@ -189,7 +191,7 @@ async def wait_equal_replicas(
     while True:
         announcements = await attacker.announcements()
         try:
-            return equal_replicas(announcements, peer_ids)
+            return equal_replicas(announcements, peer_ids, newest=newest)
         except AssertionError:
             if asyncio.get_running_loop().time() > deadline:
                 raise

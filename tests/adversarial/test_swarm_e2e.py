@@ -140,8 +140,10 @@ async def test_a_newcomer_refuses_a_poisoned_donor_and_joins_with_the_honest_sta
                 await swarm.wait_until(
                     lambda: newcomer.epoch() >= before + 1, "the newcomer never trained"
                 )
-                # side by side, the three announce the same state
-                await wait_equal_replicas(attacker, [p.peer_id for p in swarm.peers])
+                # the newcomer's first state is the one the honest peers announced for that
+                # epoch (later, a round that fails under load steps on local gradients and a
+                # replica may differ until it resyncs: that is not what this attack tests)
+                await wait_equal_replicas(attacker, [p.peer_id for p in swarm.peers], newest=False)
                 swarm.stop([newcomer])
             swarm.stop()
             swarm.check_healthy(epoch_before_attack=before, min_epochs_after=1)
