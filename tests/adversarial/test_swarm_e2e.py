@@ -103,7 +103,10 @@ async def test_a_newcomer_refuses_a_poisoned_donor_and_joins_with_the_honest_sta
     """A stranger serves a NaN state at epoch 1000 (the newest, so tried first) with a second
     key vouching for its digest; the newcomer refuses it, downloads the honest state, and
     trains on in step with the others."""
-    with Swarm(tmp_path, COMMON) as swarm:
+    # epochs of a fraction of a second, not tens of milliseconds: two honest peers announce a
+    # digest for the same epoch while a newcomer downloads (a loaded host digests slowly)
+    slow = ("--target-batch-size", str(16 * TARGET))
+    with Swarm(tmp_path, (*COMMON, *slow)) as swarm:
         honest = [swarm.add_peer("--max-time", "70", "--wait-for-peers", "2") for _ in range(2)]
         await swarm.wait_until(
             lambda: min(p.epoch() for p in honest) >= 2, "the swarm did not reach epoch 2"
