@@ -19,6 +19,7 @@ import hashlib
 import json
 from typing import Any
 
+import numpy as np
 import torch
 
 DIGEST_TAG = b"vp-state/1"
@@ -33,6 +34,22 @@ def digest_scope(mode: str) -> tuple[str, ...]:
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def bf16_rounded_bits(tensor: torch.Tensor) -> np.ndarray:
+    """The bits of a float32 ``tensor`` rounded to bfloat16 and back, as torch rounds it
+    (nearest, ties to even), except that every NaN becomes 0x7FC00000: torch's own NaN bits
+    differ between its vectorized and scalar paths, and both digest sides round (the donor its
+    state, the downloader what it received), so canonical NaNs agree.
+
+    In numpy, which runs on the calling thread alone: a torch conversion on the digest's worker
+    thread would start a second OpenMP team beside the training thread's, and on a machine with
+    as many cores as torch threads the two teams' spinning halved the training speed.
+    """
+    bits = tensor.reshape(-1).numpy().view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    rounded[np.isnan(tensor.reshape(-1).numpy())] = np.uint32(0x7FC00000)
+    return rounded
 
 
 def state_digest(
@@ -52,11 +69,12 @@ def state_digest(
         if scope is not None and not name.startswith(scope):
             continue
         tensor = tensors[name].detach().contiguous()
-        if bf16 and tensor.dtype == torch.float32:
-            tensor = tensor.to(torch.bfloat16).to(torch.float32)
         header = [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
         hasher.update(json.dumps(header).encode())
-        hasher.update(_byte_view(tensor))
+        if bf16 and tensor.dtype == torch.float32:
+            hasher.update(memoryview(bf16_rounded_bits(tensor).view(np.uint8)))
+        else:
+            hasher.update(_byte_view(tensor))
     return hasher.hexdigest()
 
 
