@@ -31,6 +31,25 @@ def _check(tensor: Any) -> int:
     raise ConfigError(f"tensors must be torch tensors or numpy arrays, got {type(tensor).__name__}")
 
 
+def _numpy_readable(tensor: Any) -> bool:
+    import torch
+
+    return tensor.device.type == "cpu" and tensor.dtype not in (torch.bfloat16, torch.complex32)
+
+
+def _numpy_view(tensor: Any) -> np.ndarray:
+    """``tensor``'s values as numpy (a view of its memory where torch allows one).
+
+    Copies go through numpy, not torch: they run on a worker thread, where a torch copy would
+    start a second OpenMP team beside the training thread's (see peer.swarm.state_digest).
+    """
+    if not _is_torch(tensor):
+        return tensor
+    if _numpy_readable(tensor):
+        return tensor.detach().numpy()
+    return tensor.detach().float().cpu().numpy()  # a GPU or bfloat16 tensor: a copy to read
+
+
 def _alias(tensor: Any) -> np.ndarray | None:
     """A float32 view of ``tensor``'s own memory, if it has one."""
     if _is_torch(tensor):
@@ -77,13 +96,7 @@ class FlatTensors:
         offset = 0
         for tensor, numel in zip(self._tensors, self._numels, strict=True):
             target = self.flat[offset : offset + numel]
-            if _is_torch(tensor):
-                import torch
-
-                with torch.no_grad():
-                    torch.from_numpy(target).copy_(tensor.detach().reshape(-1))
-            else:
-                target[:] = tensor.reshape(-1)
+            np.copyto(target, _numpy_view(tensor).reshape(-1))
             offset += numel
 
     def scatter(self) -> None:
@@ -93,13 +106,14 @@ class FlatTensors:
         offset = 0
         for tensor, numel in zip(self._tensors, self._numels, strict=True):
             source = self.flat[offset : offset + numel]
-            if _is_torch(tensor):
+            if _is_torch(tensor) and not _numpy_readable(tensor):
                 import torch
 
                 with torch.no_grad():
                     tensor.copy_(torch.from_numpy(source).view(tensor.shape))
             else:
-                tensor[...] = source.reshape(tensor.shape)
+                target = _numpy_view(tensor)
+                np.copyto(target, source.reshape(target.shape))
             offset += numel
 
     def all_finite(self) -> bool:

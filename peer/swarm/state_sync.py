@@ -37,7 +37,7 @@ from dht.transport import IncomingStream, Transport
 from dht.validation import owner_subkey
 from peer.records.schema import MAX_COUNT
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, state_key
-from peer.swarm.state_digest import state_digest
+from peer.swarm.state_digest import bf16_rounded_bits, state_digest
 
 logger = logging.getLogger(__name__)
 STREAM_NAME = "state.get"
@@ -141,6 +141,12 @@ def default_digest(snapshot: StateSnapshot, bf16: bool) -> str:
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def bf16_wire_bytes(tensor: torch.Tensor) -> bytes:
+    """A float32 tensor as bfloat16 on the wire (little-endian), rounded as the bf16 digest
+    rounds it, in numpy: off torch's thread pool, since this runs beside the training thread."""
+    return (bf16_rounded_bits(tensor) >> 16).astype("<u2").tobytes()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -274,8 +280,9 @@ class StateServer:
         step = self.config.chunk_bytes
         for tensor in chosen.values():
             if compress and tensor.dtype == torch.float32:
-                tensor = await asyncio.to_thread(tensor.to, torch.bfloat16)
-            view = byte_view(tensor)
+                view = memoryview(await asyncio.to_thread(bf16_wire_bytes, tensor))
+            else:
+                view = byte_view(tensor)
             for start in range(0, len(view), step):
                 await stream.send(view[start : start + step])
 
