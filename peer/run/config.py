@@ -64,6 +64,14 @@ class PeerConfig(BaseModel):
     client_mode: bool = Field(False, description="run no server (behind NAT); still contributes")
     identity: Path | None = Field(None, description=NET["identity"].help)
     swarm_key_file: Path | None = Field(None, description=NET["swarm_key_file"].help)
+    relay: bool = Field(
+        True, description="relay for peers others cannot reach (--no-relay: for no one)"
+    )
+    max_relayed_bytes_per_s: float = Field(
+        NET["max_relayed_bytes_per_s"].default,
+        gt=0,
+        description=NET["max_relayed_bytes_per_s"].help,
+    )
     # training
     target_batch_size: int = Field(2048, gt=0, description="samples the swarm gathers per epoch")
     lr: float = Field(1e-3, gt=0, description="learning rate of the optimizer")
@@ -192,6 +200,8 @@ class PeerConfig(BaseModel):
             announce_host=self.announce_host,
             client_mode=self.client_mode,
             swarm_key=self.swarm_key(),
+            relay_enabled=self.relay,
+            max_relayed_bytes_per_s=self.max_relayed_bytes_per_s,
         )
 
     def dht_config(self) -> DHTConfig:
