@@ -10,6 +10,7 @@ the session key; the server's checks and limits are in :mod:`dht.http_server`.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import ssl
 import time
 from typing import Any
@@ -114,17 +115,23 @@ class HttpTransport:
             raise TransportError(f"already relayed through {self._tunnel.relay_url}")
         if self.relay is not None:
             await self.relay.close()  # a peer others cannot reach relays for no one
+        self.server.tunnel_token = secrets.token_hex(16)
         tunnel = RelayTunnel(
             http=self._session,
             sessions=self.sessions,
             peer_id=self.peer_id,
             local_url=self._local_url(),
+            tunnel_token=self.server.tunnel_token,
             config=self.config,
             candidates=candidates,
         )
         if on_address_change is not None:
             tunnel.add_listener(on_address_change)
-        address = await tunnel.start()
+        try:
+            address = await tunnel.start()
+        except BaseException:
+            self.server.tunnel_token = None
+            raise
         self._tunnel = tunnel
         return address
 

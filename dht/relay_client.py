@@ -24,7 +24,7 @@ from dht.errors import (
     RequestTimeoutError,
     TransportError,
 )
-from dht.http_client import RENEW_HEADER, ClientSessions, signed_headers
+from dht.http_client import RENEW_HEADER, TUNNEL_HEADER, ClientSessions, signed_headers
 from dht.http_config import TransportConfig
 from dht.relay_mux import HEAD, MAX_MESSAGE_BYTES, Mux, MuxStream
 from dht.relay_server import ATTACH_PATH, FORWARDED_PATH, RELAY_PREFIX, forwarded_headers
@@ -50,6 +50,7 @@ class RelayTunnel:
         sessions: the transport's sessions (an attach is a signed request to the relay).
         peer_id: this node's peer id.
         local_url: this node's own server, as this process reaches it (``http://127.0.0.1:P``).
+        tunnel_token: the mark of this tunnel's local requests (the server's ``tunnel_token``).
         config: ``relay_*`` timeouts, ``stream_*`` timeouts, ``max_relayed_requests_per_peer``.
         candidates: relay URLs, or a function returning them (asked again at every re-attach).
     """
@@ -61,6 +62,7 @@ class RelayTunnel:
         sessions: ClientSessions,
         peer_id: str,
         local_url: str,
+        tunnel_token: str,
         config: TransportConfig,
         candidates: Candidates,
     ):
@@ -68,6 +70,7 @@ class RelayTunnel:
         self._sessions = sessions
         self._peer_id = peer_id
         self._local_url = local_url
+        self._tunnel_token = tunnel_token
         self._config = config
         self._candidates = candidates
         self._listeners: list[AddressListener] = []
@@ -185,6 +188,7 @@ class RelayTunnel:
             method, path, headers = _opening(await stream.read_message())
             if method == "GET" and await stream.read() is not None:
                 raise BadMessageError("a GET with a body")
+            headers[TUNNEL_HEADER] = self._tunnel_token
             body = _body(stream) if method == "POST" else None
             url = self._local_url + path
             async with asyncio.timeout(max(self._config.request_timeout_s,

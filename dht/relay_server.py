@@ -20,8 +20,9 @@ import time
 from aiohttp import web
 
 from dht.errors import TransportError
-from dht.http_client import API_VERSION
+from dht.http_client import API_VERSION, TUNNEL_HEADER
 from dht.http_config import TransportConfig
+from dht.http_limits import peer_host
 from dht.http_server import HttpServer, Refused
 from dht.identity import is_peer_id
 from dht.relay_mux import MAX_MESSAGE_BYTES, OPEN, Mux, MuxStream
@@ -38,11 +39,13 @@ FORWARDED_HEADERS = ("content-type",)
 
 
 def forwarded_headers(headers) -> dict[str, str]:
-    """The headers a relay carries across: the proof (``x-vp-*``) and the content type."""
+    """The headers a relay carries across: the proof (``x-vp-*``) and the content type; never
+    the tunnel's own mark (a caller cannot pass for the relayed node's tunnel)."""
     return {
         name.lower(): value
         for name, value in headers.items()
-        if name.lower().startswith("x-vp-") or name.lower() in FORWARDED_HEADERS
+        if (name.lower().startswith("x-vp-") or name.lower() in FORWARDED_HEADERS)
+        and name.lower() != TUNNEL_HEADER
     }
 
 
@@ -162,6 +165,9 @@ class RelayService:
         mux = self._tunnels.get(peer_id)
         if mux is None:
             raise Refused(404, f"peer {peer_id[:16]} is not relayed here (not attached)")
+        if path.endswith("/hello") and not self.server.hellos.allow(peer_host(request.transport)):
+            # the relayed node cannot tell its callers apart by address: the relay does
+            raise Refused(429, "too many handshakes from this address; slow down")
         length = request.content_length
         if length is not None and length > self.server.limits.max_body_bytes:
             raise Refused(413, f"body of {length} bytes exceeds the limit")

@@ -12,7 +12,7 @@ import pytest
 from dht.errors import BadMessageError, RemoteError, TransportError
 from dht.http_client import signed_headers
 from dht.http_config import TransportConfig
-from dht.relay_server import ATTACH_PATH
+from dht.relay_server import ATTACH_PATH, forwarded_headers
 from dht.schema import parse_address
 from dht.session import digest
 from dht.wire import pack
@@ -174,3 +174,19 @@ def test_parse_address_accepts_the_relayed_form_and_nothing_else_new():
     ):
         with pytest.raises(BadMessageError):
             parse_address(bad)
+
+
+async def test_relayed_requests_have_no_source_host_and_callers_cannot_pose_as_the_tunnel(
+    make_transport,
+):
+    """The relayed node cannot verify where a relayed caller is (its claims get pinged back),
+    and the tunnel's mark on local requests never crosses the relay from a caller."""
+
+    async def whoami(ctx, payload):
+        return ctx.remote_host
+
+    _relay, hidden, caller, address = await relayed_pair(make_transport, rpc={"whoami": whoami})
+    assert await caller.call(address, "whoami", None) == ""
+    assert await caller.call(hidden._local_url(), "whoami", None) == "127.0.0.1"
+    forged = {"X-VP-Tunnel": hidden.server.tunnel_token, "content-type": "x", "other": "y"}
+    assert forwarded_headers(forged) == {"content-type": "x"}
