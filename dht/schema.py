@@ -37,6 +37,11 @@ _RELAYED_PATH = re.compile(r"/v2/relay/[0-9a-f]{64}")
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 
+def is_relayed_path(path: str) -> bool:
+    """Whether ``path`` is the path part of a relayed peer's address (``/v2/relay/{peer id}``)."""
+    return _RELAYED_PATH.fullmatch(path) is not None
+
+
 def parse_address(text: object, schemes: tuple[str, ...] = HTTP_SCHEMES) -> str:
     """``text`` if it is a node URL: ``scheme://host:port`` with nothing else, or a relayed
     peer's address ``scheme://host:port/v2/relay/{peer id}`` (64 lowercase hex).
@@ -66,7 +71,7 @@ def _parse_address(text: str, schemes: tuple[str, ...]) -> str:
         if not _MEM_NAME.fullmatch(parts.netloc) or parts.path or parts.query or parts.fragment:
             raise BadMessageError("address must be mem://NAME")
         return text
-    path_ok = not parts.path or _RELAYED_PATH.fullmatch(parts.path)
+    path_ok = not parts.path or is_relayed_path(parts.path)
     if parts.username is not None or not path_ok or parts.query or parts.fragment:
         raise BadMessageError(
             "address must be scheme://host:port (or scheme://host:port/v2/relay/PEER_ID) "
