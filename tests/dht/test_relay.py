@@ -42,7 +42,7 @@ async def test_rpc_and_full_duplex_stream_through_a_relay_are_exact(make_transpo
     assert answer == {"payload": payload, "sender": caller.peer_id}
     assert caller.peer_at(address) == hidden.peer_id  # proven end to end, through the relay
     values = np.random.default_rng(1).standard_normal(2_000_003).astype(np.float32)
-    out = await roundtrip(caller, hidden_at(hidden, address), values)
+    out = await roundtrip(caller, Reached(hidden, address), values)
     np.testing.assert_array_equal(out, values * np.float32(0.5))
     assert hidden.counters.per_peer[caller.peer_id].recv >= values.nbytes
     assert caller.peer_id not in relay.counters.per_peer  # the relay was no party to it
@@ -57,7 +57,7 @@ async def wait_until(predicate, *, timeout_s: float) -> None:
             await asyncio.sleep(0.01)
 
 
-class hidden_at:
+class Reached:
     """``roundtrip`` takes a server object; this one names the relayed address."""
 
     def __init__(self, transport, address):
@@ -73,7 +73,7 @@ async def test_relayed_streams_do_not_block_each_other(make_transport):
         for _ in range(4):  # 4 MiB sent, nothing read back: the stalled reply fills its windows
             await asyncio.wait_for(stalled.send(np.ones(1 << 18, np.float32)), 10)
         values = np.arange(300_000, dtype=np.float32)
-        out = await roundtrip(caller, hidden_at(hidden, address), values)
+        out = await roundtrip(caller, Reached(hidden, address), values)
         np.testing.assert_array_equal(out, values * np.float32(0.5))
 
 

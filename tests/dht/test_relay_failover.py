@@ -13,7 +13,7 @@ import pytest
 
 from dht.errors import RequestTimeoutError, TransportError
 from dht.http_config import TransportConfig
-from tests.dht.test_relay import hidden_at
+from tests.dht.test_relay import Reached
 from tests.dht.test_transport import echo, halve, roundtrip
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,7 +76,7 @@ async def check_moved(hidden, caller, moved, url):
     answer = await caller.call(new, "echo", "again", expected_peer=hidden.peer_id)
     assert answer == {"payload": "again", "sender": caller.peer_id}
     values = np.random.default_rng(3).standard_normal(500_000).astype(np.float32)
-    out = await roundtrip(caller, hidden_at(hidden, new), values)
+    out = await roundtrip(caller, Reached(hidden, new), values)
     np.testing.assert_array_equal(out, values * np.float32(0.5))
 
 
