@@ -99,7 +99,7 @@ class TransportConfig:
     relay_enabled: bool = True
     max_relayed_peers: int = 32
     max_relayed_bytes_per_s: float = 12.5e6
-    max_relayed_requests_per_peer: int = 32
+    max_relayed_requests_per_peer: int = 16
     relay_heartbeat_s: float = 10.0
     relay_attach_timeout_s: float = 10.0
     relay_retry_s: float = 2.0

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 OPEN, HEAD, DATA, END, CREDIT, RESET = 1, 2, 3, 4, 5, 6
 _PREFIX = struct.Struct("<BI")
 _CREDIT = struct.Struct("<I")
-WINDOW_BYTES = 1 << 20
+WINDOW_BYTES = 512 << 10
 MAX_DATA_BYTES = 256 << 10
 # the WebSocket's max_msg_size (aiohttp refuses a message of exactly that size: leave room)
 MAX_MESSAGE_BYTES = MAX_DATA_BYTES + 1024
