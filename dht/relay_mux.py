@@ -158,8 +158,10 @@ class MuxStream:
             await self.reset(reason)
 
     async def reset(self, reason: str) -> None:
-        """Abandon the stream in both directions (a no-op once the tunnel is gone)."""
+        """Abandon the stream in both directions (a no-op once the tunnel is gone); this
+        side's waits on it fail at once."""
         self._mux.forget(self)
+        self._fail(TransportError(f"relayed stream reset: {reason}"))
         if self._was_reset or self._mux.closed or (self.ended and self._got_end):
             return
         self._was_reset = True

@@ -182,7 +182,10 @@ class RelayService:
         wait_s = self.rate.take(length) if length else 0.0
         if wait_s > 0:
             await asyncio.sleep(wait_s)
-        stream = mux.open()
+        try:
+            stream = mux.open()
+        except TransportError as e:
+            raise Refused(502, f"relayed peer went away: {e}") from None
         try:
             return await self._relay(request, stream, path, pay_up=length is None)
         finally:
@@ -192,10 +195,11 @@ class RelayService:
         self, request: web.Request, stream: MuxStream, path: str, *, pay_up: bool
     ) -> web.StreamResponse:
         opening = {"m": request.method, "p": path, "h": forwarded_headers(request.headers)}
-        up = asyncio.create_task(self._pump_up(request, stream, pay_up))
+        up: asyncio.Task | None = None
         response: web.StreamResponse | None = None
         try:
-            await stream.write_message(OPEN, opening)
+            await stream.write_message(OPEN, opening)  # before any DATA of the body
+            up = asyncio.create_task(self._pump_up(request, stream, pay_up))
             head = await stream.read_message()
             response = web.StreamResponse(status=_status(head), headers=_headers(head))
             await response.prepare(request)
@@ -213,8 +217,9 @@ class RelayService:
                 request.transport.abort()  # the caller sees a cut answer, not a short one
             return response
         finally:
-            up.cancel()
-            await asyncio.gather(up, return_exceptions=True)
+            if up is not None:
+                up.cancel()
+                await asyncio.gather(up, return_exceptions=True)
 
     async def _pump_up(self, request: web.Request, stream: MuxStream, pay: bool) -> None:
         try:
@@ -224,7 +229,7 @@ class RelayService:
                     await self.rate.pay(len(chunk))
                 await stream.write(chunk)
             await stream.end()
-        except (TransportError, ConnectionError) as e:
+        except Exception as e:  # whatever cut the caller's body, the relayed peer must hear it
             await stream.reset(f"caller's request failed: {e}")
 
 

@@ -190,3 +190,26 @@ async def test_relayed_requests_have_no_source_host_and_callers_cannot_pose_as_t
     assert await caller.call(hidden._local_url(), "whoami", None) == "127.0.0.1"
     forged = {"X-VP-Tunnel": hidden.server.tunnel_token, "content-type": "x", "other": "y"}
     assert forwarded_headers(forged) == {"content-type": "x"}
+
+
+async def test_a_caller_that_leaves_mid_stream_leaves_nothing_behind(make_transport):
+    ended = asyncio.Event()
+
+    async def endless(stream):
+        await stream.reply({})
+        try:
+            while True:
+                await stream.send(np.zeros(1 << 16, np.float32))
+        finally:
+            ended.set()
+
+    relay, hidden, caller, address = await relayed_pair(
+        make_transport, streams={"endless": endless}
+    )
+    for _ in range(3):
+        async with caller.open_stream(address, "endless", {}) as stream:
+            assert await stream.recv() is not None
+        await asyncio.wait_for(ended.wait(), timeout=20)  # the handler heard the caller go
+        ended.clear()
+    relay_end, peer_end = relay.relay._tunnels[hidden.peer_id], hidden._tunnel._mux
+    await wait_until(lambda: relay_end.num_streams == peer_end.num_streams == 0, timeout_s=20)
