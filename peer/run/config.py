@@ -67,6 +67,12 @@ class PeerConfig(BaseModel):
     relay: bool = Field(
         True, description="relay for peers others cannot reach (--no-relay: for no one)"
     )
+    relay_via: list[str] = Field(
+        default_factory=list,
+        description="be reached through the first of these relays (URLs of reachable peers, "
+        "repeatable) that accepts, and through the next when it dies: for a peer behind NAT; "
+        "it averages as a client",
+    )
     max_relayed_bytes_per_s: float = Field(
         NET["max_relayed_bytes_per_s"].default,
         gt=0,
@@ -159,6 +165,8 @@ class PeerConfig(BaseModel):
         self.lr_schedule_fn()  # raises ConfigError naming the option
         if self.delay_update and self.mode != "grad":
             raise ConfigError(f"--delay-update needs --mode grad, not {self.mode}")
+        if self.relay_via and (self.client_mode or self.backend != "native"):
+            raise ConfigError("--relay-via needs the native backend and no --client-mode")
         return self
 
     def lr_schedule_fn(self) -> LRSchedule | None:
@@ -175,6 +183,11 @@ class PeerConfig(BaseModel):
     def _urls(cls, urls: list[str], info: ValidationInfo) -> list[str]:
         if info.data.get("backend") == "hivemind":
             return urls  # libp2p multiaddrs (/ip4/.../p2p/...); the hivemind backend checks them
+        return [peer_url(url) for url in urls]
+
+    @field_validator("relay_via")
+    @classmethod
+    def _relay_urls(cls, urls: list[str]) -> list[str]:
         return [peer_url(url) for url in urls]
 
     @field_validator("task_option")
