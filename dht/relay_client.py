@@ -110,16 +110,21 @@ class RelayTunnel:
             logger.warning(
                 "relay %s lost (%s); attaching to another candidate", lost, self._mux.close_reason
             )
+            level = logging.WARNING  # the first failure to re-attach is news, the next ones not
             while True:
                 try:
                     await self._attach_any(avoid=lost)
                     break
-                except TransportError as e:
-                    logger.warning("%s; trying again in %s s", e, self._config.relay_retry_s)
+                except (DHTError, aiohttp.ClientError, OSError) as e:
+                    logger.log(level, "%s; trying again every %s s", e, self._config.relay_retry_s)
+                    level = logging.DEBUG
                     await asyncio.sleep(self._config.relay_retry_s)
-            logger.info("reached through relay %s now", self.relay_url)
+            logger.warning("reached through relay %s now, at %s", self.relay_url, self.address)
             for listener in self._listeners:
-                listener(self.address)
+                try:
+                    listener(self.address)
+                except Exception:  # an owner's bug must not end the tunnel's upkeep
+                    logger.exception("address listener %r failed", listener)
 
     def _ordered_candidates(self, avoid: str | None) -> list[str]:
         found = self._candidates() if callable(self._candidates) else self._candidates

@@ -165,7 +165,8 @@ class RelayService:
         mux = self._tunnels.get(peer_id)
         if mux is None:
             raise Refused(404, f"peer {peer_id[:16]} is not relayed here (not attached)")
-        if path.endswith("/hello") and not self.server.hellos.allow(peer_host(request.transport)):
+        hello = path == f"/{API_VERSION}/hello"
+        if hello and not self.server.hellos.allow(peer_host(request.transport)):
             # the relayed node cannot tell its callers apart by address: the relay does
             raise Refused(429, "too many handshakes from this address; slow down")
         length = request.content_length
