@@ -59,9 +59,10 @@ class AveragerConfig:
             use its own setting.
         relayed_reduces: whether a peer reached through a relay (see
             :meth:`dht.http.HttpTransport.attach_relay`) reduces a part. Off by default: it
-            then averages as a client (sends its parts, receives the averages, reduces
-            nothing), so no part's bytes cross a relay twice and a relay that dies costs the
-            group one sender, not a part.
+            then averages as a client (sends its parts and receives the averages over its own
+            outbound connections, reduces nothing), so the round does not go through the relay
+            at all. On, its part's bytes cross the relay both ways, and a relay that dies
+            mid-round costs that part.
         num_partner_rounds: the members of this peer's last this many rounds are its partners;
             it follows a partner's lead before a stranger's (leadership that fresh ids cannot
             grind; see :mod:`averaging.matchmaking`).
