@@ -114,7 +114,7 @@ class HttpTransport:
         if self._tunnel is not None:
             raise TransportError(f"already relayed through {self._tunnel.relay_url}")
         if self.relay is not None:
-            await self.relay.close()  # a peer others cannot reach relays for no one
+            await self.relay.close("this node relays for no one: it is relayed itself")
         self.server.tunnel_token = secrets.token_hex(16)
         tunnel = RelayTunnel(
             http=self._session,

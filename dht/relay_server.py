@@ -99,7 +99,7 @@ class RelayService:
         self._tunnels: dict[str, Mux] = {}
         self.num_relayed_bytes = 0
         self.num_attaches = 0
-        self._closed = False
+        self._closed_reason: str | None = None
 
     @property
     def relayed_peers(self) -> list[str]:
@@ -110,12 +110,13 @@ class RelayService:
         app.router.add_get(ATTACH_PATH, self._handle_attach)
         app.router.add_route("*", RELAY_PREFIX + "{peer_id}/{tail:.*}", self._handle_forward)
 
-    async def close(self) -> None:
-        """Close every tunnel (their attach handlers return); safe twice."""
-        self._closed = True
+    async def close(self, reason: str = "relay shutting down") -> None:
+        """Stop relaying: close every tunnel (their attach handlers return) and refuse new
+        attaches (503, ``reason``); safe twice."""
+        self._closed_reason = self._closed_reason or reason
         tunnels = list(self._tunnels.values())
         self._tunnels.clear()
-        await asyncio.gather(*(mux.close("relay shutting down") for mux in tunnels))
+        await asyncio.gather(*(mux.close(reason) for mux in tunnels))
 
     # ---- attach ------------------------------------------------------------------------------
 
@@ -124,8 +125,8 @@ class RelayService:
         if proven.body_digest != digest(b""):
             raise Refused(401, "an attach has an empty body: its digest must be of no bytes")
         peer_id = proven.peer_id
-        if self._closed:
-            raise Refused(503, "relay shutting down")
+        if self._closed_reason is not None:
+            raise Refused(503, self._closed_reason)
         if peer_id not in self._tunnels and len(self._tunnels) >= self.config.max_relayed_peers:
             raise Refused(503, f"relay full: {self.config.max_relayed_peers} peers attached")
         ws = web.WebSocketResponse(

@@ -119,6 +119,9 @@ async def test_a_peer_attaches_only_under_its_own_proven_id(make_transport):
     assert set(relay.relay.relayed_peers) == {hidden.peer_id, intruder.peer_id}
     answer = await caller.call(address, "echo", 5, expected_peer=hidden.peer_id)
     assert answer["payload"] == 5
+    third = await make_transport(TransportConfig())
+    with pytest.raises(TransportError, match="it is relayed itself"):  # no chains of relays
+        await third.attach_relay([hidden._local_url()])
 
 
 async def test_relayed_bytes_over_the_cap_are_refused_with_503(make_transport):
