@@ -28,7 +28,7 @@ from typing import Any
 from averaging.allreduce import AllReduceOutcome, run_allreduce
 from averaging.bounds import valid_weight
 from averaging.compression import Compression, get_codec
-from averaging.config import AveragerConfig, check_prefix
+from averaging.config import AveragerConfig, check_prefix, reducing_address
 from averaging.errors import AveragingError, ConfigError, ProtocolViolation, translate
 from averaging.group import GroupInfo
 from averaging.matchmaking import Matchmaker, MatchmakingDHT
@@ -100,7 +100,7 @@ class DecentralizedAverager:
 
     @property
     def client_mode(self) -> bool:
-        return self._transport.address is None
+        return reducing_address(self._transport, self.config) is None
 
     async def __aenter__(self) -> DecentralizedAverager:
         return self

@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from dht.schema import is_relayed_path
+
 MIN_WEIGHT = 2.0**-20
 MAX_WEIGHT = 2.0**53
 MAX_BANDWIDTH = 1e12
@@ -51,7 +53,8 @@ def valid_bandwidth(value: object) -> bool:
 
 
 def check_address(address: object) -> bool:
-    """Whether ``address`` is ``http(s)://host:port`` (an optional ``/``, nothing more)."""
+    """Whether ``address`` is ``http(s)://host:port`` (an optional ``/``, nothing more), or a
+    relayed peer's ``http(s)://host:port/v2/relay/{peer id}``."""
     if not (isinstance(address, str) and 0 < len(address) <= MAX_ADDRESS_CHARS):
         return False
     if not (address.isascii() and address.isprintable()) or " " in address:
@@ -67,7 +70,7 @@ def check_address(address: object) -> bool:
         and port is not None
         and port > 0
         and not (parts.username or parts.password or parts.query or parts.fragment)
-        and parts.path in ("", "/")
+        and (parts.path in ("", "/") or is_relayed_path(parts.path))
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from averaging.bounds import DEFAULT_MAX_WEIGHT_RATIO, MAX_BANDWIDTH
 from averaging.compression import UINT8_BLOCK, Compression
@@ -56,6 +57,12 @@ class AveragerConfig:
         max_weight_ratio: a member's weight counts at most this many times the lower median
             weight of its group (see :mod:`averaging.bounds`). A peer joins only groups that
             use its own setting.
+        relayed_reduces: whether a peer reached through a relay (see
+            :meth:`dht.http.HttpTransport.attach_relay`) reduces a part. Off by default: it
+            then averages as a client (sends its parts and receives the averages over its own
+            outbound connections, reduces nothing), so the round does not go through the relay
+            at all. On, its part's bytes cross the relay both ways, and a relay that dies
+            mid-round costs that part.
         num_partner_rounds: the members of this peer's last this many rounds are its partners;
             it follows a partner's lead before a stranger's (leadership that fresh ids cannot
             grind; see :mod:`averaging.matchmaking`).
@@ -79,6 +86,7 @@ class AveragerConfig:
     group_bits: str = ""
     aggregation: Aggregation = Aggregation.MEAN
     max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO
+    relayed_reduces: bool = False
     num_partner_rounds: int = 8
 
     def __post_init__(self) -> None:
@@ -152,3 +160,11 @@ def check_prefix(prefix: str) -> str:
     if not isinstance(prefix, str) or not PREFIX_PATTERN.fullmatch(prefix):
         raise ConfigError(f"prefix must match {PREFIX_PATTERN.pattern}, got {prefix!r}")
     return prefix
+
+
+def reducing_address(transport: Any, config: AveragerConfig) -> str | None:
+    """Where this peer reduces its part: its address, or None when it averages as a client
+    (client mode, or relayed unless ``config.relayed_reduces``)."""
+    if getattr(transport, "relayed", False) and not config.relayed_reduces:
+        return None
+    return transport.address

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 from averaging.bounds import check_address
 from averaging.compression import Compression
-from averaging.config import AveragerConfig
+from averaging.config import AveragerConfig, reducing_address
 from averaging.errors import ProtocolViolation
 from averaging.group import MAX_GROUP_SIZE, GroupInfo, GroupMember, check_offered
 from averaging.leader import Leader
@@ -120,7 +120,7 @@ class Matchmaker:
         if self._search is not None:
             raise RuntimeError("find_group is already running")
         loop = asyncio.get_running_loop()
-        address = self._transport.address
+        address = reducing_address(self._transport, self._config)
         me = GroupMember(self._peer_id, address, self._config.bandwidth, weight)
         settled = bool(self.partners)
         rank = rank_of(key, self._peer_id, settled) if address is not None else CLIENT_RANK

@@ -10,6 +10,7 @@ the session key; the server's checks and limits are in :mod:`dht.http_server`.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import ssl
 import time
 from typing import Any
@@ -32,6 +33,8 @@ from dht.http_limits import ConnectionGate
 from dht.http_server import HTTP_PARSER_LOGGER, HttpGetHandler, HttpServer, Refused, status_of
 from dht.http_streams import ClientStream
 from dht.identity import PeerIdentity
+from dht.relay_client import AddressListener, Candidates, RelayTunnel
+from dht.relay_server import RelayService
 from dht.session import digest
 from dht.transport import SMALL_RPC_BYTES, ByteCounters, RpcHandler, StreamHandler
 from dht.wire import pack, unpack
@@ -63,11 +66,88 @@ class HttpTransport:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._address: str | None = None
+        self.relay: RelayService | None = None
+        self._tunnel: RelayTunnel | None = None
         self._closed = False
 
     @property
     def address(self) -> str | None:
+        """Where others reach this node: its own URL, or its relayed address once relayed."""
+        if self._tunnel is not None and self._tunnel.address is not None:
+            return self._tunnel.address
         return self._address
+
+    @property
+    def relayed(self) -> bool:
+        """Whether others reach this node through a relay (see :meth:`attach_relay`)."""
+        return self._tunnel is not None
+
+    @property
+    def relay_url(self) -> str | None:
+        """The URL of the relay this node is reached through now, if relayed."""
+        return self._tunnel.relay_url if self._tunnel is not None else None
+
+    async def attach_relay(
+        self, candidates: Candidates, *, on_address_change: AddressListener | None = None
+    ) -> str:
+        """Be reached through a relay: attach to the first of ``candidates`` that accepts.
+
+        The node keeps its server on its local port and a tunnel to the relay open; requests to
+        ``{relay}/v2/relay/{peer_id}`` reach this node's handlers unchanged. When the relay goes
+        away, the node attaches to another candidate (``candidates`` may be a function, asked
+        again each time), :attr:`address` changes, and ``on_address_change(new_address)`` is
+        called. A relayed node relays for no one.
+
+        Args:
+            candidates: URLs of reachable nodes (``http(s)://host:port``), or a function
+                returning them.
+            on_address_change: called with the new address after each move to another relay.
+
+        Returns:
+            The relayed address (:attr:`address` from now on).
+
+        Raises:
+            TransportError: no candidate accepted (why, for each), or the node serves nothing.
+        """
+        if self._runner is None or self._session is None:
+            raise TransportError("attach_relay needs a started node that serves (not client mode)")
+        if self._tunnel is not None:
+            raise TransportError(f"already relayed through {self._tunnel.relay_url}")
+        if self.relay is not None:
+            await self.relay.close("this node relays for no one: it is relayed itself")
+        self.server.tunnel_token = secrets.token_hex(16)
+        tunnel = RelayTunnel(
+            http=self._session,
+            sessions=self.sessions,
+            peer_id=self.peer_id,
+            local_url=self._local_url(),
+            tunnel_token=self.server.tunnel_token,
+            config=self.config,
+            candidates=candidates,
+        )
+        if on_address_change is not None:
+            tunnel.add_listener(on_address_change)
+        try:
+            address = await tunnel.start()
+        except BaseException:
+            self.server.tunnel_token = None
+            raise
+        self._tunnel = tunnel
+        return address
+
+    def add_address_listener(self, listener: AddressListener) -> None:
+        """Call ``listener(new_address)`` whenever a relayed node moves to another relay."""
+        if self._tunnel is None:
+            raise TransportError("not relayed: call attach_relay() first")
+        self._tunnel.add_listener(listener)
+
+    def _local_url(self) -> str:
+        host, port = self._runner.addresses[0][:2]
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+        host = f"[{host}]" if ":" in host else host
+        scheme = "https" if self.config.tls_cert_file else "http"
+        return f"{scheme}://{host}:{port}"
 
     def add_rpc_handler(self, name: str, handler: RpcHandler) -> None:
         """Serve ``POST /v1/rpc/{name}``; also after :meth:`start` (a component attached to a
@@ -115,8 +195,12 @@ class HttpTransport:
         if cfg.tls_cert_file:
             server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             server_ssl.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+        app = self.server.application()
+        if cfg.relay_enabled:
+            self.relay = RelayService(self.server, cfg)
+            self.relay.add_routes(app)
         self._runner = web.AppRunner(
-            self.server.application(),
+            app,
             access_log=None,
             handle_signals=False,
             keepalive_timeout=cfg.idle_connection_timeout_s,
@@ -146,6 +230,10 @@ class HttpTransport:
         if self._closed:
             return
         self._closed = True
+        if self._tunnel is not None:
+            await self._tunnel.close()
+        if self.relay is not None:
+            await self.relay.close()  # ends the tunnels' handlers, which would hold the shutdown
         await self.sessions.close()
         if self._runner is not None:
             await self._runner.cleanup()

@@ -32,6 +32,8 @@ MAX_HELLO_BYTES = 1024  # a hello and its reply are a few hundred bytes
 MSGPACK = "application/msgpack"
 # Set on a 401 whose cause is the session (unknown to the node, expired): make a new one.
 RENEW_HEADER = "x-vp-session"
+# On the local requests of a relayed node's tunnel (dht.relay_client); never forwarded by a relay.
+TUNNEL_HEADER = "x-vp-tunnel"
 
 
 def signed_headers(

@@ -52,6 +52,22 @@ class TransportConfig:
         max_body_bytes_in_flight: request bytes (bodies, stream header frames) being received
             at once across all requests before their digest is checked, in bytes; a request
             that does not fit is refused (503) instead of buffered.
+        relay_enabled: relay for peers that others cannot reach (when this node serves: not in
+            client mode): they attach over a WebSocket and are reached at
+            ``{this node's URL}/v2/relay/{peer id}``.
+        max_relayed_peers: the most peers attached to this relay at once; more are refused (503).
+        max_relayed_bytes_per_s: the relayed bytes (both ways, all relayed peers together) this
+            relay forwards per second, in bytes per second (a token bucket holding one second of
+            them): transfers in progress slow down to it, new relayed requests are refused
+            (503) while it is spent.
+        max_relayed_requests_per_peer: requests forwarded to one relayed peer at once (503
+            beyond).
+        relay_heartbeat_s: a relay tunnel is pinged every this many seconds, in seconds, at both
+            ends; a tunnel without an answer for half of it more is closed (so a dead relay is
+            noticed within 1.5 times it).
+        relay_attach_timeout_s: bound on one attempt to attach to a relay, in seconds.
+        relay_retry_s: pause between two rounds of attempts over all relay candidates, in
+            seconds, when none accepted.
         limits: sizes and nesting accepted in messages and frames.
     """
 
@@ -80,6 +96,13 @@ class TransportConfig:
     max_header_fields: int = 32
     max_header_field_bytes: int = 4096
     max_body_bytes_in_flight: int = 64 * 1024 * 1024
+    relay_enabled: bool = True
+    max_relayed_peers: int = 32
+    max_relayed_bytes_per_s: float = 12.5e6
+    max_relayed_requests_per_peer: int = 16
+    relay_heartbeat_s: float = 10.0
+    relay_attach_timeout_s: float = 10.0
+    relay_retry_s: float = 2.0
     limits: MessageLimits = field(default_factory=MessageLimits)
 
     def __post_init__(self) -> None:
@@ -94,6 +117,10 @@ class TransportConfig:
             "session_lifetime_s",
             "max_handshakes_per_s_per_address",
             "idle_connection_timeout_s",
+            "max_relayed_bytes_per_s",
+            "relay_heartbeat_s",
+            "relay_attach_timeout_s",
+            "relay_retry_s",
         ):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} must be positive and finite, got {getattr(self, name)}")
@@ -107,6 +134,8 @@ class TransportConfig:
             "max_header_fields",
             "max_header_field_bytes",
             "max_body_bytes_in_flight",
+            "max_relayed_peers",
+            "max_relayed_requests_per_peer",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -25,7 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from dht.auth import FrameTagger, SwarmAuth
 from dht.errors import AuthError, BadMessageError, BusyError, DHTError, ValidationError
 from dht.frames import FrameReader
-from dht.http_client import API_VERSION, MAX_HELLO_BYTES, MSGPACK, RENEW_HEADER
+from dht.http_client import API_VERSION, MAX_HELLO_BYTES, MSGPACK, RENEW_HEADER, TUNNEL_HEADER
 from dht.http_config import TransportConfig
 from dht.http_limits import BytesBudget, OverBudget, RateLimiter, StreamSlots, peer_host
 from dht.http_streams import ServerStream
@@ -159,6 +159,18 @@ class HttpServer:
         )
         self.num_refused = 0
         self._last_log_s: dict[int, float] = {}
+        # Set while this node is relayed (dht.relay_client): its tunnel's local requests carry
+        # it, so they are known to come through the relay and not from this host.
+        self.tunnel_token: str | None = None
+
+    def source_host(self, request: web.Request) -> str:
+        """The source IP of a request; "" for one that came through this node's relay tunnel
+        (the relay already applied the per-address limits, and this node cannot verify the
+        caller's address: its claims are pinged back)."""
+        token = self.tunnel_token
+        if token is not None and macs_equal(token, request.headers.get(TUNNEL_HEADER, "")):
+            return ""
+        return peer_host(request.transport)
 
     def application(self) -> web.Application:
         app = web.Application(
@@ -232,7 +244,7 @@ class HttpServer:
             self.replay.check(caller.peer_id, nonce, ts)
         except AuthError as e:
             raise Refused(401, str(e)) from None
-        return Proven(caller.peer_id, caller.key, nonce, body_digest, peer_host(request.transport))
+        return Proven(caller.peer_id, caller.key, nonce, body_digest, self.source_host(request))
 
     async def _read_body(self, request: web.Request, max_bytes: int) -> bytes:
         """The whole body: 413 at once if it announces more than ``max_bytes``, 503 if the
@@ -257,7 +269,8 @@ class HttpServer:
         )
 
     async def _handle_hello(self, request: web.Request) -> web.Response:
-        if not self.hellos.allow(peer_host(request.transport)):
+        host = self.source_host(request)
+        if host and not self.hellos.allow(host):
             raise Refused(429, "too many handshakes from this address; slow down")
         body = await self._read_body(request, MAX_HELLO_BYTES)
         try:

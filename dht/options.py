@@ -121,6 +121,18 @@ NETWORK_OPTIONS: dict[str, NetworkOption] = {
     "tls_ca": NetworkOption(
         flag="--tls-ca", help="CA bundle to verify other nodes' HTTPS certificates", metavar="FILE"
     ),
+    "no_relay": NetworkOption(
+        flag="--no-relay",
+        help="relay for no one (by default a node that serves relays for peers others cannot "
+        "reach, within --max-relayed-bytes-per-s)",
+        default=False,
+    ),
+    "max_relayed_bytes_per_s": NetworkOption(
+        flag="--max-relayed-bytes-per-s",
+        help="bytes per second this node relays for others, both ways, all together",
+        default=12.5e6,
+        metavar="BYTES",
+    ),
 }
 
 
@@ -146,6 +158,13 @@ def add_network_args(
         kwargs: dict[str, Any] = {"metavar": option.metavar, "help": text}
         if option.many:
             kwargs.update(nargs="+" if name in required else "*", default=[])
+        elif isinstance(option.default, bool):
+            kwargs.update(action="store_true", default=option.default)
+            kwargs.pop("metavar")
+        elif isinstance(option.default, float):
+            kwargs.update(
+                type=positive_float, default=option.default, help=f"{text} (default: %(default)s)"
+            )
         elif isinstance(option.default, int):
             kwargs.update(type=int, default=option.default, help=f"{text} (default: %(default)s)")
         else:

@@ -32,15 +32,23 @@ MAX_RECORDS_PER_STORE = 64
 MAX_EXPIRATION = float(2**53)
 HTTP_SCHEMES = ("http", "https")
 _MEM_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# A relayed peer's address: its relay's URL, then this path (see dht/relay_server.py).
+_RELAYED_PATH = re.compile(r"/v2/relay/[0-9a-f]{64}")
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 
+def is_relayed_path(path: str) -> bool:
+    """Whether ``path`` is the path part of a relayed peer's address (``/v2/relay/{peer id}``)."""
+    return _RELAYED_PATH.fullmatch(path) is not None
+
+
 def parse_address(text: object, schemes: tuple[str, ...] = HTTP_SCHEMES) -> str:
-    """``text`` if it is a node URL: ``scheme://host:port`` with nothing else.
+    """``text`` if it is a node URL: ``scheme://host:port`` with nothing else, or a relayed
+    peer's address ``scheme://host:port/v2/relay/{peer id}`` (64 lowercase hex).
 
     The host is an IP address (IPv6 in brackets) or a DNS name; the port is 1..65535; a
-    user, path, query or fragment is refused. The in-memory transport's ``mem://N`` is accepted
-    when ``schemes`` includes ``mem``.
+    user, query, fragment or any other path is refused. The in-memory transport's ``mem://N``
+    is accepted when ``schemes`` includes ``mem``.
 
     Raises:
         BadMessageError: it is not.
@@ -63,8 +71,12 @@ def _parse_address(text: str, schemes: tuple[str, ...]) -> str:
         if not _MEM_NAME.fullmatch(parts.netloc) or parts.path or parts.query or parts.fragment:
             raise BadMessageError("address must be mem://NAME")
         return text
-    if parts.username is not None or parts.path or parts.query or parts.fragment:
-        raise BadMessageError("address must be scheme://host:port and nothing else")
+    path_ok = not parts.path or is_relayed_path(parts.path)
+    if parts.username is not None or not path_ok or parts.query or parts.fragment:
+        raise BadMessageError(
+            "address must be scheme://host:port (or scheme://host:port/v2/relay/PEER_ID) "
+            "and nothing else"
+        )
     if port is None or not 0 < port <= 65535:
         raise BadMessageError("address must name a port in 1..65535")
     host = parts.hostname or ""

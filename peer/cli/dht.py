@@ -11,7 +11,7 @@ import sys
 from dht.errors import ConfigError
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity, short_id
-from dht.options import add_network_args, peer_url, positive_int, read_swarm_key
+from dht.options import NETWORK_OPTIONS, add_network_args, peer_url, positive_int, read_swarm_key
 
 
 def transport_config(args: argparse.Namespace, *, client_mode: bool = False) -> TransportConfig:
@@ -24,6 +24,10 @@ def transport_config(args: argparse.Namespace, *, client_mode: bool = False) -> 
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         tls_ca_file=args.tls_ca,
+        relay_enabled=not getattr(args, "no_relay", False),
+        max_relayed_bytes_per_s=getattr(
+            args, "max_relayed_bytes_per_s", NETWORK_OPTIONS["max_relayed_bytes_per_s"].default
+        ),
     )
 
 

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from dht.identity import is_peer_id
+from dht.schema import is_relayed_path
 from dht.validation import subkey_owner
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 def check_peer_url(url: str) -> str:
-    """``url`` if it is ``http(s)://host:port`` (an optional ``/`` at the end, nothing else).
+    """``url`` if it is ``http(s)://host:port`` (an optional ``/`` at the end, nothing else) or
+    a relayed peer's ``http(s)://host:port/v2/relay/{peer id}``.
 
     Raises:
         ValueError: it is not.
@@ -58,8 +60,10 @@ def check_peer_url(url: str) -> str:
         raise ValueError(f"not a URL: {e}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
         raise ValueError("an address is http(s)://host:port")
-    if parts.username or parts.password or parts.path not in ("", "/"):
-        raise ValueError("an address has no user, password or path")
+    if parts.username or parts.password:
+        raise ValueError("an address has no user or password")
+    if parts.path not in ("", "/") and not is_relayed_path(parts.path):
+        raise ValueError("an address has no path but a relayed peer's /v2/relay/PEER_ID")
     if parts.query or parts.fragment or port == 0:
         raise ValueError("an address has no query or fragment, and a port above 0")
     return url

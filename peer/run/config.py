@@ -64,6 +64,20 @@ class PeerConfig(BaseModel):
     client_mode: bool = Field(False, description="run no server (behind NAT); still contributes")
     identity: Path | None = Field(None, description=NET["identity"].help)
     swarm_key_file: Path | None = Field(None, description=NET["swarm_key_file"].help)
+    relay: bool = Field(
+        True, description="relay for peers others cannot reach (--no-relay: for no one)"
+    )
+    relay_via: list[str] = Field(
+        default_factory=list,
+        description="be reached through the first of these relays (URLs of reachable peers, "
+        "repeatable) that accepts, and through the next when it dies: for a peer behind NAT; "
+        "it averages as a client",
+    )
+    max_relayed_bytes_per_s: float = Field(
+        NET["max_relayed_bytes_per_s"].default,
+        gt=0,
+        description=NET["max_relayed_bytes_per_s"].help,
+    )
     # training
     target_batch_size: int = Field(2048, gt=0, description="samples the swarm gathers per epoch")
     lr: float = Field(1e-3, gt=0, description="learning rate of the optimizer")
@@ -151,6 +165,8 @@ class PeerConfig(BaseModel):
         self.lr_schedule_fn()  # raises ConfigError naming the option
         if self.delay_update and self.mode != "grad":
             raise ConfigError(f"--delay-update needs --mode grad, not {self.mode}")
+        if self.relay_via and (self.client_mode or self.backend != "native"):
+            raise ConfigError("--relay-via needs the native backend and no --client-mode")
         return self
 
     def lr_schedule_fn(self) -> LRSchedule | None:
@@ -167,6 +183,11 @@ class PeerConfig(BaseModel):
     def _urls(cls, urls: list[str], info: ValidationInfo) -> list[str]:
         if info.data.get("backend") == "hivemind":
             return urls  # libp2p multiaddrs (/ip4/.../p2p/...); the hivemind backend checks them
+        return [peer_url(url) for url in urls]
+
+    @field_validator("relay_via")
+    @classmethod
+    def _relay_urls(cls, urls: list[str]) -> list[str]:
         return [peer_url(url) for url in urls]
 
     @field_validator("task_option")
@@ -192,6 +213,8 @@ class PeerConfig(BaseModel):
             announce_host=self.announce_host,
             client_mode=self.client_mode,
             swarm_key=self.swarm_key(),
+            relay_enabled=self.relay,
+            max_relayed_bytes_per_s=self.max_relayed_bytes_per_s,
         )
 
     def dht_config(self) -> DHTConfig:

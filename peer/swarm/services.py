@@ -79,6 +79,8 @@ async def open_services(
             add_routes(transport)
         if owns_node:
             await stack.enter_async_context(transport)
+            if config.relay_via:  # before the node starts: it joins under its relayed address
+                await transport.attach_relay(config.relay_via)
             await stack.enter_async_context(node)
         await stack.enter_async_context(state_server)
         await tracker.refresh()

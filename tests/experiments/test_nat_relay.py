@@ -1,0 +1,122 @@
+"""A peer behind a real NAT (a masquerading router namespace) is reached through a relay: nobody
+can dial its server, yet RPCs and full-duplex streams reach it, proven end to end. Needs root,
+iproute2, nftables and /dev/net/tun; CI runs as root."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pyroute2 import netns
+
+from dht.errors import RequestTimeoutError, TransportError
+from dht.http import HttpTransport
+from dht.http_config import TransportConfig
+from dht.identity import PeerIdentity
+from experiments.launch_base import ProcessPlan
+from experiments.launch_netns import NetnsSession, address_of
+from experiments.netns_links import LAN_PEER_ADDRESS
+from tests.dht.test_relay import Reached
+from tests.dht.test_transport import echo, halve, roundtrip
+from tests.experiments.test_nat import PORT, _in, _network
+
+pytestmark = pytest.mark.timeout(120)
+if os.geteuid() != 0 or shutil.which("nft") is None or not os.path.exists("/dev/net/tun"):
+    pytestmark = [pytestmark, pytest.mark.skip(reason="needs root, nftables and /dev/net/tun")]
+
+
+class RelayedPeer:
+    """A relayed peer's transport on its own event loop, in a thread inside ``namespace``."""
+
+    def __init__(self, namespace: str, relay_url: str):
+        self._namespace, self._relay_url = namespace, relay_url
+        self._out: queue.Queue = queue.Queue()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._main)
+
+    def start(self, timeout_s: float = 30) -> tuple[str, str, str]:
+        """Start; (relayed address, peer id, the server's own URL)."""
+        self._thread.start()
+        result = self._out.get(timeout=timeout_s)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+
+    def _main(self) -> None:
+        try:
+            netns.setns(self._namespace, flags=0)
+            asyncio.run(self._serve())
+        except BaseException as e:
+            self._out.put(e)
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        config = TransportConfig(host=LAN_PEER_ADDRESS, port=0, relay_heartbeat_s=2.0)
+        async with HttpTransport(PeerIdentity.generate(), config) as transport:
+            transport.add_rpc_handler("echo", echo)
+            transport.add_stream_handler("halve", halve)
+            own_url = transport.address
+            address = await transport.attach_relay([self._relay_url])
+            self._out.put((address, transport.peer_id, own_url))
+            await self._stop.wait()
+
+
+async def call_through(address: str, peer_id: str, own_url: str) -> dict:
+    config = TransportConfig(client_mode=True, request_timeout_s=5.0, connect_timeout_s=3.0)
+    async with HttpTransport(PeerIdentity.generate(), config) as caller:
+        answer = await caller.call(address, "echo", {"hi": 1}, expected_peer=peer_id)
+        values = np.random.default_rng(4).standard_normal(1_000_003).astype(np.float32)
+        out = await roundtrip(caller, Reached(caller, address), values)
+        try:
+            await caller.call(own_url, "echo", 1, timeout_s=3)
+            direct = "reached"
+        except (RequestTimeoutError, TransportError) as e:
+            direct = type(e).__name__
+        return {
+            "answer": answer,
+            "exact": bool(np.array_equal(out, values * np.float32(0.5))),
+            "caller": caller.peer_id,
+            "direct": direct,
+        }
+
+
+def test_a_peer_behind_nat_is_reached_through_a_relay(tmp_path: Path):
+    prefix = f"vpx-r{os.getpid()}"
+    with NetnsSession(tmp_path, prefix, 2, _network(), emulator="linkemu") as session:
+        reachable, home = session.namespaces
+        relay_plan = ProcessPlan(
+            name="relay", args=["-m", "peer", "dht", "--port", str(PORT)], index=0, metrics=False
+        )
+        relay = session.start(relay_plan)
+        relay_url = f"http://{address_of(0)}:{PORT}"
+        out_file = tmp_path / "relay.out"
+        deadline = time.monotonic() + 30
+        while relay_url not in (out_file.read_text() if out_file.exists() else ""):
+            assert time.monotonic() < deadline and relay.process.poll() is None, "relay died"
+            time.sleep(0.05)
+        peer = RelayedPeer(home, relay_url)
+        address, peer_id, own_url = peer.start()
+        try:
+            assert own_url.startswith(f"http://{LAN_PEER_ADDRESS}:")
+            assert address == f"{relay_url}/v2/relay/{peer_id}"
+            got = _in(reachable, lambda: asyncio.run(call_through(address, peer_id, own_url)))
+        finally:
+            peer.stop()
+            relay.process.kill()
+            relay.process.wait(timeout=10)
+    assert got["answer"] == {"payload": {"hi": 1}, "sender": got["caller"]}
+    assert got["exact"]
+    assert got["direct"] != "reached"  # its own server cannot be dialled from outside
