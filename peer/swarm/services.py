@@ -13,6 +13,7 @@ from averaging.averager import DecentralizedAverager
 from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.node import DHTNode
+from dht.reachability import settle_reachability
 from peer.run.config import PeerConfig
 from peer.swarm.progress import ProgressTracker
 from peer.swarm.state_sync import StateServer
@@ -43,6 +44,10 @@ async def open_services(
     node: DHTNode | None = None,
 ) -> SwarmServices:
     """Start everything (handlers are registered before the transport starts serving).
+
+    A node of its own asks its initial peers to dial it back before the DHT node starts
+    (:func:`dht.reachability.settle_reachability`): one nobody can dial runs in client mode
+    from then on; ``transport.reachability`` says what it learned.
 
     Args:
         config: the peer's settings.
@@ -79,6 +84,10 @@ async def open_services(
             add_routes(transport)
         if owns_node:
             await stack.enter_async_context(transport)
+            # before the node announces anything: who cannot be dialled becomes a client here
+            await settle_reachability(
+                transport, config.initial_peers, transport.config.reachability
+            )
             await stack.enter_async_context(node)
         await stack.enter_async_context(state_server)
         await tracker.refresh()
