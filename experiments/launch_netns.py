@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
 import secrets
 import shutil
@@ -205,8 +206,11 @@ class NetnsSession(Session):
         namespace = self.namespace_of(plan)
         command = [python(), *plan.args]
         if plan.listens:
-            # behind a NAT too: the peer finds by itself that nobody can dial it (dial-back)
+            # behind a NAT a native peer finds by itself that nobody can dial it (dial-back);
+            # the hivemind backend has no such check: it is told
             command += ["--host", self.listen_address(plan.index)]
+            if plan.index in self.routers and _runs_hivemind(plan.args):
+                command.append("--client-mode")
         if plan.metrics:
             command += ["--metrics-file", str(self.run_dir / f"{plan.name}.jsonl")]
         command = pinned(command, plan.cpus)
@@ -227,6 +231,10 @@ class NetnsSession(Session):
                 link.close()
             for name in [*self.namespaces, *self.routers.values(), self.hub]:
                 delete_namespace(name)
+
+
+def _runs_hivemind(args: list[str]) -> bool:
+    return any(a == "--backend" and b == "hivemind" for a, b in itertools.pairwise(args))
 
 
 class NetnsLauncher(Launcher):
