@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 DIAL_BACK = "dial_back"
 RELAY_PATH = "/v2/relay/"  # a relayed peer's address: {relay base URL}/v2/relay/{peer id}
 _RETRY_S = 0.25  # pause before asking a peer again whose connection failed (still starting)
+_BUSY_RETRY_S = 1.0  # pause before asking a peer again that said it is busy (429)
 
 Path = Literal["direct", "relayed", "client"]
 
@@ -158,7 +159,7 @@ class DialBackService:
 
     async def handle(self, ctx: RequestContext, payload: Any) -> dict:
         request = parse(DialBackRequest, payload)
-        host = ctx.remote_host
+        host = _plain_ip(ctx.remote_host)
         if not host:
             return {"reachable": False, "observed_host": ""}
         if not self.rates.allow(host):
@@ -184,6 +185,16 @@ class DialBackService:
             logger.debug("dial-back to %s for %s failed: %s", address, sender[:8], e)
             return False
         return True
+
+
+def _plain_ip(host: str) -> str:
+    """``host`` with an IPv4-mapped IPv6 address (a dual-stack listener's) as plain IPv4."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return ""
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped or ip)
 
 
 # ---- the joining side: asking ------------------------------------------------------------------
@@ -261,14 +272,14 @@ async def _ask(
                 return None
             payload = await transport.call(peer, DIAL_BACK, request, timeout_s=timeout_s)
             answer = parse(DialBackAnswer, payload)
-        except RemoteError as e:
-            logger.info("peer %s refused a dial-back: %s", peer, e)
-            return None
-        except TransportError as e:
-            if time.monotonic() + _RETRY_S >= deadline_s:
+        except (RemoteError, TransportError) as e:
+            # busy (429: many peers joining from one address at once) or not up yet: again
+            retry = not isinstance(e, RemoteError) or e.status == 429
+            pause_s = _BUSY_RETRY_S if isinstance(e, RemoteError) else _RETRY_S
+            if not retry or time.monotonic() + pause_s >= deadline_s:
                 logger.info("no dial-back from %s: %s", peer, e)
                 return None
-            await asyncio.sleep(_RETRY_S)
+            await asyncio.sleep(pause_s)
             continue
         except DHTError as e:  # a malformed answer
             logger.warning("peer %s answered a dial-back wrongly: %s", peer, e)

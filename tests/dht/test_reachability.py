@@ -7,6 +7,7 @@ behind a NAT or a firewall. The NAT itself is in tests/experiments/test_nat_swar
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -136,6 +137,19 @@ async def test_dial_backs_are_rate_limited_per_source_address():
         reach = await check_reachability(b, [boot.address], FAST)
         assert reach.reachable is None and reach.address == b.address
         assert "none of the peers asked answered" in reachability_line(reach)
+
+
+async def test_a_joiner_told_busy_asks_again_within_its_check_timeout():
+    # many peers joining from one address at once (a demo on loopback, a shared NAT)
+    busy = ReachabilityConfig(max_dial_backs_per_s_per_address=0.5, dial_back_burst=1)
+    config = TransportConfig(reachability=busy)
+    async with transports(config, TransportConfig(), TransportConfig()) as (boot, a, b):
+        first, second = await asyncio.gather(
+            check_reachability(a, [boot.address], FAST),
+            check_reachability(b, [boot.address], FAST),
+        )
+        assert first.reachable is True and second.reachable is True
+        assert boot.dial_back.num_served == 2 and boot.server.num_refused >= 1  # told 429
 
 
 async def test_a_liar_saying_reachable_without_dialling_is_not_believed(caplog):
