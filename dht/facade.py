@@ -10,6 +10,7 @@ from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
 from dht.node import DHTNode
+from dht.reachability import Reachability
 from dht.runtime import EventLoopThread
 from dht.storage import ValueWithExpiration
 
@@ -26,6 +27,8 @@ class DHT:
         dht_config: bootstrap peers and DHT parameters.
         loop_thread: the process's event-loop thread; one is created (and owned) when None.
         call_timeout_s: bound on each blocking call (start, store, get, close), in seconds.
+        check_reachability: ask the initial peers to dial this node back when starting; one
+            nobody can dial runs in client mode (see :mod:`dht.reachability`).
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class DHT:
         dht_config: DHTConfig,
         loop_thread: EventLoopThread | None = None,
         call_timeout_s: float = 60.0,
+        check_reachability: bool = False,
     ):
         self._owns_loop = loop_thread is None
         self.loop_thread = loop_thread or EventLoopThread(name="vp-dht")
@@ -44,7 +48,14 @@ class DHT:
         self._closed = False
         try:
             self.node: DHTNode = self._run(
-                self._stack.enter_async_context(open_node(identity, transport_config, dht_config))
+                self._stack.enter_async_context(
+                    open_node(
+                        identity,
+                        transport_config,
+                        dht_config,
+                        check_reachability=check_reachability,
+                    )
+                )
             )
         except BaseException:
             if self._owns_loop:
@@ -61,6 +72,11 @@ class DHT:
     @property
     def address(self) -> str | None:
         return self.node.address
+
+    @property
+    def reachability(self) -> Reachability | None:
+        """What the reachability check found (None when not checked)."""
+        return getattr(self.node.transport, "reachability", None)
 
     def store(self, key, value: Any, expiration_time: float, subkey=None) -> bool:
         """Store ``value`` until ``expiration_time`` (unix seconds); True if a replica took it."""

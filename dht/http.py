@@ -33,6 +33,7 @@ from dht.http_limits import ConnectionGate
 from dht.http_server import HTTP_PARSER_LOGGER, HttpGetHandler, HttpServer, Refused, status_of
 from dht.http_streams import ClientStream
 from dht.identity import PeerIdentity
+from dht.reachability import DIAL_BACK, DialBackService, Reachability
 from dht.relay_client import AddressListener, Candidates, RelayTunnel
 from dht.relay_server import RelayService
 from dht.session import digest
@@ -69,6 +70,10 @@ class HttpTransport:
         self.relay: RelayService | None = None
         self._tunnel: RelayTunnel | None = None
         self._closed = False
+        # set by dht.reachability.settle_reachability once the swarm was asked
+        self.reachability: Reachability | None = None
+        self.dial_back = DialBackService(self, config.reachability)
+        self._rpc_handlers[DIAL_BACK] = self.dial_back.handle
 
     @property
     def address(self) -> str | None:
@@ -224,6 +229,47 @@ class HttpTransport:
         port = self._runner.addresses[0][1]
         scheme = "https" if server_ssl else "http"
         self._address = f"{scheme}://{cfg.announced_host()}:{port}"
+
+    async def stop_serving(self) -> None:
+        """Close the server and drop the address (client mode from here); the client session
+        stays. For a node that learned nobody can dial it (:mod:`dht.reachability`)."""
+        runner, self._runner, self.server, self.gate = self._runner, None, None, None
+        self._address = None
+        if runner is not None:
+            await runner.cleanup()
+
+    def announce_host(self, host: str) -> None:
+        """Announce ``host`` (an IP address others saw this node at) instead of the configured
+        one; the port and scheme stay."""
+        if self._address is None:
+            raise TransportError("announce_host: this node serves nothing")
+        scheme, _, rest = self._address.partition("://")
+        port = rest.rsplit(":", 1)[1]
+        url_host = f"[{host}]" if ":" in host else host
+        self._address = f"{scheme}://{url_host}:{port}"
+
+    def hello_seen_since(self, peer_id: str, since_s: float) -> bool:
+        """Whether ``peer_id`` made a session with this node's server at or after ``since_s``
+        (monotonic seconds); False when not serving."""
+        return self.server is not None and self.server.hello_seen_since(peer_id, since_s)
+
+    async def dial(self, address: str, *, expected_peer: str, timeout_s: float) -> None:
+        """Make a fresh handshake with ``address`` (no cached session is used, none is kept)
+        and check that ``expected_peer`` proves itself there.
+
+        Raises:
+            WrongPeerError: another peer answers there.
+            RequestTimeoutError, RemoteError, TransportError: the handshake failed.
+        """
+        if self._session is None or self._session.closed:
+            raise TransportError("transport is not started or already closed")
+        fresh = ClientSessions(
+            self.identity, swarm_key=self.config.swarm_key, limits=self.limits, max_sessions=1
+        )
+        try:
+            await fresh.get(self._session, address, timeout_s=timeout_s, expected=expected_peer)
+        finally:
+            await fresh.close()
 
     async def close(self) -> None:
         """Stop serving and close the client session; safe to call twice."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dht.errors import ConfigError
+from dht.reachability import ReachabilityConfig
 from dht.wire import MessageLimits
 
 
@@ -21,6 +22,7 @@ class TransportConfig:
         announce_host: host others should use to reach this node; defaults to ``host``, or to
             the address of the default route's interface when ``host`` is a wildcard.
         client_mode: run no server (a peer behind NAT); it can still call others.
+        reachability: how this node answers dial-backs and checks its own reachability.
         swarm_key: shared secret; when set, only members can make a session (the handshake
             carries an HMAC under it and it salts every session key) and stream frames carry
             tags. Identity is proven with or without it.
@@ -75,6 +77,7 @@ class TransportConfig:
     port: int = 0
     announce_host: str | None = None
     client_mode: bool = False
+    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
     swarm_key: bytes | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None

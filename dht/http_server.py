@@ -16,6 +16,7 @@ import inspect
 import logging
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _STATUS_OF = {BadMessageError: 400, AuthError: 401, ValidationError: 422, BusyError: 429}
 _HEX = re.compile(r"[0-9a-f]+")
+MAX_REMEMBERED_HELLOS = 4096  # peers whose last hello time is kept (for dial-back proofs)
 # A plain GET route: returns (content type, body), directly or awaited.
 HttpGetHandler = Callable[[], tuple[str, bytes] | Awaitable[tuple[str, bytes]]]
 
@@ -159,9 +161,17 @@ class HttpServer:
         )
         self.num_refused = 0
         self._last_log_s: dict[int, float] = {}
+        # peer id -> monotonic time of its last accepted hello (a dial-back's proof, see
+        # dht.reachability); bounded, the oldest forgotten first
+        self._hello_times: OrderedDict[str, float] = OrderedDict()
         # Set while this node is relayed (dht.relay_client): its tunnel's local requests carry
         # it, so they are known to come through the relay and not from this host.
         self.tunnel_token: str | None = None
+
+    def hello_seen_since(self, peer_id: str, since_s: float) -> bool:
+        """Whether ``peer_id`` made a session with this server at or after ``since_s``
+        (monotonic seconds)."""
+        return self._hello_times.get(peer_id, -float("inf")) >= since_s
 
     def source_host(self, request: web.Request) -> str:
         """The source IP of a request; "" for one that came through this node's relay tunnel
@@ -281,6 +291,10 @@ class HttpServer:
             reply = self.issuer.answer(hello)
         except DHTError as e:
             raise Refused(status_of(e), str(e)) from None
+        self._hello_times.pop(hello.peer, None)
+        self._hello_times[hello.peer] = time.monotonic()
+        while len(self._hello_times) > MAX_REMEMBERED_HELLOS:
+            self._hello_times.popitem(last=False)
         return web.Response(body=pack(reply.to_wire()), content_type=MSGPACK)
 
     async def _handle_rpc(self, request: web.Request) -> web.Response:

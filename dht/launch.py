@@ -10,14 +10,28 @@ from dht.http import HttpTransport
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.node import DHTNode
+from dht.reachability import settle_reachability
 
 
 @asynccontextmanager
 async def open_node(
-    identity: PeerIdentity, transport_config: TransportConfig, dht_config: DHTConfig
+    identity: PeerIdentity,
+    transport_config: TransportConfig,
+    dht_config: DHTConfig,
+    *,
+    check_reachability: bool = False,
 ) -> AsyncIterator[DHTNode]:
-    """A started, bootstrapped node; closed (node, then transport) on exit."""
+    """A started, bootstrapped node; closed (node, then transport) on exit.
+
+    With ``check_reachability``, the initial peers are asked to dial it back before the node
+    starts, and a node nobody can dial runs in client mode (``node.transport.reachability``).
+    """
     transport = HttpTransport(identity, transport_config)
     node = DHTNode(transport=transport, identity=identity, config=dht_config)
-    async with transport, node:
-        yield node
+    async with transport:
+        if check_reachability:
+            await settle_reachability(
+                transport, dht_config.initial_peers, transport_config.reachability
+            )
+        async with node:
+            yield node

@@ -1,6 +1,7 @@
 """The strict schema of the DHT's RPC bodies: what :mod:`dht.protocol` accepts from the network.
 
-Every request and answer of ``dht.ping``, ``dht.find`` and ``dht.store`` is parsed here before the
+Every request and answer of ``dht.ping``, ``dht.find``, ``dht.store`` and ``dial_back``
+(:mod:`dht.reachability`) is parsed here before the
 node reads a field of it: exact field sets (unknown fields refused), exact types (no int for a
 str, no bool for an int), sizes (ids 20 bytes, peer ids 64 hex characters, signatures 64 bytes,
 subkeys at most :data:`MAX_SUBKEY_BYTES`), finite expirations in range, and node addresses that
@@ -26,6 +27,7 @@ from dht.identity import SIGNATURE_BYTES, is_peer_id
 from dht.routing import ID_BYTES
 
 MAX_ADDRESS_CHARS = 256
+MAX_HOST_CHARS = 64
 MAX_SUBKEY_BYTES = 256
 MAX_RECORDS_PER_STORE = 64
 # Unix seconds as doubles are exact below 2^53; nothing expires that far ahead anyway.
@@ -140,6 +142,23 @@ def _signature(value: Any) -> bytes | None:
     return value
 
 
+def _port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 65535:
+        raise ValueError("must be an int in 1..65535")
+    return value
+
+
+def _ip_or_empty(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > MAX_HOST_CHARS:
+        raise ValueError(f"must be a str of at most {MAX_HOST_CHARS} characters")
+    if value:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError("must be an IP address or empty") from None
+    return value
+
+
 def _bytes(value: Any) -> bytes:
     if not isinstance(value, bytes):
         raise ValueError("must be bytes")
@@ -160,6 +179,8 @@ Expiration = Annotated[float, PlainValidator(_expiration)]
 Signature = Annotated[bytes | None, PlainValidator(_signature)]
 Value = Annotated[bytes, PlainValidator(_bytes)]
 Flag = Annotated[bool, PlainValidator(_bool)]
+Port = Annotated[int, PlainValidator(_port)]
+HostIp = Annotated[str, PlainValidator(_ip_or_empty)]
 StoredItem = tuple[SubkeyField, Value, Expiration, Signature]
 PlainEntry = tuple[Literal["p"], Value, Expiration]
 DictEntry = tuple[Literal["d"], list[StoredItem]]
@@ -200,6 +221,20 @@ class StoreAnswer(_Message):
     peer_id: PeerId
     accepted: list[Flag]
     nodes: dict[PeerId, Address]
+
+
+class DialBackRequest(_Message):
+    """Dial me back at my source IP on ``port`` (``tls``: with HTTPS)."""
+
+    port: Port
+    tls: Flag = False
+
+
+class DialBackAnswer(_Message):
+    """Whether the caller proved itself at ``observed_host:port``; the host it was seen from."""
+
+    reachable: Flag
+    observed_host: HostIp
 
 
 def parse(model: type[_Message], obj: Any, *, max_nodes: int = 40):

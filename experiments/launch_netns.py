@@ -6,7 +6,8 @@ bridge by a veth pair (``eth0`` in the peer, ``v<i>`` in the hub; 10.213.x.y). N
 to the host's own network. Each peer's link is shaped in both directions as its spec says, by
 kernel qdiscs (``tc``: netem + tbf) or, where the kernel lacks ``sch_netem``, by the user-space
 link emulator (:mod:`experiments.linkemu`); a peer with ``nat = true`` sits behind a home router
-namespace ``<prefix>-r<i>`` and runs in client mode. See :mod:`experiments.netns_links`. The
+namespace ``<prefix>-r<i>``, where the dial-back of its bootstrap finds it unreachable and it
+turns to client mode by itself. See :mod:`experiments.netns_links`. The
 baseline runs outside any namespace.
 
 Cleanup is always done: closing a session kills what runs in its namespaces and deletes them
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
 import secrets
 import shutil
@@ -204,9 +206,11 @@ class NetnsSession(Session):
         namespace = self.namespace_of(plan)
         command = [python(), *plan.args]
         if plan.listens:
+            # behind a NAT a native peer finds by itself that nobody can dial it (dial-back);
+            # the hivemind backend has no such check: it is told
             command += ["--host", self.listen_address(plan.index)]
-            if plan.index in self.routers:
-                command.append("--client-mode")  # nobody can dial in: no relay exists yet
+            if plan.index in self.routers and _runs_hivemind(plan.args):
+                command.append("--client-mode")
         if plan.metrics:
             command += ["--metrics-file", str(self.run_dir / f"{plan.name}.jsonl")]
         command = pinned(command, plan.cpus)
@@ -227,6 +231,10 @@ class NetnsSession(Session):
                 link.close()
             for name in [*self.namespaces, *self.routers.values(), self.hub]:
                 delete_namespace(name)
+
+
+def _runs_hivemind(args: list[str]) -> bool:
+    return any(a == "--backend" and b == "hivemind" for a, b in itertools.pairwise(args))
 
 
 class NetnsLauncher(Launcher):

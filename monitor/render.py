@@ -35,7 +35,12 @@ _ALERT_STYLE = {"info": ("•", "cyan"), "warning": ("▲", "yellow"), "error": 
 def _address(peer: PeerView) -> str:
     if peer.address is None:
         return "client"
+    if peer.path == "relayed":  # {relay}/v2/relay/{peer id}: the relay is what says something
+        return "via " + peer.address.split("://", 1)[-1].split("/", 1)[0]
     return peer.address.split("://", 1)[-1]
+
+
+_PATH_STYLE = {"direct": "", "relayed": "yellow", "client": "cyan"}
 
 
 # ---- header ------------------------------------------------------------------------------------
@@ -44,11 +49,13 @@ def _address(peer: PeerView) -> str:
 def render_header(view: SwarmView, width: int, *, wide: bool) -> RenderableType:
     """Two lines: the run at a glance, and the epoch's progress toward the target batch size."""
     title = Text("Volunteer Peer · " if wide else "", style="bold")
-    clients = f" ({view.num_clients} client{'s' * (view.num_clients != 1)})"
+    kinds = [f"{view.num_clients} client{'s' * (view.num_clients != 1)}"] * bool(view.num_clients)
+    kinds += [f"{view.num_relayed} relayed"] * bool(view.num_relayed)
+    kinds_text = f" ({', '.join(kinds)})" if kinds else ""
     title.append(f"run {view.run_id}", style="bold")
     title.append(
         f" · epoch {view.epoch} · {view.num_peers} peers"
-        f"{clients if view.num_clients else ''} · {fmt_count(view.samples_per_s)} samples/s · "
+        f"{kinds_text} · {fmt_count(view.samples_per_s)} samples/s · "
         f"{view.num_rounds} rounds, {view.num_failed_rounds} failed"
     )
     if wide and view.loss is not None:
@@ -84,7 +91,8 @@ def render_peers(view: SwarmView, max_rows: int | None, *, wide: bool) -> Table:
     ``wide``)."""
     table = Table(box=None, header_style=HEAD, pad_edge=False, padding=(0, 1), expand=wide)
     bar_width = 20 if wide else 10
-    columns = ["peer", "address", "device", "epoch", "smp/s"]
+    # narrow: the address says the path (an address, "via RELAY" or "client")
+    columns = ["peer", "address", *(["path"] if wide else []), "device", "epoch", "smp/s"]
     columns += ["samples", "loss"] if wide else []
     columns += ["data/comp/comm/idle" if wide else "phases", "B/s", "seen"]
     columns += ["cpu", "rss", "notes"] if wide else []
@@ -126,7 +134,9 @@ def _peer_cells(peer: PeerView, view: SwarmView, wide: bool, bar_width: int) -> 
     seen = Text(fmt_seconds(peer.age_s), style="red" if peer.stale else "")
     name = Text(("*" if peer.local else "") + peer.short_id)
     sent = (profile.sent_bytes_per_s + profile.recv_bytes_per_s) if profile else math.nan
-    cells = [name, _address(peer), profile.device if profile else "-", epoch, rate]
+    cells = [name, _address(peer)]
+    cells += [Text(peer.path, style=_PATH_STYLE[peer.path])] if wide else []
+    cells += [profile.device if profile else "-", epoch, rate]
     if wide:
         loss = profile.loss if profile and profile.loss is not None else None
         cells += [f"{peer.samples:,}", "-" if loss is None else f"{loss:.3f}"]

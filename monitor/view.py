@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from dht.identity import short_id
+from dht.reachability import Path, path_of
 from peer.records.profile import ProfileRecord
 from peer.records.rounds import RoundLogRecord
 
@@ -17,7 +18,7 @@ class PeerView:
 
     Attributes:
         peer_id: its id.
-        address: the URL it serves on, or None (client mode).
+        address: the URL it serves on (a relay's for a relayed peer), or None (client mode).
         epoch: its epoch; samples: samples accumulated in it; samples_per_s: its rate.
         age_s: seconds since its progress record was published (its "last seen").
         profile: its profile summary, if it publishes one.
@@ -51,6 +52,12 @@ class PeerView:
     @property
     def client_mode(self) -> bool:
         return self.address is None
+
+    @property
+    def path(self) -> Path:
+        """How the swarm reaches it: ``direct``, ``relayed`` (its address is a relay's) or
+        ``client`` (not at all: no address)."""
+        return path_of(self.address)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +160,10 @@ class SwarmView:
     @property
     def num_clients(self) -> int:
         return sum(peer.client_mode for peer in self.peers)
+
+    @property
+    def num_relayed(self) -> int:
+        return sum(peer.path == "relayed" for peer in self.peers)
 
     @property
     def progress_fraction(self) -> float | None:

@@ -19,6 +19,7 @@ from dht.facade import DHT as BlockingDHT
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.options import peer_url, read_swarm_key
+from dht.reachability import Reachability
 from dht.storage import ValueWithExpiration
 from peer.api.errors import UNSUPPORTED_DHT, reject_unsupported
 
@@ -68,7 +69,8 @@ class DHT:
         swarm_key: shared secret of a private swarm (bytes or str); default: the environment's
             ``VP_SWARM_KEY``, else an open swarm.
         client_mode: run no server (behind a NAT): this peer calls others, nobody calls it.
-            None means False, as in hivemind.
+            None means False, as in hivemind; a peer that its initial peers cannot dial back
+            turns to client mode by itself (see :attr:`reachability`).
         start: must be True (hivemind's default use); this DHT starts when constructed.
         host_maddrs: hivemind's way to say ``host``/``port``: ``["/ip4/0.0.0.0/tcp/0"]``.
         announce_maddrs: hivemind's way to say ``announce_host``.
@@ -133,9 +135,11 @@ class DHT:
             transport_config=transport_config,
             dht_config=DHTConfig(initial_peers=tuple(urls)),
             call_timeout_s=START_TIMEOUT_S,
+            check_reachability=True,
         )
         self.initial_peers = urls
-        self.client_mode = bool(client_mode)
+        # a peer nobody could dial back runs in client mode, whatever was asked
+        self.client_mode = bool(client_mode) or self._facade.address is None
         self._alive = True
         self.attached_run: str | None = None  # the run of the Optimizer using this DHT
 
@@ -150,6 +154,13 @@ class DHT:
     def address(self) -> str | None:
         """The URL this peer serves on; None in client mode."""
         return self._facade.address
+
+    @property
+    def reachability(self) -> Reachability | None:
+        """Whether the swarm can dial this peer, as its initial peers found when it started
+        (``reachable``: True, False, or None when not checked; ``address``; ``observed_host``);
+        a peer found not reachable runs in client mode (:attr:`client_mode` is then True)."""
+        return self._facade.reachability
 
     @property
     def urls(self) -> list[str]:

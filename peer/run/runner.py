@@ -17,6 +17,7 @@ import threading
 import time
 
 from dht.identity import PeerIdentity, short_id
+from dht.reachability import Reachability, reachability_line
 from dht.runtime import EventLoopThread
 from peer.profiling.profiler import StepProgress
 from peer.profiling.prometheus import PeerMetrics
@@ -104,6 +105,12 @@ class PeerRun(RunSkeleton):
     def address(self) -> str | None:
         return self.services.transport.address if self.services else None
 
+    @property
+    def reachability(self) -> Reachability:
+        """What the peer learned at join about how the swarm reaches it."""
+        found = self.services.transport.reachability if self.services else None
+        return found or Reachability(reachable=None, address=self.address, reason="not checked")
+
     def start(self) -> None:
         """Join the swarm: start the services, then resume or download the state."""
         self.trainer.start_data()  # fork loader workers before the network thread exists
@@ -123,6 +130,7 @@ class PeerRun(RunSkeleton):
             self.config.run_id,
             self.address or "nothing (client mode)",
         )
+        logger.info("%s", reachability_line(self.reachability))
         self.state = StateCatchUp(
             self.config,
             trainer=self.trainer,

@@ -13,6 +13,7 @@ from averaging.averager import DecentralizedAverager
 from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.node import DHTNode
+from dht.reachability import settle_reachability
 from peer.run.config import PeerConfig
 from peer.swarm.progress import ProgressTracker
 from peer.swarm.state_sync import StateServer
@@ -43,6 +44,10 @@ async def open_services(
     node: DHTNode | None = None,
 ) -> SwarmServices:
     """Start everything (handlers are registered before the transport starts serving).
+
+    A node of its own asks its initial peers to dial it back before the DHT node starts
+    (:func:`dht.reachability.settle_reachability`): one nobody can dial runs in client mode
+    from then on; ``transport.reachability`` says what it learned.
 
     Args:
         config: the peer's settings.
@@ -81,6 +86,13 @@ async def open_services(
             await stack.enter_async_context(transport)
             if config.relay_via:  # before the node starts: it joins under its relayed address
                 await transport.attach_relay(config.relay_via)
+            else:  # who cannot be dialled is relayed by an initial peer, or else a client
+                await settle_reachability(
+                    transport,
+                    config.initial_peers,
+                    transport.config.reachability,
+                    relays=config.initial_peers,
+                )
             await stack.enter_async_context(node)
         await stack.enter_async_context(state_server)
         await tracker.refresh()

@@ -87,16 +87,20 @@ def test_a_peer_behind_nat_dials_out_as_its_router_and_nobody_dials_in(tmp_path:
     assert list_namespaces(prefix) == []
 
 
-def test_peers_behind_nat_are_started_in_client_mode(tmp_path: Path):
+def test_peers_behind_nat_listen_on_their_lan_address_and_find_client_mode_themselves(
+    tmp_path: Path,
+):
     prefix = f"vpx-m{os.getpid()}"
     with NetnsSession(tmp_path, prefix, 2, _network(), emulator="linkemu") as session:
-        plans = [
-            ProcessPlan(name=f"peer-{i}", args=["-c", "import sys; print(sys.argv)"], index=i)
-            for i in range(2)
-        ]
+        show = ["-c", "import sys; print(sys.argv)"]
+        plans = [ProcessPlan(name=f"peer-{i}", args=show, index=i) for i in range(2)]
+        plans.append(ProcessPlan(name="hm", args=[*show, "--backend", "hivemind"], index=1))
         handles = [session.start(plan) for plan in plans]
         for handle in handles:
             handle.process.wait(timeout=30)
-        out = [(tmp_path / f"peer-{i}.out").read_text() for i in range(2)]
+        out = [(tmp_path / f"{plan.name}.out").read_text() for plan in plans]
     assert "--client-mode" not in out[0] and address_of(0) in out[0]
-    assert "--client-mode" in out[1] and LAN_PEER_ADDRESS in out[1]
+    # not forced: its own dial-back tells it (tests/experiments/test_nat_swarm.py)
+    assert "--client-mode" not in out[1] and LAN_PEER_ADDRESS in out[1]
+    # the hivemind backend has no dial-back: it is told
+    assert "--client-mode" in out[2] and LAN_PEER_ADDRESS in out[2]

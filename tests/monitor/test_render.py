@@ -128,6 +128,31 @@ def test_160x48_uses_the_width_for_more_columns_a_chart_and_notes(view):
     assert "partial round on a1a1a1a1 (67% averaged, 1 dropped)" in text
 
 
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+def test_each_peer_shows_its_path_direct_relayed_or_client(size):
+    relay = "http://10.0.0.1:9400"
+    peers = dict(sample.PEERS)
+    peers["b2" * 32] = (f"{relay}/v2/relay/{'b2' * 32}", *peers["b2" * 32][1:])
+    builder = ViewBuilder(MonitorConfig(run_id="demo"))
+    view = builder.build(
+        progress=sample.progress(peers=peers),
+        profiles=sample.profiles(peers=peers),
+        rounds=[],
+        now=sample.NOW,
+    )
+    lines = screen(view, *size)
+    assert len(lines) <= size[1] and max(map(len, lines)) <= size[0]
+    assert "4 peers (1 client, 1 relayed)" in lines[0]
+    # the relay's address for a relayed peer, "client" for one with no address
+    assert "via 10.0.0.1:9400" in row_of(lines, "b2b2b2b2")
+    assert "127.0.0.1:40001" in row_of(lines, "a1a1a1a1")
+    assert row_of(lines, "c3c3c3c3").split()[1] == "client"
+    if size[0] >= 160:  # wide: a path column too
+        expected = {"a1": "direct", "b2": "relayed", "c3": "client", "d4": "direct"}
+        for short, path in expected.items():
+            assert row_of(lines, short * 4).split()[2 if short != "b2" else 3] == path
+
+
 def test_the_local_peer_gets_its_own_panel():
     local = "a1" * 32
     view = sample.sample_view(local_peer_id=local)
