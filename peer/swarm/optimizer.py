@@ -50,6 +50,8 @@ from peer.swarm.round import (
 from peer.train.trainer import StepContext
 
 logger = logging.getLogger(__name__)
+# Rounds a newcomer makes at one epoch boundary while it finds no group (see ``_early``).
+MAX_EARLY_ROUNDS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +254,10 @@ class CollaborativeOptimizer:
             result = alone(self.epoch)
         else:
             result = self.averager.average(tensors, **round_args)
+            for _ in range(MAX_EARLY_ROUNDS - 1):
+                if not self._early(result):
+                    break
+                result = self.averager.average(tensors, **round_args)
         self._record(result)
         self.stats.epoch_samples = [*self.stats.epoch_samples[-999:], self.samples]
         with context.clock.phase("optimizer"):
@@ -260,6 +266,20 @@ class CollaborativeOptimizer:
         if result.ok and result.members:
             self.progress.note_round(self.epoch, result.averaged_with)
         return result
+
+    def _early(self, result: RoundResult) -> bool:
+        """Whether a round that found no group was early: this peer has no partners yet (a
+        newcomer) and others are at its epoch. Those others count only their partners' samples
+        toward the target (:mod:`peer.swarm.progress`), so they start their round later than a
+        newcomer that counts everyone's; stepping alone now would put the newcomer an epoch
+        ahead of them, round after round. It looks for their group once more instead (the
+        tensors are untouched: a round that found no group averaged nothing)."""
+        return (
+            result.status == "alone"
+            and not result.members
+            and self._num_at_epoch > 1
+            and not self.progress.partners
+        )
 
     def _next_epoch(self) -> None:
         self.epoch_counter.advance_to(self.epoch + 1)

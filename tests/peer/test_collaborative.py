@@ -50,6 +50,8 @@ class OnePeerSwarm:
             peers=(own,),
         )
 
+    partners = frozenset()
+
     def note_round(self, epoch, peer_ids) -> None:
         pass
 
