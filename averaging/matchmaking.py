@@ -40,7 +40,6 @@ from collections import deque
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from averaging.bounds import check_address
 from averaging.compression import Compression
 from averaging.config import AveragerConfig
 from averaging.errors import ProtocolViolation
@@ -52,12 +51,13 @@ from averaging.search import (
     MatchmakingDHT,
     MatchResult,
     Search,
+    parse_candidates,
     rank_of,
 )
 from dht.config import get_dht_time
 from dht.errors import DHTError
 from dht.identity import is_peer_id
-from dht.validation import owner_subkey, subkey_owner
+from dht.validation import owner_subkey
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,9 +75,13 @@ class Matchmaker:
         peer_id: this peer's id.
         prefix: the averager's name (handlers are named after it).
         config: group sizes, bounds and poll intervals.
+        on_arrival: told how long after a search began a partner arrived (a follower's
+            ``wait`` at this leader, or this follower's seat taken), in seconds.
     """
 
-    def __init__(self, *, transport, dht: MatchmakingDHT, peer_id: str, prefix: str, config):
+    def __init__(
+        self, *, transport, dht: MatchmakingDHT, peer_id: str, prefix: str, config, on_arrival
+    ):
         self._transport = transport
         self._dht = dht
         self._peer_id = peer_id
@@ -88,7 +92,8 @@ class Matchmaker:
         self._search: Search | None = None
         self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
         self.partners: frozenset[str] = frozenset()
-        self._leader = Leader(config, lambda: self._search, lambda: self.partners)
+        self._on_arrival = on_arrival
+        self._leader = Leader(config, lambda: self._search, lambda: self.partners, on_arrival)
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
         transport.add_rpc_handler(self._invite_name, self._on_invite)
@@ -126,6 +131,7 @@ class Matchmaker:
         rank = rank_of(key, self._peer_id, settled) if address is not None else CLIENT_RANK
         target = target_group_size or self._config.target_group_size
         search = Search(key, me, numel, compression, loop.time() + timeout_s, rank, target)
+        search.started = loop.time()
         search.strangers_after = loop.time() + timeout_s / 2
         search.lead()
         self._search = search
@@ -248,16 +254,7 @@ class Matchmaker:
                 found = await self._dht.get(search.key, latest=True)
         except (TimeoutError, DHTError):
             return []
-        if found is None or not isinstance(found.value, Mapping):
-            return []
-        candidates = []
-        for subkey, item in found.value.items():
-            owner, value = subkey_owner(subkey), getattr(item, "value", None)
-            if not (is_peer_id(owner) and isinstance(value, Mapping)):
-                continue
-            address, settled = value.get("addr"), value.get("settled") is True
-            if owner != self._peer_id and check_address(address):
-                candidates.append(Candidate(owner, address, rank_of(search.key, owner, settled)))
+        candidates = parse_candidates(found, search.key, self._peer_id)
         logger.debug(
             "read %d candidate(s) under %s in %.1f ms",
             len(candidates),
@@ -313,6 +310,7 @@ class Matchmaker:
             answer = await self._request(search, target, self._join_name, request)
             status = answer.get("status")
             if status == "accepted":
+                self._on_arrival(asyncio.get_running_loop().time() - search.started)
                 return await self._take_seat(search, target)
             if status == "following":
                 search.skip_until[target.peer_id] = (
