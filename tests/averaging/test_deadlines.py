@@ -3,11 +3,18 @@ averagers on loopback whose waits for a vanished peer come from what they measur
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
+import numpy as np
 import pytest
 
 from averaging.config import AveragerConfig
 from averaging.deadlines import MIN_SAMPLES, Deadlines, SampleWindow
 from averaging.errors import ConfigError
+
+from . import test_faults as faults
+from .conftest import exact_mean, make_group, peer_values
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,3 +105,75 @@ def test_fixed_deadlines_are_the_fields():
 def test_bad_bounds_are_refused_naming_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
         AveragerConfig(**changes)
+
+
+# ---- real averagers on loopback --------------------------------------------------------------
+
+NUM_WARM_ROUNDS = 4  # enough samples for every estimate (MIN_SAMPLES per kind and peer)
+
+
+async def test_a_stalled_peer_costs_a_measured_wait_not_the_fixed_bound(
+    make_peers, spawn_peer, tmp_path
+):
+    """A peer that stops mid-round (SIGSTOP: no FIN, as a laptop whose lid closed) is dropped
+    after the sender wait the survivors measured on loopback, far below the fixed 5 s."""
+    vectors = [peer_values(faults.SEED, rank, faults.SIZE) for rank in range(3)]
+    config = AveragerConfig()  # the defaults: adaptive, cold start at the fixed 5 s / 10 s
+    survivors = await make_peers([[vectors[0].copy()], [vectors[1].copy()]], config=config)
+    victim = await spawn_peer(
+        {
+            "seed": faults.SEED,
+            "rank": 2,
+            "size": faults.SIZE,
+            "config": dataclasses.asdict(config),
+            "out": str(tmp_path / "victim.npy"),
+            "fault": {"action": "stop", "on": "send", "after": 3, "round": NUM_WARM_ROUNDS},
+        }
+    )
+    mean_all = exact_mean(vectors, faults.WEIGHTS)
+    for round_index in range(NUM_WARM_ROUNDS + 1):
+        for peer, vector in zip(survivors, vectors, strict=False):
+            peer.tensors[0][:] = vector
+        group = make_group([*survivors, victim], faults.WEIGHTS, chunk_numel=faults.CHUNK)
+        steps = asyncio.gather(*(p.averager.step_in_group(group) for p in survivors))
+        victim.run_group(group)
+        results = await asyncio.wait_for(steps, 60)
+        if round_index == 0:  # nothing measured yet: the configured fields
+            assert results[0].deadlines_s["sender_s"] == config.sender_timeout_s
+        if round_index < NUM_WARM_ROUNDS:
+            assert [r.status for r in results] == ["ok", "ok"], [r.reason for r in results]
+            assert (await victim.result())["status"] == "ok"
+            for peer in survivors:
+                np.testing.assert_allclose(peer.tensors[0], mean_all, rtol=1e-5, atol=1e-6)
+    faults.check_survivors(vectors, survivors, victim, group, results)
+    for result in results:
+        waits = result.deadlines_s
+        # measured on loopback: a second at most (the floor), not the 5 s / 10 s fields
+        assert config.min_deadline_s <= waits["sender_s"] <= 1.0, waits
+        assert waits["reducer_s"] <= 2.0 and waits["group_wait_s"] == waits["sender_s"], waits
+        assert f"sender_timeout_s={waits['sender_s']}" in result.reason, result.reason
+
+
+async def test_a_follower_that_never_comes_costs_a_measured_matchmaking_window(make_swarm):
+    """Three peers average a few rounds; then one does not come. The other two wait for it
+    only as long as partners took to arrive (times the safety factor), not 5 s."""
+    rng = np.random.default_rng(7)
+    vectors = [rng.standard_normal(4_000).astype(np.float32) for _ in range(3)]
+    config = AveragerConfig(target_group_size=3, min_group_size=2)
+    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+    for epoch in range(NUM_WARM_ROUNDS):
+        for peer, vector in zip(peers, vectors, strict=True):
+            peer.tensors[0][:] = vector
+        results = await asyncio.gather(*(p.averager.step(epoch=epoch) for p in peers))
+        assert [r.status for r in results] == ["ok"] * 3, [r.reason for r in results]
+        if epoch == 0:
+            assert results[0].deadlines_s["matchmaking_s"] == config.matchmaking_time_s
+    for peer, vector in zip(peers, vectors, strict=True):
+        peer.tensors[0][:] = vector
+    results = await asyncio.gather(*(p.averager.step(epoch=99) for p in peers[:2]))
+    assert [r.status for r in results] == ["ok"] * 2, [r.reason for r in results]
+    for peer, result in zip(peers, results, strict=False):
+        assert len(result.members) == 2
+        np.testing.assert_allclose(peer.tensors[0], exact_mean(vectors[:2], [1, 1]), rtol=1e-6)
+        window_s = result.deadlines_s["matchmaking_s"]
+        assert config.min_deadline_s <= window_s <= 2.0 < config.matchmaking_time_s, window_s
