@@ -20,8 +20,9 @@ Each is ``safety`` times the 90th percentile of the last samples (at least ``saf
 few RTTs), clamped to ``[min_deadline_s, max_deadline_s]`` (the matchmaking window to
 ``[min_deadline_s, matchmaking_time_s]``: that field stays the user's bound on looking for a
 group). Before enough samples exist, the configured field is the estimate (the cold start). A
-sender or reducer wait is then doubled after each round in a row in which such a wait ran out
-(up to the ceiling): a chunk slower than the cold-start guess costs one partial round, not all.
+sender or reducer wait that ran out doubles for the next round (up to the ceiling), and that
+round's measurements are not learned (Karn's rule: they are the fast survivors); a link slower
+than the cold-start guess costs the first round or two, not every round.
 ``allreduce_timeout_s`` stays a fixed bound on the whole exchange. With
 ``adaptive_deadlines=False`` every wait is its configured field, as before. Durations come
 from the event loop's monotonic clock.
@@ -29,16 +30,18 @@ from the event loop's monotonic clock.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
 
 from averaging.config import AveragerConfig
 
+logger = logging.getLogger(__name__)
+
 NUM_SAMPLES = 64  # recent samples kept per kind: a few rounds' worth
 MIN_SAMPLES = 4  # below this, the configured field is the estimate
 QUANTILE = 0.9
-MAX_BACKOFF = 64.0
 
 SENDER, REDUCER, MATCHMAKING = "sender", "reducer", "matchmaking"
 
@@ -77,9 +80,9 @@ class Deadlines:
         self._config = config
         self._rtt_s = rtt_s
         self._samples = {kind: SampleWindow() for kind in (SENDER, REDUCER, MATCHMAKING)}
-        self._backoff = {SENDER: 1.0, REDUCER: 1.0}
+        self._pending: dict[str, list[float]] = {SENDER: [], REDUCER: []}  # this round's
+        self._backed_off_s = {SENDER: 0.0, REDUCER: 0.0}  # at least this after a wait ran out
         self._ran_out: set[str] = set()
-        self._observed: set[str] = set()
 
     @property
     def adaptive(self) -> bool:
@@ -93,28 +96,41 @@ class Deadlines:
 
     def observe_sender_wait(self, wait_s: float) -> None:
         """As a reducer, a sender's next chunk (or its connection) came after ``wait_s``."""
-        self._samples[SENDER].add(wait_s)
-        self._observed.add(SENDER)
+        self._pending[SENDER].append(wait_s)
 
     def observe_reducer_wait(self, wait_s: float) -> None:
         """As a sender, the reducer's next averaged chunk came after ``wait_s``."""
-        self._samples[REDUCER].add(wait_s)
-        self._observed.add(REDUCER)
+        self._pending[REDUCER].append(wait_s)
 
     def ran_out(self, kind: str) -> None:
         """A ``sender`` or ``reducer`` wait of this round ran out (a drop or a stall)."""
         self._ran_out.add(kind)
 
     def end_round(self) -> None:
-        """Back off the waits that ran out this round; a round of measurements without one
-        brings a wait back to its estimate (as TCP does on a new acknowledgement)."""
-        for kind in self._backoff:
+        """Learn this round's waits, or back off the ones that ran out.
+
+        As in Karn's algorithm for TCP, a round in which a wait ran out teaches nothing about
+        it (what did arrive were the fast ones: the estimate would come out too short); the
+        wait doubles instead, and stays so until a round without a timeout measured it.
+        """
+        waits = {SENDER: self.sender_s, REDUCER: self.reducer_s}
+        for kind, pending in self._pending.items():
             if kind in self._ran_out:
-                self._backoff[kind] = min(MAX_BACKOFF, 2 * self._backoff[kind])
-            elif kind in self._observed:
-                self._backoff[kind] = 1.0
+                self._backed_off_s[kind] = 2 * waits[kind]
+            else:
+                for wait_s in pending:
+                    self._samples[kind].add(wait_s)
+                if pending and len(self._samples[kind]) >= MIN_SAMPLES:
+                    self._backed_off_s[kind] = 0.0
+            pending.clear()
         self._ran_out.clear()
-        self._observed.clear()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "waits now %s; p90 of waits for senders %s, reducers %s, arrivals %s; rtt %s",
+                {k: round(v, 3) for k, v in self.snapshot().items()},
+                *(self._samples[k].quantile(QUANTILE) for k in (SENDER, REDUCER, MATCHMAKING)),
+                self._rtt_s(),
+            )
 
     # ---- deadlines ---------------------------------------------------------------------------
 
@@ -140,7 +156,7 @@ class Deadlines:
         # at most half the ceiling, so that the reducer wait (twice this) stays above it
         high_s = config.max_deadline_s / 2
         estimate = self._estimate(SENDER, config.sender_timeout_s, 2, high_s)
-        return min(high_s, estimate * self._backoff[SENDER])
+        return min(high_s, max(estimate, self._backed_off_s[SENDER]))
 
     @property
     def reducer_s(self) -> float:
@@ -150,7 +166,8 @@ class Deadlines:
             return config.reducer_timeout_s
         high_s = config.max_deadline_s
         estimate = self._estimate(REDUCER, config.reducer_timeout_s, 2, high_s)
-        return min(high_s, max(estimate * self._backoff[REDUCER], 2 * self.sender_s))
+        backed_off_s = self._backed_off_s[REDUCER]
+        return min(high_s, max(estimate, backed_off_s, 2 * self.sender_s))
 
     @property
     def group_wait_s(self) -> float:

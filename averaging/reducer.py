@@ -299,6 +299,8 @@ class PartReducer:
             await stream.reply(REPLY_OK)
             await self._serve_admitted(sender, stream)
         except Exception as e:
+            if isinstance(e, TimeoutError):  # a read or write of ours ran out
+                self._ran_out()
             self.drop(sender.peer_id, describe_failure(e, self._timeout_s))
             raise ProtocolViolation(sender.dropped_reason or str(e)) from e
         finally:
@@ -386,10 +388,13 @@ class PartReducer:
         for chunk in range(self.part.num_chunks):
             payload, num_contributors = await asyncio.shield(self._averaged[chunk])
             nbytes = 0 if payload is None else len(memoryview(payload).cast("B"))
+            start = asyncio.get_running_loop().time()
             async with asyncio.timeout(self._timeout_s):
                 await stream.send(pack_chunk_header(chunk, nbytes, num_contributors))
                 if nbytes:
                     await stream.send(payload)
+            if self._deadlines is not None:  # the sender's link, the other way
+                self._deadlines.observe_sender_wait(asyncio.get_running_loop().time() - start)
             self._worker.stats.bytes_sent += CHUNK_HEADER.size + nbytes
 
     async def close(self) -> None:

@@ -43,6 +43,7 @@ def test_cold_start_uses_the_fields_then_measurements_within_bounds():
         deadlines.observe_sender_wait(0.002)
         deadlines.observe_reducer_wait(0.003)
         deadlines.observe_arrival(0.01)
+    deadlines.end_round()  # a round's waits are learned at its end
     waits = deadlines.snapshot()
     assert waits["sender_s"] == pytest.approx(0.05)  # 4 x 2 ms is below the floor
     assert waits["reducer_s"] == pytest.approx(0.1)  # at least twice the sender wait
@@ -51,6 +52,7 @@ def test_cold_start_uses_the_fields_then_measurements_within_bounds():
     for _ in range(NUM := 20):
         deadlines.observe_sender_wait(7.0)  # a thin link: 7 s per chunk
         deadlines.observe_reducer_wait(14.0)
+    deadlines.end_round()
     assert NUM > MIN_SAMPLES
     waits = deadlines.snapshot()
     assert waits["sender_s"] == pytest.approx(20.0)  # 4 x 7 s, capped at half the ceiling
@@ -63,6 +65,7 @@ def test_rtt_sets_a_floor_and_the_matchmaking_field_a_ceiling():
     for _ in range(MIN_SAMPLES):
         deadlines.observe_sender_wait(0.001)
         deadlines.observe_arrival(0.001)
+    deadlines.end_round()
     assert deadlines.sender_s == pytest.approx(4 * 2 * 0.15)  # two RTTs, times the safety
     assert deadlines.matchmaking_s == pytest.approx(2.0)  # 4 x 4 RTTs = 2.4 s, over the bound
 
@@ -77,9 +80,17 @@ def test_a_wait_that_ran_out_doubles_until_a_round_measures_without_one():
     assert deadlines.sender_s == 20.0
     deadlines.end_round()  # nothing measured: the back-off stays
     assert deadlines.sender_s == 20.0
-    deadlines.observe_sender_wait(0.5)
+    deadlines.observe_sender_wait(0.1)  # the fast survivors of a round that ran out
+    deadlines.ran_out("sender")
     deadlines.end_round()
-    assert deadlines.sender_s == 5.0  # back to the (cold) estimate
+    assert deadlines.sender_s == 40.0  # not learned: doubled again
+    deadlines.observe_sender_wait(2.0)
+    deadlines.end_round()
+    assert deadlines.sender_s == 40.0  # too few samples to trust: still backed off
+    for _ in range(MIN_SAMPLES):
+        deadlines.observe_sender_wait(2.0)
+    deadlines.end_round()
+    assert deadlines.sender_s == 8.0  # back to the estimate, 4 x 2 s
 
 
 def test_fixed_deadlines_are_the_fields():
