@@ -154,8 +154,9 @@ def run_allreduce_bench(
     into a network namespace) and the address it listens on; default: all on 127.0.0.1.
     ``aggregation`` picks the reducers' rule (:mod:`averaging.robust`; the summary says which,
     and ``max_abs_err`` stays against the weighted mean, which a robust rule departs from).
-    With ``include_rounds``, also ``round_details``: per measured round, each peer's status,
-    the checked peer's ``max_abs_err`` and the longest of the peers' waits (``deadlines_s``).
+    ``deadlines_s``: the waits of the last round (the longest over peers; see
+    :mod:`averaging.deadlines`). With ``include_rounds``, also ``round_details``: per measured
+    round, each peer's status, the checked peer's ``max_abs_err`` and its ``deadlines_s``.
 
     Raises:
         ValueError: bad arguments.
@@ -192,6 +193,9 @@ def run_allreduce_bench(
         startup_timeout_s=_STARTUP_TIMEOUT_S,
     )
     summary = _summary(rounds, num_peers, size, compression, include_phases)
+    summary["deadlines_s"] = {
+        k: round(v, 3) for k, v in sorted(_round_detail(rounds[-1])["deadlines_s"].items())
+    }
     if include_rounds:
         summary["round_details"] = [_round_detail(peers) for peers in rounds]
     if config.aggregation.value != "mean":  # an extra field only when asked for
