@@ -87,7 +87,7 @@ class DecentralizedAverager:
                 peer_id=self.peer_id,
                 prefix=prefix,
                 config=self.config,
-                on_arrival=self.deadlines.observe_arrival,
+                deadlines=self.deadlines,
             )
         self._lock = asyncio.Lock()
         self._closed = False

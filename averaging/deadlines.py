@@ -14,7 +14,10 @@ peer saw in its recent rounds:
 * **sender** (a reducer's wait for a sender's next chunk or its connection): the waits it saw;
 * **reducer** (a sender's wait for the next averaged chunk): the waits it saw, and always
   twice the sender wait (a reducer waits out a slow sender before it can answer);
-* **group wait** (a stream early for its group): the sender wait.
+* **group wait** (a stream early for its group): the sender wait;
+* **request** (a matchmaking request to a peer, answered at once: ``join``, ``invite``):
+  ``safety`` times 2 RTTs, at most ``request_timeout_s`` (a leader that stalled costs a
+  follower about a second on loopback, not 5 s).
 
 Each is ``safety`` times the 90th percentile of the last samples (at least ``safety`` times a
 few RTTs), clamped to ``[min_deadline_s, max_deadline_s]`` (the matchmaking window to
@@ -185,6 +188,16 @@ class Deadlines:
         # announce, read, join, wait: four round trips at least
         return self._estimate(MATCHMAKING, config.matchmaking_time_s, 4, config.matchmaking_time_s)
 
+    @property
+    def request_s(self) -> float:
+        """A matchmaking request to a peer (answered at once) is given up after this long."""
+        config = self._config
+        rtt_s = self._rtt_s()
+        if not self.adaptive or rtt_s is None or not math.isfinite(rtt_s):
+            return config.request_timeout_s
+        estimate = max(config.min_deadline_s, 2 * config.deadline_safety * rtt_s)
+        return min(config.request_timeout_s, estimate)
+
     def snapshot(self) -> dict[str, float]:
         """The current waits in seconds, by name (what a round reports)."""
         return {
@@ -192,5 +205,6 @@ class Deadlines:
             "sender_s": self.sender_s,
             "reducer_s": self.reducer_s,
             "group_wait_s": self.group_wait_s,
+            "request_s": self.request_s,
             "allreduce_s": self._config.allreduce_timeout_s,
         }

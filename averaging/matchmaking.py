@@ -75,12 +75,13 @@ class Matchmaker:
         peer_id: this peer's id.
         prefix: the averager's name (handlers are named after it).
         config: group sizes, bounds and poll intervals.
-        on_arrival: told how long after a search began a partner arrived (a follower's
-            ``wait`` at this leader, or this follower's seat taken), in seconds.
+        deadlines: told how long after a search began a partner arrived (a follower's ``wait``
+            at this leader, or this follower's seat taken); gives the bound of a request to a
+            peer (DHT reads and stores stay bounded by ``request_timeout_s``).
     """
 
     def __init__(
-        self, *, transport, dht: MatchmakingDHT, peer_id: str, prefix: str, config, on_arrival
+        self, *, transport, dht: MatchmakingDHT, peer_id: str, prefix: str, config, deadlines
     ):
         self._transport = transport
         self._dht = dht
@@ -92,8 +93,10 @@ class Matchmaker:
         self._search: Search | None = None
         self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
         self.partners: frozenset[str] = frozenset()
-        self._on_arrival = on_arrival
-        self._leader = Leader(config, lambda: self._search, lambda: self.partners, on_arrival)
+        self._deadlines = deadlines
+        self._leader = Leader(
+            config, lambda: self._search, lambda: self.partners, deadlines.observe_arrival
+        )
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
         transport.add_rpc_handler(self._invite_name, self._on_invite)
@@ -176,7 +179,7 @@ class Matchmaker:
         candidates: list[Candidate] | None = None
         while True:
             if search.term is not None and search.term.outcome.done():
-                return self._result_of(search.term.outcome.result())
+                return MatchResult.of(search.term.outcome.result())
             remaining_s = search.deadline - loop.time()
             if remaining_s <= 0:
                 return self._close(search)
@@ -293,11 +296,6 @@ class Matchmaker:
             f"{self._config.min_group_size} formed within the matchmaking time",
         )
 
-    def _result_of(self, outcome: Any) -> MatchResult:
-        if isinstance(outcome, GroupInfo):
-            return MatchResult(outcome)
-        return MatchResult(None, str(outcome))
-
     # ---- following a leader ------------------------------------------------------------------
 
     async def _follow(self, search: Search, leader: Candidate) -> GroupInfo | None:
@@ -310,7 +308,7 @@ class Matchmaker:
             answer = await self._request(search, target, self._join_name, request)
             status = answer.get("status")
             if status == "accepted":
-                self._on_arrival(asyncio.get_running_loop().time() - search.started)
+                self._deadlines.observe_arrival(asyncio.get_running_loop().time() - search.started)
                 return await self._take_seat(search, target)
             if status == "following":
                 search.skip_until[target.peer_id] = (
@@ -400,7 +398,7 @@ class Matchmaker:
     ) -> dict:
         if timeout_s is None:
             remaining_s = search.deadline - asyncio.get_running_loop().time()
-            timeout_s = max(0.001, min(self._config.request_timeout_s, remaining_s))
+            timeout_s = max(0.001, min(self._deadlines.request_s, remaining_s))
         try:
             answer = await self._transport.call(target.address, name, payload, timeout_s=timeout_s)
         except (DHTError, TimeoutError) as e:

@@ -36,7 +36,7 @@ class RoundResult:
         epoch: the epoch whose round this was (-1 when the caller did not say).
         deadlines_s: the waits this round used, in seconds, measured or configured
             (:meth:`averaging.deadlines.Deadlines.snapshot`): ``matchmaking_s``, ``sender_s``,
-            ``reducer_s``, ``group_wait_s``, ``allreduce_s``.
+            ``reducer_s``, ``group_wait_s``, ``request_s``, ``allreduce_s``.
     """
 
     status: RoundStatus

@@ -46,6 +46,11 @@ class MatchResult:
     group: GroupInfo | None
     reason: str = ""
 
+    @classmethod
+    def of(cls, outcome: Any) -> MatchResult:
+        """The result of a leader's term: its group, or why there is none."""
+        return cls(outcome) if isinstance(outcome, GroupInfo) else cls(None, str(outcome))
+
 
 SETTLED, NEWCOMER = b"\x00", b"\x01"
 

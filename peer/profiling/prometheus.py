@@ -14,7 +14,7 @@ Exported (counters end in ``_total``):
 * ``vp_sent_bytes_total``, ``vp_received_bytes_total``: the transport's payload bytes.
 * ``vp_rounds_total``, ``vp_failed_rounds_total``: averaging rounds finished, and failed.
 * ``vp_deadline_seconds{wait}``: the averager's current waits (``matchmaking``, ``sender``,
-  ``reducer``, ``group_wait``, ``allreduce``; measured or configured, see
+  ``reducer``, ``group_wait``, ``request``, ``allreduce``; measured or configured, see
   :mod:`averaging.deadlines`).
 """
 

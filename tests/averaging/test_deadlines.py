@@ -37,6 +37,7 @@ def test_cold_start_uses_the_fields_then_measurements_within_bounds():
         "sender_s": 5.0,
         "reducer_s": 10.0,
         "group_wait_s": 5.0,
+        "request_s": 5.0,
         "allreduce_s": 60.0,
     }
     for _ in range(MIN_SAMPLES):
@@ -68,6 +69,8 @@ def test_rtt_sets_a_floor_and_the_matchmaking_field_a_ceiling():
     deadlines.end_round()
     assert deadlines.sender_s == pytest.approx(4 * 2 * 0.15)  # two RTTs, times the safety
     assert deadlines.matchmaking_s == pytest.approx(2.0)  # 4 x 4 RTTs = 2.4 s, over the bound
+    assert deadlines.request_s == pytest.approx(1.2)  # a join: 4 x 2 RTTs, below the 5 s field
+    assert Deadlines(config).request_s == config.request_timeout_s  # no RTT measured yet
 
 
 def test_a_wait_that_ran_out_doubles_until_a_round_measures_without_one():
