@@ -11,7 +11,8 @@ peer saw in its recent rounds:
 
 * **matchmaking**: how long after a search began its partners arrived (a leader: each
   follower's ``wait``; a follower: its seat taken), and the RTTs the transport measured;
-* **sender** (a reducer's wait for a sender's next chunk or its connection): the waits it saw;
+* **sender** (a reducer's wait for a sender's next chunk or its connection): how long its
+  chunks took to come, and the averaged chunks to be written back to it;
 * **reducer** (a sender's wait for the next averaged chunk): the waits it saw, and always
   twice the sender wait (a reducer waits out a slow sender before it can answer);
 * **group wait** (a stream early for its group): the sender wait;
@@ -98,7 +99,8 @@ class Deadlines:
         self._samples[MATCHMAKING].add(offset_s)
 
     def observe_sender_wait(self, wait_s: float) -> None:
-        """As a reducer, a sender's next chunk (or its connection) came after ``wait_s``."""
+        """As a reducer, a sender's next chunk came ``wait_s`` after it could have, or writing
+        an averaged chunk to it took ``wait_s``."""
         self._pending[SENDER].append(wait_s)
 
     def observe_reducer_wait(self, wait_s: float) -> None:

@@ -66,7 +66,7 @@ class PartReducer:
         config: timeouts and the in-flight window.
         worker: runs and times the numpy work.
         aggregation: how contributions combine (:mod:`averaging.robust`).
-        deadlines: where the waits for senders are measured (None: not measured).
+        deadlines: where the waits for senders are measured (None: nowhere that matters).
     """
 
     def __init__(
@@ -89,7 +89,7 @@ class PartReducer:
         self._header = header
         self._codec = codec
         self._timeout_s = config.sender_timeout_s
-        self._deadlines = deadlines
+        self._deadlines = deadlines or Deadlines(config)
         self._worker = worker
         robust = aggregation is not Aggregation.MEAN
         # a robust window holds a row per contributor: fewer chunks in flight
@@ -167,7 +167,7 @@ class PartReducer:
             overdue = [s for s, deadline in deadlines.items() if deadline <= now]
             for sender in overdue:
                 what = "chunk" if sender.connected else "connection"
-                self._ran_out()
+                self._deadlines.ran_out(SENDER)
                 self.drop(sender.peer_id, f"no {what} within sender_timeout_s={self._timeout_s}")
             if overdue:
                 continue
@@ -217,7 +217,7 @@ class PartReducer:
             now = loop.time()
             for sender in waiting:
                 if sender.last_progress + self._timeout_s <= now:
-                    self._ran_out()
+                    self._deadlines.ran_out(SENDER)
                     self.drop(sender.peer_id, f"no connection within {self._timeout_s} s")
             if not pending:
                 return
@@ -229,15 +229,11 @@ class PartReducer:
             except TimeoutError:
                 pass
 
-    def _ran_out(self) -> None:
-        if self._deadlines is not None:
-            self._deadlines.ran_out(SENDER)
-
     def _progress(self, sender: _Sender, waiting_since: float | None = None) -> None:
         """``sender`` connected, or delivered a chunk ``waiting_since`` was its deadline's
         start: measure that wait (a connection's is not a link's: it waits on matchmaking)."""
         now = asyncio.get_running_loop().time()
-        if self._deadlines is not None and waiting_since is not None:
+        if waiting_since is not None:
             self._deadlines.observe_sender_wait(now - waiting_since)
         sender.last_progress = now
         self._changed.set()
@@ -300,7 +296,7 @@ class PartReducer:
             await self._serve_admitted(sender, stream)
         except Exception as e:
             if isinstance(e, TimeoutError):  # a read or write of ours ran out
-                self._ran_out()
+                self._deadlines.ran_out(SENDER)
             self.drop(sender.peer_id, describe_failure(e, self._timeout_s))
             raise ProtocolViolation(sender.dropped_reason or str(e)) from e
         finally:
@@ -393,8 +389,8 @@ class PartReducer:
                 await stream.send(pack_chunk_header(chunk, nbytes, num_contributors))
                 if nbytes:
                     await stream.send(payload)
-            if self._deadlines is not None:  # the sender's link, the other way
-                self._deadlines.observe_sender_wait(asyncio.get_running_loop().time() - start)
+            # the sender's link, the other way
+            self._deadlines.observe_sender_wait(asyncio.get_running_loop().time() - start)
             self._worker.stats.bytes_sent += CHUNK_HEADER.size + nbytes
 
     async def close(self) -> None:

@@ -65,7 +65,7 @@ class PartSender:
         codec: the group's wire format.
         config: timeouts.
         worker: runs and times the numpy work.
-        deadlines: where the waits for the reducer are measured (None: not measured).
+        deadlines: where the waits for the reducer are measured (None: nowhere that matters).
     """
 
     def __init__(
@@ -91,7 +91,7 @@ class PartSender:
         self._codec = codec
         self._timeout_s = config.reducer_timeout_s
         self._worker = worker
-        self._deadlines = deadlines
+        self._deadlines = deadlines or Deadlines(config)
         self.result = PartExchange(reducer.peer_id, part.numel)
 
     async def run(self) -> PartExchange:
@@ -100,7 +100,7 @@ class PartSender:
             await self._exchange()
         except (DHTError, AveragingError, TimeoutError) as e:
             error = translate(e) if isinstance(e, DHTError) else e
-            if isinstance(e, TimeoutError) and self._deadlines is not None:
+            if isinstance(e, TimeoutError):
                 self._deadlines.ran_out(REDUCER)
             self.result.error = describe_failure(error, self._timeout_s)
         self.result.done = True
@@ -193,8 +193,7 @@ class PartSender:
 
     def _observe(self, since: float, now: float) -> float:
         """The reducer's next frame came ``now - since`` after the last: measure it."""
-        if self._deadlines is not None:
-            self._deadlines.observe_reducer_wait(now - since)
+        self._deadlines.observe_reducer_wait(now - since)
         return now
 
     def _accept(self, payload: memoryview, scratch: np.ndarray, out: np.ndarray) -> None:
