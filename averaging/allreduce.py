@@ -16,6 +16,7 @@ import numpy as np
 
 from averaging.compression import get_codec
 from averaging.config import AveragerConfig
+from averaging.deadlines import Deadlines
 from averaging.group import GroupInfo
 from averaging.protocol import PartHeader
 from averaging.reducer import PartReducer
@@ -58,11 +59,13 @@ async def run_allreduce(
     own_peer_id: str,
     flat: np.ndarray,
     config: AveragerConfig,
+    deadlines: Deadlines | None = None,
 ) -> AllReduceOutcome:
     """Average ``flat`` (float32, 1-D, modified in place) with the rest of ``group``.
 
     This peer's weight is its entry in ``group``, bounded like everyone's
-    (:meth:`GroupInfo.weights`). Never raises for a peer's failure: the outcome says who was
+    (:meth:`GroupInfo.weights`). The waits are ``config``'s; ``deadlines``, when given, is told
+    what they measured. Never raises for a peer's failure: the outcome says who was
     dropped and which parts were not averaged.
 
     Raises:
@@ -97,6 +100,7 @@ async def run_allreduce(
             config=config,
             worker=worker,
             aggregation=group.aggregation,
+            deadlines=deadlines,
         )
     senders = [
         PartSender(
@@ -109,6 +113,7 @@ async def run_allreduce(
             codec=codec,
             config=config,
             worker=worker,
+            deadlines=deadlines,
         )
         for index, member in enumerate(group.members)
         if member.peer_id != own_peer_id and parts[index].numel

@@ -22,13 +22,15 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from averaging.allreduce import AllReduceOutcome, run_allreduce
 from averaging.bounds import valid_weight
 from averaging.compression import Compression, get_codec
 from averaging.config import AveragerConfig, check_prefix, reducing_address
+from averaging.deadlines import Deadlines
 from averaging.errors import AveragingError, ConfigError, ProtocolViolation, translate
 from averaging.group import GroupInfo
 from averaging.matchmaking import Matchmaker, MatchmakingDHT
@@ -41,6 +43,7 @@ from dht.runtime import EventLoopThread
 logger = logging.getLogger(__name__)
 
 _FACADE_SLACK_S = 5.0  # the blocking facade's bound beyond the step's own
+_RTT_WINDOW_S = 120.0  # RTTs measured this recently count toward the deadlines
 
 
 class DecentralizedAverager:
@@ -72,6 +75,7 @@ class DecentralizedAverager:
         self._transport = transport
         self._tensors = FlatTensors(tensors)
         self._stream_name = f"averaging.{prefix}.part"
+        self.deadlines = Deadlines(self.config, self._measured_rtt_s)
         self._router = PartRouter(
             transport, self._stream_name, group_wait_s=self.config.group_wait_s
         )
@@ -83,6 +87,7 @@ class DecentralizedAverager:
                 peer_id=self.peer_id,
                 prefix=prefix,
                 config=self.config,
+                deadlines=self.deadlines,
             )
         self._lock = asyncio.Lock()
         self._closed = False
@@ -169,21 +174,22 @@ class DecentralizedAverager:
             phase_s: dict[str, float] = {}
             weight = await self._gather(weight, compression, phase_s)
             key = self.matchmaking_key(epoch)
+            waits = self.deadlines.snapshot()
             start = loop.time()
             match = await self._matchmaker.find_group(
                 key,
                 weight=weight,
                 numel=self.numel,
                 compression=compression,
-                timeout_s=min(self.config.matchmaking_time_s, timeout_s),
+                timeout_s=min(waits["matchmaking_s"], timeout_s),
                 target_group_size=target_group_size,
             )
             phase_s["matchmaking"] = loop.time() - start
             if match.group is None:
-                result = RoundResult("alone", match.reason, phase_s=phase_s)
+                result = RoundResult("alone", match.reason, phase_s=phase_s, deadlines_s=waits)
                 return self._finish(key, result, phase_s["matchmaking"])
             remaining_s = max(0.001, deadline - loop.time())
-            return await self._average(key, match.group, phase_s, remaining_s)
+            return await self._average(key, match.group, phase_s, remaining_s, waits)
 
     async def step_in_group(
         self, group: GroupInfo, *, timeout_s: float | None = None
@@ -199,7 +205,8 @@ class DecentralizedAverager:
             if weight != own_weight:
                 raise AveragingError("local tensors are not finite: cannot join a fixed group")
             phase_s["matchmaking"] = 0.0
-            return await self._average(group.group_id, group, phase_s, timeout_s)
+            waits = self.deadlines.snapshot()
+            return await self._average(group.group_id, group, phase_s, timeout_s, waits)
 
     def step_blocking(
         self,
@@ -235,6 +242,12 @@ class DecentralizedAverager:
 
     # ---- internals ---------------------------------------------------------------------------
 
+    def _measured_rtt_s(self) -> float | None:
+        """The transport's median RTT to the peers it asked lately (None: none measured)."""
+        counters = getattr(self._transport, "counters", None)
+        median_rtt_s = getattr(counters, "median_rtt_s", None)
+        return None if median_rtt_s is None else median_rtt_s(time.monotonic() - _RTT_WINDOW_S)
+
     def _default_timeout_s(self) -> float:
         return self.config.matchmaking_time_s + self.config.allreduce_timeout_s
 
@@ -267,12 +280,22 @@ class DecentralizedAverager:
         return self._tensors.all_finite()
 
     async def _average(
-        self, key: str, group: GroupInfo, phase_s: dict[str, float], timeout_s: float
+        self,
+        key: str,
+        group: GroupInfo,
+        phase_s: dict[str, float],
+        timeout_s: float,
+        waits: Mapping[str, float],
     ) -> RoundResult:
         loop = asyncio.get_running_loop()
-        config = self.config
-        if timeout_s < config.allreduce_timeout_s:
-            config = dataclasses.replace(config, allreduce_timeout_s=timeout_s)
+        config = dataclasses.replace(  # this round's waits (see averaging.deadlines)
+            self.config,
+            allreduce_timeout_s=min(self.config.allreduce_timeout_s, timeout_s),
+            sender_timeout_s=waits["sender_s"],
+            reducer_timeout_s=waits["reducer_s"],
+            group_wait_s=waits["group_wait_s"],
+        )
+        self._router.group_wait_s = waits["group_wait_s"]
         start = loop.time()
         try:
             outcome = await run_allreduce(
@@ -283,17 +306,23 @@ class DecentralizedAverager:
                 own_peer_id=self.peer_id,
                 flat=self._tensors.flat,
                 config=config,
+                deadlines=self.deadlines,
             )
         except ProtocolViolation as e:  # a group no member can use: nothing was averaged
             phase_s["allreduce"] = loop.time() - start
-            failed = RoundResult("failed", str(e), group_id=group.group_id, phase_s=phase_s)
+            failed = RoundResult(
+                "failed", str(e), group_id=group.group_id, phase_s=phase_s, deadlines_s=waits
+            )
             return self._finish(key, failed, phase_s["matchmaking"])
+        finally:
+            self.deadlines.end_round()
         phase_s["allreduce"] = loop.time() - start
         start = loop.time()
         await asyncio.to_thread(self._tensors.scatter)
         phase_s["scatter"] = loop.time() - start
         phase_s.update(outcome.stats.cpu_s)
-        return self._finish(key, _result_of(group, outcome, phase_s), phase_s["matchmaking"])
+        result = dataclasses.replace(_result_of(group, outcome, phase_s), deadlines_s=dict(waits))
+        return self._finish(key, result, phase_s["matchmaking"])
 
     def _finish(self, key: str, result: RoundResult, matchmaking_s: float) -> RoundResult:
         result = dataclasses.replace(result, matchmaking_s=matchmaking_s)

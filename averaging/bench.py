@@ -98,6 +98,7 @@ async def _peer(rank: int, spec: dict[str, Any], barrier, results) -> None:
                             "bytes_sent": result.bytes_sent,
                             "max_abs_err": max_abs_err,
                             "phase_s": dict(result.phase_s),
+                            "deadlines_s": dict(result.deadlines_s),
                         },
                     )
                 )
@@ -134,6 +135,7 @@ def run_allreduce_bench(
     log_level: str = "WARNING",
     places: list[tuple[Callable[[], None], str]] | None = None,
     aggregation: str = "mean",
+    include_rounds: bool = False,
 ) -> dict[str, Any]:
     """Run ``num_rounds`` measured rounds (after ``num_warmup``) of ``num_peers`` processes.
 
@@ -152,6 +154,9 @@ def run_allreduce_bench(
     into a network namespace) and the address it listens on; default: all on 127.0.0.1.
     ``aggregation`` picks the reducers' rule (:mod:`averaging.robust`; the summary says which,
     and ``max_abs_err`` stays against the weighted mean, which a robust rule departs from).
+    ``deadlines_s``: the waits of the last round (the longest over peers; see
+    :mod:`averaging.deadlines`). With ``include_rounds``, also ``round_details``: per measured
+    round, each peer's status, the checked peer's ``max_abs_err`` and its ``deadlines_s``.
 
     Raises:
         ValueError: bad arguments.
@@ -188,9 +193,24 @@ def run_allreduce_bench(
         startup_timeout_s=_STARTUP_TIMEOUT_S,
     )
     summary = _summary(rounds, num_peers, size, compression, include_phases)
+    summary["deadlines_s"] = {
+        k: round(v, 3) for k, v in sorted(_round_detail(rounds[-1])["deadlines_s"].items())
+    }
+    if include_rounds:
+        summary["round_details"] = [_round_detail(peers) for peers in rounds]
     if config.aggregation.value != "mean":  # an extra field only when asked for
         summary["aggregation"] = config.aggregation.value
     return summary
+
+
+def _round_detail(peers: list[dict]) -> dict[str, Any]:
+    errors = [peer["max_abs_err"] for peer in peers if peer["max_abs_err"] is not None]
+    waits = {name for peer in peers for name in peer["deadlines_s"]}
+    return {
+        "statuses": sorted(peer["status"] for peer in peers),
+        "max_abs_err": max(errors, default=None),
+        "deadlines_s": {k: max(peer["deadlines_s"].get(k, 0.0) for peer in peers) for k in waits},
+    }
 
 
 def _summary(rounds, num_peers, size, compression, include_phases) -> dict[str, Any]:

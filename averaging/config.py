@@ -25,7 +25,9 @@ class AveragerConfig:
         min_group_size: fewer members than this (the leader included) is no group: the peers
             get an "alone" result and step locally.
         matchmaking_time_s: bound on looking for a group, in seconds; a leader waits at most
-            this long for followers, a follower at most this long for its group to form.
+            this long for followers, a follower at most this long for its group to form. With
+            ``adaptive_deadlines`` the window is measured and this is its upper bound (and its
+            value before anything was measured).
         matchmaking_poll_min_s: first pause between two reads of the matchmaking records in
             the DHT, in seconds; it doubles after each read up to ``matchmaking_poll_max_s``.
         matchmaking_poll_max_s: longest pause between two reads of those records, in seconds.
@@ -33,11 +35,23 @@ class AveragerConfig:
         allreduce_timeout_s: bound on the whole all-reduce of one round, in seconds; whatever
             was not averaged by then keeps its local values (a partial round).
         sender_timeout_s: a reducer drops a sender that delivers no next chunk (or does not
-            connect) for this long, in seconds, and averages the others.
+            connect) for this long, in seconds, and averages the others. With
+            ``adaptive_deadlines``, the value used before anything was measured.
         reducer_timeout_s: a sender gives up on a reducer that sends no next averaged chunk
-            for this long, in seconds, and keeps its own values for that part.
+            for this long, in seconds, and keeps its own values for that part. With
+            ``adaptive_deadlines``, the value used before anything was measured.
         group_wait_s: how long a reducer holds an incoming stream for a group it has not yet
-            heard of (its matchmaking answer may be a little behind), in seconds.
+            heard of (its matchmaking answer may be a little behind), in seconds. With
+            ``adaptive_deadlines`` it follows the sender wait.
+        adaptive_deadlines: the waits above come from what this peer measured (arrival
+            offsets of partners, RTTs, chunk waits; see :mod:`averaging.deadlines`) within
+            ``min_deadline_s`` and ``max_deadline_s``; False: each wait is its field.
+        deadline_safety: an adaptive wait is this many times the 90th percentile of the
+            recent measurements of what it waits for.
+        min_deadline_s: the shortest adaptive wait, in seconds (a scheduling hiccup on a busy
+            host must not look like a dead peer).
+        max_deadline_s: the longest adaptive sender or reducer wait, in seconds (the sender
+            wait stays at most half of it, below the reducer wait).
         chunk_numel: most values per chunk of a part (a multiple of the uint8 block, 1024, at
             most 2**21); the wire carries ``4 * chunk_numel`` bytes per chunk without
             compression. Small parts use smaller chunks. A group uses its leader's setting.
@@ -78,6 +92,10 @@ class AveragerConfig:
     sender_timeout_s: float = 5.0
     reducer_timeout_s: float = 10.0
     group_wait_s: float = 5.0
+    adaptive_deadlines: bool = True
+    deadline_safety: float = 4.0
+    min_deadline_s: float = 1.0
+    max_deadline_s: float = 120.0
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     max_chunks_in_flight: int = 4
     offload_min_numel: int = 65536
@@ -113,6 +131,8 @@ class AveragerConfig:
             "sender_timeout_s",
             "reducer_timeout_s",
             "group_wait_s",
+            "min_deadline_s",
+            "max_deadline_s",
         ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
@@ -129,6 +149,7 @@ class AveragerConfig:
                 f"group_wait_s ({self.group_wait_s}) must be less than reducer_timeout_s "
                 f"({self.reducer_timeout_s})"
             )
+        self._check_deadline_bounds()
         if self.matchmaking_poll_min_s > self.matchmaking_poll_max_s:
             raise ConfigError("matchmaking_poll_min_s must not exceed matchmaking_poll_max_s")
         if not UINT8_BLOCK <= self.chunk_numel <= MAX_CHUNK_NUMEL or self.chunk_numel % UINT8_BLOCK:
@@ -153,6 +174,20 @@ class AveragerConfig:
             raise ConfigError(f"num_partner_rounds must be >= 0, got {self.num_partner_rounds}")
         if self.group_bits and not set(self.group_bits) <= {"0", "1"}:
             raise ConfigError(f"group_bits must be a string of 0s and 1s, got {self.group_bits!r}")
+
+    def _check_deadline_bounds(self) -> None:
+        if not isinstance(self.adaptive_deadlines, bool):
+            raise ConfigError(
+                f"adaptive_deadlines must be True or False, got {self.adaptive_deadlines!r}"
+            )
+        if not (1 <= self.deadline_safety <= 100 and math.isfinite(self.deadline_safety)):
+            raise ConfigError(f"deadline_safety must be in [1, 100], got {self.deadline_safety}")
+        if self.max_deadline_s < 2 * self.min_deadline_s:
+            # the sender wait lies in [min, max / 2] and the reducer wait is twice it
+            raise ConfigError(
+                f"max_deadline_s ({self.max_deadline_s}) must be at least twice min_deadline_s "
+                f"({self.min_deadline_s})"
+            )
 
 
 def check_prefix(prefix: str) -> str:

@@ -49,3 +49,10 @@ def translate(error: DHTError) -> AveragingError:
     if isinstance(error, RemoteError):
         return RefusedError(error.reason)
     return NetworkError(str(error))
+
+
+def describe_failure(error: BaseException, timeout_s: float) -> str:
+    """A one-line reason for a failed stream."""
+    if isinstance(error, TimeoutError) and not str(error):
+        return f"stalled: nothing for {timeout_s} s"
+    return f"{type(error).__name__}: {error}"

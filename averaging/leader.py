@@ -34,6 +34,8 @@ class Leader:
     Args:
         config: group sizes and the reservation lapse (``request_timeout_s``).
         current: the search in progress, or None when this peer is not looking.
+        partners: this peer's partners (their seats are kept).
+        on_arrival: told how long after the search began each follower's ``wait`` came.
     """
 
     def __init__(
@@ -41,10 +43,12 @@ class Leader:
         config: AveragerConfig,
         current: Callable[[], Search | None],
         partners: Callable[[], frozenset[str]] = frozenset,
+        on_arrival: Callable[[float], None] = lambda offset_s: None,
     ):
         self._config = config
         self._current = current
         self._partners = partners
+        self._on_arrival = on_arrival
 
     async def on_join(self, ctx, request: Any) -> dict[str, Any]:
         search = self._current()
@@ -106,6 +110,7 @@ class Leader:
                 del term.followers[ctx.sender]
             return _answer(term, ctx.sender)
         follower.waiting = True
+        self._on_arrival(asyncio.get_running_loop().time() - search.started)
         if 1 + term.num_waiting >= search.target_group_size:
             self.finalize(search)
         timeout_s = follower.deadline - asyncio.get_running_loop().time()

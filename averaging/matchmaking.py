@@ -40,7 +40,6 @@ from collections import deque
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from averaging.bounds import check_address
 from averaging.compression import Compression
 from averaging.config import AveragerConfig, reducing_address
 from averaging.errors import ProtocolViolation
@@ -52,12 +51,13 @@ from averaging.search import (
     MatchmakingDHT,
     MatchResult,
     Search,
+    parse_candidates,
     rank_of,
 )
 from dht.config import get_dht_time
 from dht.errors import DHTError
 from dht.identity import is_peer_id
-from dht.validation import owner_subkey, subkey_owner
+from dht.validation import owner_subkey
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,9 +75,14 @@ class Matchmaker:
         peer_id: this peer's id.
         prefix: the averager's name (handlers are named after it).
         config: group sizes, bounds and poll intervals.
+        deadlines: told how long after a search began a partner arrived (a follower's ``wait``
+            at this leader, or this follower's seat taken); gives the bound of a request to a
+            peer (DHT reads and stores stay bounded by ``request_timeout_s``).
     """
 
-    def __init__(self, *, transport, dht: MatchmakingDHT, peer_id: str, prefix: str, config):
+    def __init__(
+        self, *, transport, dht: MatchmakingDHT, peer_id: str, prefix: str, config, deadlines
+    ):
         self._transport = transport
         self._dht = dht
         self._peer_id = peer_id
@@ -88,7 +93,10 @@ class Matchmaker:
         self._search: Search | None = None
         self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
         self.partners: frozenset[str] = frozenset()
-        self._leader = Leader(config, lambda: self._search, lambda: self.partners)
+        self._deadlines = deadlines
+        self._leader = Leader(
+            config, lambda: self._search, lambda: self.partners, deadlines.observe_arrival
+        )
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
         transport.add_rpc_handler(self._invite_name, self._on_invite)
@@ -126,6 +134,7 @@ class Matchmaker:
         rank = rank_of(key, self._peer_id, settled) if address is not None else CLIENT_RANK
         target = target_group_size or self._config.target_group_size
         search = Search(key, me, numel, compression, loop.time() + timeout_s, rank, target)
+        search.started = loop.time()
         search.strangers_after = loop.time() + timeout_s / 2
         search.lead()
         self._search = search
@@ -170,7 +179,7 @@ class Matchmaker:
         candidates: list[Candidate] | None = None
         while True:
             if search.term is not None and search.term.outcome.done():
-                return self._result_of(search.term.outcome.result())
+                return MatchResult.of(search.term.outcome.result())
             remaining_s = search.deadline - loop.time()
             if remaining_s <= 0:
                 return self._close(search)
@@ -248,16 +257,7 @@ class Matchmaker:
                 found = await self._dht.get(search.key, latest=True)
         except (TimeoutError, DHTError):
             return []
-        if found is None or not isinstance(found.value, Mapping):
-            return []
-        candidates = []
-        for subkey, item in found.value.items():
-            owner, value = subkey_owner(subkey), getattr(item, "value", None)
-            if not (is_peer_id(owner) and isinstance(value, Mapping)):
-                continue
-            address, settled = value.get("addr"), value.get("settled") is True
-            if owner != self._peer_id and check_address(address):
-                candidates.append(Candidate(owner, address, rank_of(search.key, owner, settled)))
+        candidates = parse_candidates(found, search.key, self._peer_id)
         logger.debug(
             "read %d candidate(s) under %s in %.1f ms",
             len(candidates),
@@ -296,11 +296,6 @@ class Matchmaker:
             f"{self._config.min_group_size} formed within the matchmaking time",
         )
 
-    def _result_of(self, outcome: Any) -> MatchResult:
-        if isinstance(outcome, GroupInfo):
-            return MatchResult(outcome)
-        return MatchResult(None, str(outcome))
-
     # ---- following a leader ------------------------------------------------------------------
 
     async def _follow(self, search: Search, leader: Candidate) -> GroupInfo | None:
@@ -313,6 +308,7 @@ class Matchmaker:
             answer = await self._request(search, target, self._join_name, request)
             status = answer.get("status")
             if status == "accepted":
+                self._deadlines.observe_arrival(asyncio.get_running_loop().time() - search.started)
                 return await self._take_seat(search, target)
             if status == "following":
                 search.skip_until[target.peer_id] = (
@@ -402,7 +398,7 @@ class Matchmaker:
     ) -> dict:
         if timeout_s is None:
             remaining_s = search.deadline - asyncio.get_running_loop().time()
-            timeout_s = max(0.001, min(self._config.request_timeout_s, remaining_s))
+            timeout_s = max(0.001, min(self._deadlines.request_s, remaining_s))
         try:
             answer = await self._transport.call(target.address, name, payload, timeout_s=timeout_s)
         except (DHTError, TimeoutError) as e:

@@ -23,7 +23,8 @@ from averaging.accumulator import checked, make_window
 from averaging.bounds import value_limit
 from averaging.compression import Codec
 from averaging.config import AveragerConfig
-from averaging.errors import BadChunkError, ProtocolViolation
+from averaging.deadlines import SENDER, Deadlines
+from averaging.errors import BadChunkError, ProtocolViolation, describe_failure
 from averaging.partition import Part
 from averaging.protocol import CHUNK_HEADER, REPLY_OK, PartHeader, pack_chunk_header
 from averaging.protocol import unpack_chunk_header as parse_chunk_header
@@ -65,6 +66,7 @@ class PartReducer:
         config: timeouts and the in-flight window.
         worker: runs and times the numpy work.
         aggregation: how contributions combine (:mod:`averaging.robust`).
+        deadlines: where the waits for senders are measured (None: nowhere that matters).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class PartReducer:
         config: AveragerConfig,
         worker: Worker,
         aggregation: Aggregation = Aggregation.MEAN,
+        deadlines: Deadlines | None = None,
     ):
         self.part = part
         self._values = values
@@ -86,6 +89,7 @@ class PartReducer:
         self._header = header
         self._codec = codec
         self._timeout_s = config.sender_timeout_s
+        self._deadlines = deadlines or Deadlines(config)
         self._worker = worker
         robust = aggregation is not Aggregation.MEAN
         # a robust window holds a row per contributor: fewer chunks in flight
@@ -163,6 +167,7 @@ class PartReducer:
             overdue = [s for s, deadline in deadlines.items() if deadline <= now]
             for sender in overdue:
                 what = "chunk" if sender.connected else "connection"
+                self._deadlines.ran_out(SENDER)
                 self.drop(sender.peer_id, f"no {what} within sender_timeout_s={self._timeout_s}")
             if overdue:
                 continue
@@ -212,6 +217,7 @@ class PartReducer:
             now = loop.time()
             for sender in waiting:
                 if sender.last_progress + self._timeout_s <= now:
+                    self._deadlines.ran_out(SENDER)
                     self.drop(sender.peer_id, f"no connection within {self._timeout_s} s")
             if not pending:
                 return
@@ -222,6 +228,15 @@ class PartReducer:
                     await self._changed.wait()
             except TimeoutError:
                 pass
+
+    def _progress(self, sender: _Sender, waiting_since: float | None = None) -> None:
+        """``sender`` connected, or delivered a chunk ``waiting_since`` was its deadline's
+        start: measure that wait (a connection's is not a link's: it waits on matchmaking)."""
+        now = asyncio.get_running_loop().time()
+        if waiting_since is not None:
+            self._deadlines.observe_sender_wait(now - waiting_since)
+        sender.last_progress = now
+        self._changed.set()
 
     # ---- senders -----------------------------------------------------------------------------
 
@@ -275,12 +290,13 @@ class PartReducer:
                 self.drop(stream.sender, f"stream refused: {e}")
             raise
         sender.connected = True
-        sender.last_progress = asyncio.get_running_loop().time()
-        self._changed.set()
+        self._progress(sender)
         try:
             await stream.reply(REPLY_OK)
             await self._serve_admitted(sender, stream)
         except Exception as e:
+            if isinstance(e, TimeoutError):  # a read or write of ours ran out
+                self._deadlines.ran_out(SENDER)
             self.drop(sender.peer_id, describe_failure(e, self._timeout_s))
             raise ProtocolViolation(sender.dropped_reason or str(e)) from e
         finally:
@@ -344,8 +360,7 @@ class PartReducer:
             self._weight_sum[chunk] += sender.weight
             self._num_contributors[chunk] += 1
             sender.delivered = chunk + 1
-            sender.last_progress = asyncio.get_running_loop().time()
-            self._changed.set()
+            self._progress(sender, self._waiting_since(sender, chunk))
 
     def _cost(self, numel: int) -> int:
         """The size that decides whether work leaves the loop: raw float32 is cheap to check."""
@@ -369,10 +384,13 @@ class PartReducer:
         for chunk in range(self.part.num_chunks):
             payload, num_contributors = await asyncio.shield(self._averaged[chunk])
             nbytes = 0 if payload is None else len(memoryview(payload).cast("B"))
+            start = asyncio.get_running_loop().time()
             async with asyncio.timeout(self._timeout_s):
                 await stream.send(pack_chunk_header(chunk, nbytes, num_contributors))
                 if nbytes:
                     await stream.send(payload)
+            # the sender's link, the other way
+            self._deadlines.observe_sender_wait(asyncio.get_running_loop().time() - start)
             self._worker.stats.bytes_sent += CHUNK_HEADER.size + nbytes
 
     async def close(self) -> None:
@@ -392,10 +410,3 @@ class PartReducer:
                 for task in waits:
                     task.cancel()
                 await asyncio.wait(waits)
-
-
-def describe_failure(error: BaseException, timeout_s: float) -> str:
-    """A one-line reason for a failed stream."""
-    if isinstance(error, TimeoutError) and not str(error):
-        return f"stalled: nothing for {timeout_s} s"
-    return f"{type(error).__name__}: {error}"

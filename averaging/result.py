@@ -34,6 +34,9 @@ class RoundResult:
             "matchmaking", "allreduce", "scatter" (back to the tensors), and the CPU seconds
             inside the all-reduce: "encode", "decode", "reduce".
         epoch: the epoch whose round this was (-1 when the caller did not say).
+        deadlines_s: the waits this round used, in seconds, measured or configured
+            (:meth:`averaging.deadlines.Deadlines.snapshot`): ``matchmaking_s``, ``sender_s``,
+            ``reducer_s``, ``group_wait_s``, ``request_s``, ``allreduce_s``.
     """
 
     status: RoundStatus
@@ -50,6 +53,7 @@ class RoundResult:
     compression: str = "none"
     phase_s: Mapping[str, float] = field(default_factory=dict)
     epoch: int = -1
+    deadlines_s: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

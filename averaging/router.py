@@ -26,11 +26,12 @@ class PartRouter:
     Args:
         transport: the network; the handler is added here (before the transport starts).
         stream_name: the handler's name.
-        group_wait_s: how long a stream waits for its group to be registered, in seconds.
+        group_wait_s: how long a stream waits for its group to be registered, in seconds (the
+            averager sets it again each round: :attr:`group_wait_s`).
     """
 
     def __init__(self, transport, stream_name: str, *, group_wait_s: float):
-        self._group_wait_s = group_wait_s
+        self.group_wait_s = group_wait_s
         self._reducers: dict[str, PartReducer | None] = {}
         self._waiters: dict[str, list[asyncio.Future]] = {}
         self._finished: deque[str] = deque(maxlen=_NUM_FINISHED_REMEMBERED)
@@ -60,7 +61,7 @@ class PartRouter:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(group_id, []).append(waiter)
             try:
-                async with asyncio.timeout(self._group_wait_s):
+                async with asyncio.timeout(self.group_wait_s):
                     await waiter
             except TimeoutError:
                 pass

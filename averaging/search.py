@@ -12,6 +12,7 @@ from averaging.bounds import check_address
 from averaging.compression import Compression
 from averaging.group import GroupInfo, GroupMember
 from dht.identity import is_peer_id
+from dht.validation import subkey_owner
 
 
 class MatchmakingDHT(Protocol):
@@ -45,6 +46,11 @@ class MatchResult:
     group: GroupInfo | None
     reason: str = ""
 
+    @classmethod
+    def of(cls, outcome: Any) -> MatchResult:
+        """The result of a leader's term: its group, or why there is none."""
+        return cls(outcome) if isinstance(outcome, GroupInfo) else cls(None, str(outcome))
+
 
 SETTLED, NEWCOMER = b"\x00", b"\x01"
 
@@ -59,6 +65,21 @@ def rank_of(key: str, peer_id: str, settled: bool = True) -> bytes:
 
 
 CLIENT_RANK = b"\xff" * 34  # after every rank: a client-mode peer never leads
+
+
+def parse_candidates(found: Any, key: str, own_peer_id: str) -> list[Candidate]:
+    """The other peers announced in a DHT read of ``key`` (well-formed entries only)."""
+    if found is None or not isinstance(found.value, Mapping):
+        return []
+    candidates = []
+    for subkey, item in found.value.items():
+        owner, value = subkey_owner(subkey), getattr(item, "value", None)
+        if not (is_peer_id(owner) and isinstance(value, Mapping)):
+            continue
+        address, settled = value.get("addr"), value.get("settled") is True
+        if owner != own_peer_id and check_address(address):
+            candidates.append(Candidate(owner, address, rank_of(key, owner, settled)))
+    return candidates
 
 
 @dataclass(eq=False)
@@ -108,6 +129,7 @@ class Search:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task] = field(default_factory=set)
     strangers_after: float = 0.0  # loop time from which a peer with partners follows others
+    started: float = 0.0  # loop time at which the search began
 
     @property
     def settled(self) -> bool:

@@ -16,12 +16,18 @@ from averaging.accumulator import checked
 from averaging.bounds import FLOAT32_MAX
 from averaging.compression import Codec
 from averaging.config import AveragerConfig
-from averaging.errors import AveragingError, BadChunkError, ProtocolViolation, translate
+from averaging.deadlines import REDUCER, Deadlines
+from averaging.errors import (
+    AveragingError,
+    BadChunkError,
+    ProtocolViolation,
+    describe_failure,
+    translate,
+)
 from averaging.group import GroupMember
 from averaging.partition import Part
 from averaging.protocol import CHUNK_HEADER, REPLY_OK, PartHeader, pack_chunk_header
 from averaging.protocol import unpack_chunk_header as parse_chunk_header
-from averaging.reducer import describe_failure
 from averaging.work import Worker
 from dht.errors import DHTError
 
@@ -59,6 +65,7 @@ class PartSender:
         codec: the group's wire format.
         config: timeouts.
         worker: runs and times the numpy work.
+        deadlines: where the waits for the reducer are measured (None: nowhere that matters).
     """
 
     def __init__(
@@ -73,6 +80,7 @@ class PartSender:
         codec: Codec,
         config: AveragerConfig,
         worker: Worker,
+        deadlines: Deadlines | None = None,
     ):
         self._transport = transport
         self._stream_name = stream_name
@@ -83,6 +91,7 @@ class PartSender:
         self._codec = codec
         self._timeout_s = config.reducer_timeout_s
         self._worker = worker
+        self._deadlines = deadlines or Deadlines(config)
         self.result = PartExchange(reducer.peer_id, part.numel)
 
     async def run(self) -> PartExchange:
@@ -91,6 +100,8 @@ class PartSender:
             await self._exchange()
         except (DHTError, AveragingError, TimeoutError) as e:
             error = translate(e) if isinstance(e, DHTError) else e
+            if isinstance(e, TimeoutError):
+                self._deadlines.ran_out(REDUCER)
             self.result.error = describe_failure(error, self._timeout_s)
         self.result.done = True
         return self.result
@@ -151,6 +162,8 @@ class PartSender:
         return num_bytes
 
     async def _receive(self, stream) -> None:
+        loop = asyncio.get_running_loop()
+        since = loop.time()
         if await stream.reply_header() != REPLY_OK:
             raise ProtocolViolation("unexpected reply header from the reducer")
         codec, part = self._codec, self._part
@@ -161,6 +174,7 @@ class PartSender:
             nbytes, num_contributors = parse_chunk_header(
                 header[: await self._recv_into(stream, header)], chunk
             )
+            since = self._observe(since, loop.time())
             if nbytes == 0:
                 continue  # nobody's contribution arrived at the reducer: keep our values
             lo, hi = part.chunk_bounds(chunk)
@@ -169,12 +183,18 @@ class PartSender:
             view = memoryview(buffer)[:nbytes]
             if await self._recv_into(stream, view) != nbytes:
                 raise BadChunkError(f"averaged chunk {chunk} is shorter than its header says")
+            since = self._observe(since, loop.time())
             cost = 0 if codec.is_identity else hi - lo  # raw float32 is cheap to check inline
             await self._worker.run(
                 "decode", cost, self._accept, view, decoded[: hi - lo], self._values[lo:hi]
             )
             if num_contributors > (self._header.weight > 0):  # not only our own values
                 self.result.averaged_numel += hi - lo
+
+    def _observe(self, since: float, now: float) -> float:
+        """The reducer's next frame came ``now - since`` after the last: measure it."""
+        self._deadlines.observe_reducer_wait(now - since)
+        return now
 
     def _accept(self, payload: memoryview, scratch: np.ndarray, out: np.ndarray) -> None:
         """Replace our values by the average, only once it is known to be well-formed."""

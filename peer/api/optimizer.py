@@ -55,7 +55,8 @@ class Optimizer(torch.optim.Optimizer):
         params: parameters or param groups for the factory (with an instance: omit).
         scheduler: an LR scheduler or a factory ``optimizer -> scheduler``; it steps once per
             swarm epoch (never per local step), so peers that join late agree on the LR.
-        matchmaking_time: seconds to look for a group at an epoch boundary.
+        matchmaking_time: most seconds to look for a group at an epoch boundary (less once
+            the averager measured how long partners take to arrive).
         averaging_timeout: seconds for the all-reduce of one round.
         load_state_timeout: seconds for one download of the swarm's state.
         reuse_grad_buffers: accumulate straight into ``.grad`` (grad mode; saves a pass per

@@ -13,6 +13,9 @@ Exported (counters end in ``_total``):
 * ``vp_phase_seconds_total{phase}``: seconds charged to each phase of :mod:`peer.profiling.phases`.
 * ``vp_sent_bytes_total``, ``vp_received_bytes_total``: the transport's payload bytes.
 * ``vp_rounds_total``, ``vp_failed_rounds_total``: averaging rounds finished, and failed.
+* ``vp_deadline_seconds{wait}``: the averager's current waits (``matchmaking``, ``sender``,
+  ``reducer``, ``group_wait``, ``request``, ``allreduce``; measured or configured, see
+  :mod:`averaging.deadlines`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class PeerMetrics:
         num_rounds, num_failed_rounds: averaging rounds finished, and those that failed.
         num_swarm_peers: peers in the swarm by the peer's last estimate (itself included).
         loss: the last reported training loss, or None.
+        deadlines_s: the averager's current waits in seconds, by name (``sender_s``, ...).
     """
 
     epoch: int
@@ -60,6 +64,7 @@ class PeerMetrics:
     num_failed_rounds: int = 0
     num_swarm_peers: int = 1
     loss: float | None = None
+    deadlines_s: Mapping[str, float] = field(default_factory=dict)
 
 
 class _PeerCollector:
@@ -105,6 +110,12 @@ class _PeerCollector:
         for phase, seconds in metrics.phase_s.items():
             phases.add_metric([phase], seconds)
         yield phases
+        deadlines = GaugeMetricFamily(
+            "vp_deadline_seconds", "the averager's current waits", labels=["wait"]
+        )
+        for name, seconds in metrics.deadlines_s.items():
+            deadlines.add_metric([name.removesuffix("_s")], seconds)
+        yield deadlines
 
 
 class PrometheusExporter:

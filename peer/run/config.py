@@ -114,7 +114,11 @@ class PeerConfig(BaseModel):
     )
     target_group_size: int = Field(16, ge=1, description="peers per averaging group")
     min_group_size: int = Field(2, ge=1, description="fewer peers than this is no group")
-    matchmaking_time: float = Field(5.0, gt=0, description="seconds to look for a group")
+    matchmaking_time: float = Field(
+        5.0,
+        gt=0,
+        description="most seconds to look for a group (less once arrivals are measured)",
+    )
     averaging_timeout: float = Field(30.0, gt=0, description="seconds for one whole round")
     newcomer_wait: float = Field(
         10.0, ge=0, description="seconds a peer alone at its epoch holds it for a peer catching up"

@@ -195,6 +195,7 @@ class PeerRun(RunSkeleton):
             num_failed_rounds=stats.num_failed_rounds,
             num_swarm_peers=services.tracker.current().num_peers,
             loss=record.loss if record is not None else None,
+            deadlines_s=services.averager.deadlines.snapshot(),
         )
 
     def _log_rounds(self) -> None:

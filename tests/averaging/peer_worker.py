@@ -7,7 +7,9 @@ worker averages with that group, saves its vector to ``spec["out"]`` and answers
 ``spec["fault"] = {"action": "kill"|"stop", "on": "send"|"reply"|"recv", "after": n}`` makes the
 worker SIGKILL or SIGSTOP itself once, as a sender, it has sent ``n`` tensor chunks or received
 ``n`` averaged chunks back (so at least ``n`` of its chunks were delivered), or, as a reducer, it
-has received ``n`` chunks: a peer that dies or stalls in the middle of a round.
+has received ``n`` chunks: a peer that dies or stalls in the middle of a round. The worker runs
+one round per group written to it, each from its own starting vector; the fault is armed in
+round ``spec["fault"]["round"]`` (default 0).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ class Fault:
     def __init__(self, spec: dict[str, Any] | None):
         self.spec = spec or {}
         self.count = 0
+        self.armed = False
 
     def chunk(self, direction: str, num_bytes: int) -> None:
-        if self.spec.get("on") != direction or num_bytes <= CHUNK_HEADER.size:
+        if not self.armed or self.spec.get("on") != direction or num_bytes <= CHUNK_HEADER.size:
             return
         self.count += 1
         if self.count >= self.spec["after"]:
@@ -125,17 +128,22 @@ async def main() -> None:
     spec = json.loads(sys.stdin.readline())
     values = peer_values(spec["seed"], spec["rank"], spec["size"])
     inner = HttpTransport(PeerIdentity.generate(), TransportConfig())
-    transport = FaultyTransport(inner, Fault(spec.get("fault")))
+    fault = Fault(spec.get("fault"))
+    transport = FaultyTransport(inner, fault)
     config = AveragerConfig(**spec.get("config", {}))
     averager = DecentralizedAverager(
         [values], transport=transport, dht=None, prefix="t", config=config
     )
     async with inner, averager:
         _say({"peer_id": inner.peer_id, "address": inner.address})
-        message = json.loads(await asyncio.to_thread(sys.stdin.readline))
-        result = await averager.step_in_group(GroupInfo.from_wire(message["group"]))
-        np.save(spec["out"], values)
-        _say({"status": result.status, "dropped": list(result.dropped_peers)})
+        round_index = 0
+        while line := await asyncio.to_thread(sys.stdin.readline):
+            values[:] = peer_values(spec["seed"], spec["rank"], spec["size"])
+            fault.armed = round_index == fault.spec.get("round", 0)
+            result = await averager.step_in_group(GroupInfo.from_wire(json.loads(line)["group"]))
+            np.save(spec["out"], values)
+            _say({"status": result.status, "dropped": list(result.dropped_peers)})
+            round_index += 1
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ def parse(body: bytes) -> dict[str, float | dict]:
     values: dict = {}
     for family in text_string_to_metric_families(body.decode()):
         for sample in family.samples:
-            if "phase" in sample.labels:
-                values.setdefault(sample.name, {})[sample.labels["phase"]] = sample.value
+            if "phase" in sample.labels or "wait" in sample.labels:
+                label = sample.labels.get("phase") or sample.labels["wait"]
+                values.setdefault(sample.name, {})[label] = sample.value
             elif sample.labels:
                 values[sample.name] = dict(sample.labels)
             else:
@@ -43,6 +44,7 @@ def test_a_scrape_reports_the_snapshot_of_that_moment():
             num_failed_rounds=1,
             num_swarm_peers=3,
             loss=0.75,
+            deadlines_s={"matchmaking_s": 1.0, "sender_s": 1.25, "reducer_s": 2.5},
         )
     )
     values = parse(exporter.render()[1])
@@ -52,3 +54,5 @@ def test_a_scrape_reports_the_snapshot_of_that_moment():
     assert values["vp_sent_bytes_total"] == 10_000 and values["vp_received_bytes_total"] == 9_000
     assert values["vp_rounds_total"] == 12 and values["vp_failed_rounds_total"] == 1
     assert values["vp_swarm_peers"] == 3 and values["vp_loss"] == 0.75
+    waits = {"matchmaking": 1.0, "sender": 1.25, "reducer": 2.5}
+    assert values["vp_deadline_seconds"] == waits
