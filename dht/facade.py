@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack
 from typing import Any
 
 from dht.config import DHTConfig
+from dht.http import HttpTransport
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
@@ -26,6 +28,8 @@ class DHT:
         dht_config: bootstrap peers and DHT parameters.
         loop_thread: the process's event-loop thread; one is created (and owned) when None.
         call_timeout_s: bound on each blocking call (start, store, get, close), in seconds.
+        routes: each adds its plain routes (``GET /metrics``) to the transport before it serves.
+        thread_name: the name of the event-loop thread this DHT creates.
     """
 
     def __init__(
@@ -36,15 +40,19 @@ class DHT:
         dht_config: DHTConfig,
         loop_thread: EventLoopThread | None = None,
         call_timeout_s: float = 60.0,
+        routes: Iterable[Callable[[HttpTransport], None]] = (),
+        thread_name: str = "vp-dht",
     ):
         self._owns_loop = loop_thread is None
-        self.loop_thread = loop_thread or EventLoopThread(name="vp-dht")
+        self.loop_thread = loop_thread or EventLoopThread(name=thread_name)
         self.call_timeout_s = call_timeout_s
         self._stack = AsyncExitStack()
         self._closed = False
         try:
             self.node: DHTNode = self._run(
-                self._stack.enter_async_context(open_node(identity, transport_config, dht_config))
+                self._stack.enter_async_context(
+                    open_node(identity, transport_config, dht_config, routes=routes)
+                )
             )
         except BaseException:
             if self._owns_loop:
