@@ -21,6 +21,7 @@ from peer.profiling.prometheus import PeerMetrics
 from peer.run.reports import RunReports
 from peer.swarm.averager import SwarmAverager
 from peer.swarm.catch_up import StateCatchUp
+from peer.swarm.contribution import Contribution
 from peer.swarm.epoch import Epoch
 from peer.swarm.newcomer_hold import NewcomerHold
 from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer, make_contribution
@@ -78,7 +79,6 @@ class Session:
         self.loop_thread = dht.loop_thread
         self.stop_event = stop_event or threading.Event()
         self.profiler = profiler or Profiler(config.profiler_config(), process_name=process_name)
-        clock = self.profiler.clock
         contribution = make_contribution(counts.model, optimizer, collaborative)
         self.reports = RunReports(
             peer_id=dht.peer_id,
@@ -90,38 +90,57 @@ class Session:
         self.metrics: MetricsStream | None = None
         self.hook: CollaborativeOptimizer | None = None
         self._closed = self._left = False
-        self.services = self.loop_thread.run(
-            open_services(config, tensors=contribution.buffers, node=dht.node),
-            timeout_s=CALL_TIMEOUT_S,
-        )
+        if dht.serves_metrics:  # the run's labels from now on; its numbers once it has joined
+            dht.attach_metrics(self.reports.exporter)
         try:
-            self.state = StateCatchUp(
-                config,
-                trainer=counts,
-                optimizer=optimizer,
-                services=self.services,
-                loop_thread=self.loop_thread,
-                clock=clock,
+            self.services = self.loop_thread.run(
+                open_services(config, tensors=contribution.buffers, node=dht.node),
+                timeout_s=CALL_TIMEOUT_S,
             )
-            self.epoch = Epoch(self._initial_epoch(start_epoch))
+        except BaseException:
+            dht.attach_metrics(None)
+            raise
+        try:
+            self._open(optimizer, contribution, collaborative, on_behind, start_epoch)
             self._on_epoch_user = on_epoch
-            self.hook = CollaborativeOptimizer(
-                model=counts.model,
-                optimizer=optimizer,
-                averager=SwarmAverager(self.services.averager, self.loop_thread, clock),
-                progress=self.services.tracker,
-                config=collaborative,
-                epoch=self.epoch,
-                contribution=contribution,
-                lr_schedule=config.lr_schedule_fn(),
-                state=self.state if on_behind is None else _CatchUp(on_behind),
-                newcomer_hold=NewcomerHold(config.newcomer_hold_config()),
-            )
             self.epoch.subscribe(self._on_epoch)
             self._start(self.epoch.value, last_loss)
         except BaseException:
             self.close(last_loss=None, summary=False, timeout_s=CALL_TIMEOUT_S)
             raise
+
+    def _open(
+        self,
+        optimizer: torch.optim.Optimizer,
+        contribution: Contribution,
+        collaborative: CollaborativeConfig,
+        on_behind: Callable[[int], int] | None,
+        start_epoch: int,
+    ) -> None:
+        """State catch-up, the epoch (after a download when the swarm is ahead) and the
+        collaborative optimizer."""
+        config, clock = self.config, self.profiler.clock
+        self.state = StateCatchUp(
+            config,
+            trainer=self.counts,
+            optimizer=optimizer,
+            services=self.services,
+            loop_thread=self.loop_thread,
+            clock=clock,
+        )
+        self.epoch = Epoch(self._initial_epoch(start_epoch))
+        self.hook = CollaborativeOptimizer(
+            model=self.counts.model,
+            optimizer=optimizer,
+            averager=SwarmAverager(self.services.averager, self.loop_thread, clock),
+            progress=self.services.tracker,
+            config=collaborative,
+            epoch=self.epoch,
+            contribution=contribution,
+            lr_schedule=config.lr_schedule_fn(),
+            state=self.state if on_behind is None else _CatchUp(on_behind),
+            newcomer_hold=NewcomerHold(config.newcomer_hold_config()),
+        )
 
     def _initial_epoch(self, start_epoch: int) -> int:
         swarm = self.refresh()
@@ -159,8 +178,6 @@ class Session:
             timeout_s=CALL_TIMEOUT_S,
         )
         self.reports.start(self.loop_thread, services.node, epoch=epoch, timeout_s=CALL_TIMEOUT_S)
-        if self.dht.serves_metrics:
-            self.dht.attach_metrics(self.reports.exporter)
         services.tracker.report_local_progress(epoch, 0)  # training starts now
 
     def _wait_for_peers(self) -> None:
