@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -167,6 +169,27 @@ def test_with_model_the_state_a_newcomer_loads_includes_buffers():
                     for name, tensor in model.state_dict().items():
                         assert torch.equal(tensor, theirs[name]), name
                     assert int(theirs["1.num_batches_tracked"]) >= 12
+
+
+def scrape(dht) -> str:
+    with urllib.request.urlopen(f"{dht.address}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def test_serve_metrics_shows_the_attached_optimizers_counters():
+    with peer.DHT(serve_metrics=True) as dht:
+        assert "vp_peer_info" in scrape(dht) and "vp_epoch" not in scrape(dht)
+        model = torch.nn.Linear(4, 2)
+        with make_opt(dht, model) as opt:
+            while opt.local_epoch < 1:
+                train_steps(opt, model, 1)
+            text = scrape(dht)
+            assert 'run_id="inproc"' in text and "vp_epoch 1.0" in text
+            assert "vp_samples_total" in text and "vp_rounds_total 1.0" in text
+        assert "vp_epoch" not in scrape(dht)  # the optimizer left; the DHT serves on
+    with peer.DHT() as dht:  # off by default
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            scrape(dht)
 
 
 def test_it_is_a_torch_optimizer_for_code_that_takes_one():
