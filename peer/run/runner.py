@@ -22,7 +22,10 @@ from dht.runtime import EventLoopThread
 from peer.api.dht import DHT
 from peer.api.session import Session
 from peer.run.config import PeerConfig
+from peer.run.reports import RunReports
 from peer.run.skeleton import START_TIMEOUT_S, Companion, RunSkeleton
+from peer.swarm.catch_up import StateCatchUp
+from peer.swarm.epoch import Epoch
 from peer.swarm.optimizer import CollaborativeOptimizer
 from peer.swarm.round import EpochStats
 from peer.swarm.services import SwarmServices
@@ -94,26 +97,32 @@ class PeerRun(RunSkeleton):
 
     @property
     def loop_thread(self) -> EventLoopThread | None:
+        """The DHT's event-loop thread (None before :meth:`start`)."""
         return self.dht.loop_thread if self.dht is not None else None
 
     @property
     def services(self) -> SwarmServices | None:
+        """The session's swarm services (None before :meth:`start`)."""
         return self.session.services if self.session is not None else None
 
     @property
     def hook(self) -> CollaborativeOptimizer | None:
+        """The session's collaborative optimizer, the trainer's step hook."""
         return self.session.hook if self.session is not None else None
 
     @property
-    def reports(self):
+    def reports(self) -> RunReports:
+        """The session's round record and ``/metrics`` exporter (after :meth:`start`)."""
         return self.session.reports
 
     @property
-    def state(self):
+    def state(self) -> StateCatchUp:
+        """The session's state catch-up and snapshots (after :meth:`start`)."""
         return self.session.state
 
     @property
-    def epoch_counter(self):
+    def epoch_counter(self) -> Epoch | None:
+        """The session's :class:`Epoch`, the one owner of the epoch."""
         return self.session.epoch if self.session is not None else None
 
     def start(self) -> None:
