@@ -139,8 +139,8 @@ class DHT:
                     if identity_path is not None
                     else PeerIdentity.generate()
                 )
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+        except ConfigError as e:  # a ValueError too; peer join's one-line errors catch this type
+            raise ConfigError(str(e)) from None
         # what GET /metrics shows: the attached optimizer's exporter (see attach_metrics)
         self._idle_exporter = PrometheusExporter(lambda: None, peer_id=identity.peer_id, run_id="")
         self._exporter = self._idle_exporter
