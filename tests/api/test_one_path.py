@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -45,6 +47,54 @@ def test_peer_join_swarm_side_is_the_library_session():
     finally:
         run.close()
         run.close()  # twice is fine
+
+
+@pytest.mark.timeout(150)
+def test_a_library_newcomer_loads_the_state_a_peer_join_peer_serves():
+    """``model=`` gives a library peer the state layout and digest of a ``peer join`` peer of
+    the same model: it downloads that peer's state (checked against the digest the peer
+    announced) and holds exactly its parameters."""
+    config = PeerConfig(
+        task="synthetic",
+        task_option=[f"{k}={v}" for k, v in TASK_OPTIONS.items()],
+        target_batch_size=TARGET_BATCH_SIZE,
+        torch_threads=1,
+        publish_interval=0.2,
+        lr=LR,
+    )
+    run = PeerRun(config)
+    try:
+        run.start()
+        stop = threading.Event()
+        trainer = threading.Thread(
+            target=run.trainer.run, kwargs={"stop_event": stop, "on_step": run._on_step}
+        )
+        trainer.start()
+        deadline = time.monotonic() + 60
+        while run.epoch < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()  # grad mode: between rounds the parameters are the epoch's served state
+        trainer.join(timeout=30)
+        assert run.epoch >= 3
+        model = load_task("synthetic", TASK_OPTIONS).build_model()
+        with peer.DHT(initial_peers=[run.address]) as dht:
+            opt = peer.Optimizer(
+                dht=dht,
+                run_id=config.run_id,
+                target_batch_size=TARGET_BATCH_SIZE,
+                batch_size_per_step=32,
+                optimizer=torch.optim.Adam(model.parameters(), lr=LR),
+                model=model,
+                publish_interval=0.2,
+                summary=False,
+            )
+            with opt:
+                assert opt.local_epoch == run.epoch or opt.load_state_from_peers()
+                assert opt.local_epoch == run.epoch and opt.stats.num_rounds == 0
+                for name, tensor in run.model.state_dict().items():
+                    assert torch.equal(model.state_dict()[name], tensor), name
+    finally:
+        run.close()
 
 
 @pytest.mark.timeout(240)
