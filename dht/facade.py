@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
 from dht.config import DHTConfig
+from dht.http import HttpTransport
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
@@ -28,7 +30,11 @@ class DHT:
         loop_thread: the process's event-loop thread; one is created (and owned) when None.
         call_timeout_s: bound on each blocking call (start, store, get, close), in seconds.
         check_reachability: ask the initial peers to dial this node back when starting; one
-            nobody can dial runs in client mode (see :mod:`dht.reachability`).
+            nobody can dial is relayed by one of them, or else runs in client mode (see
+            :mod:`dht.reachability`).
+        relay_via: be reached through the first of these relays that accepts (URLs).
+        routes: each adds its plain routes (``GET /metrics``) to the transport before it serves.
+        thread_name: the name of the event-loop thread this DHT creates.
     """
 
     def __init__(
@@ -40,9 +46,12 @@ class DHT:
         loop_thread: EventLoopThread | None = None,
         call_timeout_s: float = 60.0,
         check_reachability: bool = False,
+        relay_via: Sequence[str] = (),
+        routes: Iterable[Callable[[HttpTransport], None]] = (),
+        thread_name: str = "vp-dht",
     ):
         self._owns_loop = loop_thread is None
-        self.loop_thread = loop_thread or EventLoopThread(name="vp-dht")
+        self.loop_thread = loop_thread or EventLoopThread(name=thread_name)
         self.call_timeout_s = call_timeout_s
         self._stack = AsyncExitStack()
         self._closed = False
@@ -54,6 +63,8 @@ class DHT:
                         transport_config,
                         dht_config,
                         check_reachability=check_reachability,
+                        relay_via=relay_via,
+                        routes=routes,
                     )
                 )
             )

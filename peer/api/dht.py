@@ -17,11 +17,12 @@ from dht.config import DHTConfig
 from dht.errors import ConfigError
 from dht.facade import DHT as BlockingDHT
 from dht.http_config import TransportConfig
-from dht.identity import PeerIdentity
+from dht.identity import PeerIdentity, short_id
 from dht.options import peer_url, read_swarm_key
 from dht.reachability import Reachability
 from dht.storage import ValueWithExpiration
 from peer.api.errors import UNSUPPORTED_DHT, reject_unsupported
+from peer.profiling.prometheus import METRICS_PATH, PrometheusExporter
 
 _MULTIADDR = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?$")
 # Starting: bind, then reach the initial peers (their own timeouts bound each request).
@@ -74,6 +75,19 @@ class DHT:
         start: must be True (hivemind's default use); this DHT starts when constructed.
         host_maddrs: hivemind's way to say ``host``/``port``: ``["/ip4/0.0.0.0/tcp/0"]``.
         announce_maddrs: hivemind's way to say ``announce_host``.
+        identity: an Ed25519 identity already in memory (a ``dht.identity.PeerIdentity``),
+            instead of ``identity_path``.
+        serve_metrics: serve ``GET /metrics`` (Prometheus text) on this peer's port: the
+            counters of the :class:`peer.Optimizer` using this DHT (only ``vp_peer_info``
+            while none is). Nothing is proven on that path (scrapers cannot sign); it shows
+            counters only. Ignored in client mode (nothing is served).
+        relay: relay for peers that nobody can dial (behind NAT) when this one is reachable.
+        max_relayed_bytes_per_s: cap on the bytes per second this peer relays (default: the
+            transport's, 12.5e6).
+        relay_via: be reached through the first of these relays (URLs of reachable peers) that
+            accepts, without asking anyone to dial back. By default a peer that its initial
+            peers cannot dial back is relayed by one of them (or, if none accepts, runs in
+            client mode).
         **hivemind_kwargs: hivemind arguments with no equivalent; a value other than
             hivemind's default raises :class:`TypeError` (see docs/API.md).
 
@@ -95,6 +109,11 @@ class DHT:
         start: bool = True,
         host_maddrs: Sequence[str] | None = None,
         announce_maddrs: Sequence[str] | None = None,
+        identity: PeerIdentity | None = None,
+        serve_metrics: bool = False,
+        relay: bool = True,
+        max_relayed_bytes_per_s: float | None = None,
+        relay_via: Sequence[str] = (),
         **hivemind_kwargs: Any,
     ):
         reject_unsupported("peer.DHT", hivemind_kwargs, UNSUPPORTED_DHT)
@@ -105,6 +124,11 @@ class DHT:
             )
         if isinstance(initial_peers, str):
             raise ValueError("initial_peers: a list of URLs, not one string")
+        if isinstance(relay_via, str):
+            raise ValueError("relay_via: a list of URLs, not one string")
+        relay_via = [as_url(a, argument="relay_via") for a in relay_via]
+        if relay_via and client_mode:
+            raise ValueError("relay_via: a peer in client_mode serves nothing to relay")
         urls = [as_url(a, argument="initial_peers") for a in initial_peers or ()]
         host, port = _listen_address(host, port, host_maddrs)
         if announce_maddrs:
@@ -115,6 +139,9 @@ class DHT:
         if swarm_key is not None and not isinstance(swarm_key, bytes | str):
             raise ValueError(f"swarm_key: bytes or str, got {type(swarm_key).__name__}")
         key = swarm_key.encode() if isinstance(swarm_key, str) else swarm_key
+        _check_identity(identity, identity_path)
+        if not isinstance(serve_metrics, bool):
+            raise ValueError(f"serve_metrics: True or False, got {serve_metrics!r}")
         try:
             transport_config = TransportConfig(
                 host=host,
@@ -122,21 +149,31 @@ class DHT:
                 announce_host=announce_host,
                 client_mode=bool(client_mode),
                 swarm_key=key if key is not None else read_swarm_key(None),
+                relay_enabled=bool(relay),
+                **_relay_cap(max_relayed_bytes_per_s),
             )
-            identity = (
-                PeerIdentity.load_or_create(Path(identity_path))
-                if identity_path is not None
-                else PeerIdentity.generate()
-            )
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+            if identity is None:
+                identity = (
+                    PeerIdentity.load_or_create(Path(identity_path))
+                    if identity_path is not None
+                    else PeerIdentity.generate()
+                )
+        except ConfigError as e:  # a ValueError too; peer join's one-line errors catch this type
+            raise ConfigError(str(e)) from None
+        # what GET /metrics shows: the attached optimizer's exporter (see attach_metrics)
+        self._idle_exporter = PrometheusExporter(lambda: None, peer_id=identity.peer_id, run_id="")
+        self._exporter = self._idle_exporter
         self._facade = BlockingDHT(
             identity=identity,
             transport_config=transport_config,
             dht_config=DHTConfig(initial_peers=tuple(urls)),
             call_timeout_s=START_TIMEOUT_S,
             check_reachability=True,
+            relay_via=tuple(relay_via),
+            routes=(self._install_metrics,) if serve_metrics else (),
+            thread_name=f"vp-{short_id(identity.peer_id)}",
         )
+        self.serves_metrics = serve_metrics and not client_mode
         self.initial_peers = urls
         # a peer nobody could dial back runs in client mode, whatever was asked
         self.client_mode = bool(client_mode) or self._facade.address is None
@@ -194,6 +231,14 @@ class DHT:
         """The value under ``key`` (a dict of subkeys for dictionary values), or None."""
         return self._facade.get(key, latest=latest)
 
+    def attach_metrics(self, exporter: PrometheusExporter | None) -> None:
+        """What ``GET /metrics`` answers from now on (None: only ``vp_peer_info``); the
+        optimizer using this DHT sets it."""
+        self._exporter = exporter if exporter is not None else self._idle_exporter
+
+    def _install_metrics(self, transport) -> None:
+        transport.add_http_get(METRICS_PATH, lambda: self._exporter.render())
+
     def is_alive(self) -> bool:
         """Whether the DHT still runs (not shut down)."""
         return self._alive
@@ -211,6 +256,22 @@ class DHT:
 
     def __repr__(self) -> str:
         return f"peer.DHT(peer_id={self.peer_id[:8]!r}, address={self.address!r})"
+
+
+def _relay_cap(max_relayed_bytes_per_s: float | None) -> dict[str, float]:
+    """The transport's keyword for the relay cap (none: the transport's default)."""
+    if max_relayed_bytes_per_s is None:
+        return {}
+    return {"max_relayed_bytes_per_s": max_relayed_bytes_per_s}
+
+
+def _check_identity(identity: Any, identity_path: Any) -> None:
+    if identity is None:
+        return
+    if not isinstance(identity, PeerIdentity):
+        raise ValueError(f"identity: a dht.identity.PeerIdentity, got {type(identity).__name__}")
+    if identity_path is not None:
+        raise ValueError("identity: give identity or identity_path, not both")
 
 
 def _listen_address(host: str, port: int, host_maddrs: Sequence[str] | None) -> tuple[str, int]:

@@ -18,6 +18,7 @@ import torch
 
 from dht.identity import short_id
 from peer.api.dht import DHT
+from peer.api.optimizer_state import OptimizerState
 from peer.api.options import (
     check_arguments,
     log_to_stderr,
@@ -27,7 +28,7 @@ from peer.api.options import (
 )
 from peer.api.profile import LoopPhases, set_active
 from peer.api.session import Session
-from peer.api.swarm import LoopCounts, params_module
+from peer.api.swarm import LoopCounts, state_module
 from peer.train.device import Amp
 from peer.train.trainer import StepContext
 
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
-class Optimizer(torch.optim.Optimizer):
+class Optimizer(OptimizerState, torch.optim.Optimizer):
     """Wraps a PyTorch optimizer; turns local steps into swarm epochs (see docs/API.md).
 
     As ``hivemind.Optimizer``, it is a ``torch.optim.Optimizer`` whose ``param_groups`` and
@@ -75,6 +76,11 @@ class Optimizer(torch.optim.Optimizer):
             locally; an outer Nesterov SGD applies the averaged pseudo-gradient each epoch).
         outer_lr: the outer optimizer's learning rate (``diloco``).
         outer_momentum: the outer optimizer's Nesterov momentum (``diloco``).
+        model: the module whose trainable parameters are exactly the optimizer's (hivemind
+            takes parameters only). Given, the state served to and loaded from other peers is
+            its ``state_dict()``: buffers such as BatchNorm's running statistics travel too,
+            under the keys a ``peer join`` peer of the same model uses. Default: a module of
+            the parameters alone.
         **options: the rest of ``peer join``'s settings that apply to a library peer
             (``target_group_size``, ``min_group_size``, ``newcomer_wait``, ``publish_interval``,
             ``wait_for_peers``, ``wait_for_peers_timeout``, ``lr_schedule``, ``warmup_epochs``,
@@ -113,6 +119,7 @@ class Optimizer(torch.optim.Optimizer):
         mode: str | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        model: torch.nn.Module | None = None,
         **options: Any,
     ):
         config, summary = check_arguments(
@@ -149,7 +156,7 @@ class Optimizer(torch.optim.Optimizer):
         self._params = [p for group in self.opt.param_groups for p in group["params"]]
         self._reuse_grad_buffers = reuse_grad_buffers
         self._amp = Amp(torch.device("cpu"), "off")  # the user's loop owns autocast and scaling
-        self._counts = LoopCounts(model=params_module(self._params))
+        self._counts = LoopCounts(model=state_module(model, self._params))
         self._last_loss: torch.Tensor | None = None
         self._downloaded = False
         self._epoch_logged = -1
@@ -307,55 +314,6 @@ class Optimizer(torch.optim.Optimizer):
         """Whether the optimizer still takes part in the swarm (not shut down)."""
         return not self._closed
 
-    # ---- state -------------------------------------------------------------------------------
-
-    def load_state_from_peers(self) -> bool:
-        """Download the newest state of the run (parameters, optimizer state, epoch) from a
-        peer that serves it; this peer's progress in the current epoch is discarded.
-
-        Returns:
-            Whether a state was loaded (False when no peer delivered one in time).
-        """
-        swarm = self.session.refresh()
-        return self._jump(max(swarm.epoch, self.local_epoch), mode="download")
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict with ``state["local_epoch"]`` (as hivemind's)."""
-        state = self.opt.state_dict()
-        state["state"]["local_epoch"] = self.local_epoch
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned (the epoch too, when it holds one)."""
-        state = dict(state_dict, state=dict(state_dict["state"]))
-        epoch = state["state"].pop("local_epoch", None)
-        self.opt.load_state_dict(state)
-        if epoch is not None and epoch != self.local_epoch:
-            self._jump(int(epoch), mode="forced")
-
-    def _jump(self, epoch: int, *, mode: str) -> bool:
-        """Enter a state from outside a round: downloaded now (``download``: the state of
-        ``epoch`` or later), or just loaded from a state dict (``forced``: its ``epoch``).
-        Whether a state was loaded; the LR came with it, so the scheduler follows."""
-        hook = self._hook
-        hook.flush()
-        if mode == "download":
-            reached = self.session.download(epoch, fallback=epoch - 1)
-            if reached < epoch:
-                return False  # nothing was loaded: this peer stays where it was
-            epoch = reached
-        hook.jump_to(epoch)
-        self._downloaded = True
-        self._sync_scheduler()
-        return True
-
-    def _on_behind(self, swarm_epoch: int) -> int:
-        """The swarm is ahead: the collaborative optimizer's catch-up (a download)."""
-        epoch = self._hook.epoch
-        reached = self.session.catch_up(swarm_epoch, epoch=epoch)
-        self._downloaded = self._downloaded or reached > epoch
-        return reached
-
     def _on_epoch(self, epoch: int) -> None:
         if self.verbose and epoch != self._epoch_logged:
             self._epoch_logged = epoch
@@ -366,18 +324,6 @@ class Optimizer(torch.optim.Optimizer):
                 stats.last_group_size,
                 (stats.history[-1].reason if stats.history else "") or "ok",
             )
-
-    def _sync_scheduler(self) -> None:
-        """Step the scheduler once per epoch; after a download the LR came with the state."""
-        if self.scheduler is None or self.local_epoch == self._scheduler_epoch:
-            return
-        if self._downloaded or self.local_epoch < self._scheduler_epoch:
-            self.scheduler.last_epoch = self.local_epoch
-            self._downloaded = False
-        else:
-            for _ in range(self.local_epoch - self._scheduler_epoch):
-                self.scheduler.step()
-        self._scheduler_epoch = self.local_epoch
 
     # ---- leaving -----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import peer
+from dht.identity import PeerIdentity
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,6 +110,20 @@ def test_a_bad_value_is_a_value_error_naming_the_argument(dht, model, changes, n
         make(dht, model, **changes)
 
 
+@pytest.mark.parametrize("module", ["net", torch.nn.Linear(4, 2)], ids=["not-a-module", "other"])
+def test_model_must_be_the_module_of_the_optimizers_parameters(dht, model, module):
+    with pytest.raises(ValueError, match="model"):
+        peer.Optimizer(
+            dht=dht,
+            run_id="args",
+            target_batch_size=64,
+            batch_size_per_step=8,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            model=module,
+            summary=False,
+        )
+
+
 def test_an_optimizer_instance_takes_no_params(dht, model):
     with pytest.raises(ValueError, match="params"):
         make(dht, model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -189,6 +204,9 @@ DHT_BAD_VALUES = [
     ({"announce_maddrs": ["nowhere"]}, "announce_maddrs"),
     ({"swarm_key": 3}, "swarm_key"),
     ({"swarm_key": "short"}, "swarm_key"),
+    ({"identity": "id.key"}, "identity"),
+    ({"identity": PeerIdentity.generate(), "identity_path": "id.key"}, "identity"),
+    ({"serve_metrics": "yes"}, "serve_metrics"),
 ]
 
 

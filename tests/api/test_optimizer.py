@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -17,14 +19,14 @@ from dht.errors import TransportError
 pytestmark = pytest.mark.timeout(120)
 
 
-def make_opt(dht, model, **changes):
+def make_opt(dht, net, **changes):
     kwargs = dict(
         dht=dht,
         run_id="inproc",
         target_batch_size=32,
         batch_size_per_step=8,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-        params=model.parameters(),
+        params=net.parameters(),
         publish_interval=0.2,
         summary=False,
     )
@@ -138,6 +140,56 @@ def test_a_newcomer_loads_the_swarms_state():
         finally:
             stop.set()
             thread.join(timeout=30)
+
+
+def batch_norm_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+
+def test_with_model_the_state_a_newcomer_loads_includes_buffers():
+    """``model=``: the served state is the module's state dict, so BatchNorm's running
+    statistics (buffers, not parameters) reach a newcomer as they do between ``peer join``
+    peers."""
+    first_model = batch_norm_model()
+    with peer.DHT() as first_dht:
+        first = make_opt(first_dht, first_model, model=first_model)
+        with first:
+            while first.local_epoch < 3:
+                train_steps(first, first_model, 1)
+            # idle now: the state it serves is the one of epoch 3, which it holds
+            torch.manual_seed(7)
+            model = batch_norm_model()  # other parameters and fresh running statistics
+            with peer.DHT(initial_peers=first_dht.urls) as dht:
+                opt = make_opt(dht, model, model=model)
+                with opt:
+                    assert opt.local_epoch == 3 or opt.load_state_from_peers()
+                    assert opt.local_epoch == 3
+                    theirs = first_model.state_dict()
+                    assert set(model.state_dict()) == set(theirs)
+                    for name, tensor in model.state_dict().items():
+                        assert torch.equal(tensor, theirs[name]), name
+                    assert int(theirs["1.num_batches_tracked"]) >= 12
+
+
+def scrape(dht) -> str:
+    with urllib.request.urlopen(f"{dht.address}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def test_serve_metrics_shows_the_attached_optimizers_counters():
+    with peer.DHT(serve_metrics=True) as dht:
+        assert "vp_peer_info" in scrape(dht) and "vp_epoch" not in scrape(dht)
+        model = torch.nn.Linear(4, 2)
+        with make_opt(dht, model) as opt:
+            while opt.local_epoch < 1:
+                train_steps(opt, model, 1)
+            text = scrape(dht)
+            assert 'run_id="inproc"' in text and "vp_epoch 1.0" in text
+            assert "vp_samples_total" in text and "vp_rounds_total 1.0" in text
+        assert "vp_epoch" not in scrape(dht)  # the optimizer left; the DHT serves on
+    with peer.DHT() as dht:  # off by default
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            scrape(dht)
 
 
 def test_it_is_a_torch_optimizer_for_code_that_takes_one():

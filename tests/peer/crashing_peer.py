@@ -9,7 +9,7 @@ import signal
 import sys
 from contextlib import asynccontextmanager
 
-import peer.swarm.services
+import dht.launch
 from dht.http import HttpTransport
 from peer.cli.main import main
 
@@ -40,5 +40,5 @@ class CrashingTransport(HttpTransport):
 
 
 if __name__ == "__main__":
-    peer.swarm.services.HttpTransport = CrashingTransport
+    dht.launch.HttpTransport = CrashingTransport
     sys.exit(main(sys.argv[1:]))

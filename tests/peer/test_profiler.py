@@ -216,13 +216,13 @@ def run_pair(monkeypatch, *, delay_s: float, num_epochs: int) -> tuple[list[Peer
             config(seed=seed, max_epochs=num_epochs, target_batch_size=64, initial_peers=initial)
         )
         times: list[float] = []
-        on_epoch = run._on_epoch
+        on_epoch = run.profiler.on_epoch
 
         def stamped(epoch, on_epoch=on_epoch, times=times):
             times.append(time.perf_counter())
             on_epoch(epoch)
 
-        run._on_epoch = stamped  # before start(), which hands it to the optimizer
+        run.profiler.on_epoch = stamped  # the profiler's epoch boundary, stamped
         run.start()
         runs.append(run)
         stamps.append(times)
