@@ -23,6 +23,7 @@ import asyncio
 import collections
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,9 @@ DTYPES = {
 
 # A donor announces at once when its state changes, but not more often than this, in seconds.
 MIN_ANNOUNCE_GAP_S = 0.5
+# How long a downloader keeps reading the announcements for a state's digest (0.5, 1 and 2 s
+# apart, see peer.swarm.state_download), with the announcement gap on top.
+REREAD_WINDOW_S = 4.0
 # Snapshots waiting for their digest at most (a state copy each; the oldest is dropped).
 PENDING_DIGESTS = 4
 
@@ -203,7 +207,12 @@ class StateServer:
         self.key = state_key(prefix)
         self.config = config
         self.digest_fn = digest
-        self.snapshot: StateSnapshot | None = None
+        self.snapshot: StateSnapshot | None = None  # the newest handed over
+        # the newest snapshot whose digest has been announced: what is served instead of the
+        # newest when epochs outrun announcements (see _newest_verifiable)
+        self.served: StateSnapshot | None = None
+        self._update_times: collections.deque[float] = collections.deque(maxlen=MAX_DIGESTS)
+        self._digested: StateSnapshot | None = None
         self.digests: collections.deque[EpochDigest] = collections.deque(maxlen=MAX_DIGESTS)
         # snapshots handed over and not digested yet, oldest first: every epoch gets its digest
         # (peers agree on epochs they all digested) unless epochs outrun hashing by this many
@@ -215,11 +224,20 @@ class StateServer:
         transport.add_stream_handler(STREAM_NAME, self._serve)
 
     def update(self, snapshot: StateSnapshot) -> None:
-        """Serve ``snapshot`` (this peer's state at the start of its epoch) from now on, and
-        announce its digest; call from the training thread at every epoch change."""
+        """Digest ``snapshot`` (this peer's state at the start of its epoch) and serve it once
+        its digest is announced; call from the training thread at every epoch change."""
         self.snapshot = snapshot
+        self._update_times.append(time.monotonic())
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._start_digesting, snapshot)
+
+    def _newest_verifiable(self) -> bool:
+        """Whether a downloader can check the newest snapshot: its digest is announced within
+        ``MIN_ANNOUNCE_GAP_S`` and stays among the last ``MAX_DIGESTS`` announced while the
+        downloader reads the announcements again (for ``REREAD_WINDOW_S``), unless epochs come
+        so fast that the window turns over first; then the newest announced one is served."""
+        times = self._update_times
+        return len(times) < MAX_DIGESTS or times[-1] - times[0] > REREAD_WINDOW_S
 
     def _start_digesting(self, snapshot: StateSnapshot) -> None:
         self._pending.append(snapshot)
@@ -241,6 +259,7 @@ class StateServer:
                 if self.digests and self.digests[-1].epoch == snapshot.epoch:
                     self.digests.pop()  # a new snapshot of the same epoch (a download, a resume)
                 self.digests.append(EpochDigest(snapshot.epoch, exact, rounded))
+                self._digested = snapshot
             wait_s = self._last_announce + MIN_ANNOUNCE_GAP_S - loop.time()
             if wait_s <= 0:
                 break
@@ -259,7 +278,12 @@ class StateServer:
         return self.digest_fn(snapshot, False), self.digest_fn(snapshot, True)
 
     async def _serve(self, stream: IncomingStream) -> None:
-        snapshot, request = self.snapshot, _request(stream.header)
+        request = _request(stream.header)
+        snapshot = self.snapshot
+        served = self.served
+        fits = served is not None and request is not None and served.epoch >= request[0]
+        if fits and not self._newest_verifiable():
+            snapshot = served
         if snapshot is None or request is None or snapshot.epoch < request[0]:
             await stream.reply({"epoch": None})
             return
@@ -289,9 +313,10 @@ class StateServer:
     async def announce(self) -> None:
         """Publish the epoch served, the address and the digests of the last epochs once (with
         no address in client mode: the digests still count for agreement)."""
-        snapshot = self.snapshot
+        snapshot = self._digested
         if snapshot is None or not self.digests:
             return
+        self.served = snapshot
         self._last_announce = asyncio.get_running_loop().time()
         announcement = StateAnnouncement(
             self.dht.peer_id, snapshot.epoch, self.dht.address, tuple(self.digests)

@@ -134,6 +134,8 @@ def test_a_newcomer_loads_the_swarms_state():
                     train_steps(opt, model, 1)
                 assert opt.local_epoch >= 5
                 assert opt.stats.num_rounds < 5  # it got there by loading, not by training
+                stop.set()  # the first peer's last epoch is now the newest state there is
+                thread.join(timeout=30)
                 reached = first.local_epoch
                 assert opt.load_state_from_peers()
                 assert opt.local_epoch >= reached

@@ -57,7 +57,7 @@ def test_a_peer_that_catches_up_serves_records_and_stops_at_the_new_epoch():
         run.hook._catch_up(7)
         assert run.epoch_counter.value == 7 and run.hook.epoch == 7
         run.loop_thread.run(run.services.state_server.settle(), timeout_s=30)
-        assert run.services.state_server.snapshot.epoch == 7  # announced, then served
+        assert run.services.state_server.served.epoch == 7  # announced, then served
         assert run.reports.round_log.record().epoch == 7
         assert run.stop_event.is_set()  # max_epochs 5 is behind it: the run stops
     finally:

@@ -141,7 +141,7 @@ def test_a_newcomer_downloads_the_state_and_joins_the_next_round():
     newcomer, newcomer_thread = None, None
     try:
         wait_for(
-            lambda: (first.services.state_server.snapshot or StateSnapshot(0, {})).epoch >= 2,
+            lambda: (first.services.state_server.served or StateSnapshot(0, {})).epoch >= 2,
             "the first peer did not announce (and serve) the state of epoch 2",
         )
         newcomer = PeerRun(config(seed=2, initial_peers=[first.address], **slow))
