@@ -6,6 +6,7 @@ no gateway it is relayed as before. Needs root, iproute2, nftables and miniupnpd
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import queue
@@ -165,9 +166,16 @@ class NodeInNamespace:
     """An ``open_node`` on its own event loop, in a thread inside ``namespace``, until stopped."""
 
     def __init__(
-        self, namespace: str, host: str, port: int, peers: tuple[str, ...] = (), **kw: Any
+        self,
+        namespace: str,
+        host: str,
+        port: int,
+        peers: tuple[str, ...] = (),
+        reachability: ReachabilityConfig = FAST,
+        **kw: Any,
     ):
         self._namespace, self._host, self._port, self._kw = namespace, host, port, kw
+        self._reachability = reachability
         self._initial_peers = peers
         self._out: queue.Queue = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,7 +209,9 @@ class NodeInNamespace:
 
     async def _serve(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        transport = TransportConfig(host=self._host, port=self._port, reachability=FAST)
+        transport = TransportConfig(
+            host=self._host, port=self._port, reachability=self._reachability
+        )
         dht = DHTConfig(initial_peers=self._initial_peers)
         async with open_node(PeerIdentity.generate(), transport, dht, **self._kw) as node:
             self.node = node
@@ -218,9 +228,13 @@ def _dnat_rules(router: str) -> str:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("port_taken", [False, True], ids=["same-port", "port-taken"])
+@pytest.mark.parametrize(
+    ("port_taken", "host"),
+    [(False, "0.0.0.0"), (True, LAN_PEER_ADDRESS)],
+    ids=["same-port-wildcard", "port-taken-lan-address"],
+)
 def test_a_peer_behind_a_upnp_router_maps_its_port_and_is_called_directly(
-    tmp_path: Path, port_taken: bool
+    tmp_path: Path, port_taken: bool, host: str
 ):
     prefix = f"vpx-u{os.getpid()}"
     refused = PORT if port_taken else None
@@ -228,7 +242,7 @@ def test_a_peer_behind_a_upnp_router_maps_its_port_and_is_called_directly(
         boot = NodeInNamespace(outside, OUTSIDE_ADDRESS, 0)
         boot_node = boot.start()
         peers = (boot_node.transport.address,)
-        joiner = NodeInNamespace(home, LAN_PEER_ADDRESS, PORT, peers, check_reachability=True)
+        joiner = NodeInNamespace(home, host, PORT, peers, check_reachability=True)
         caller = NodeInNamespace(outside, OUTSIDE_ADDRESS, 0, peers)
         try:
             node = joiner.start()
@@ -274,6 +288,26 @@ def test_a_mapping_nobody_can_dial_is_deleted_and_the_peer_is_relayed(tmp_path: 
             boot.stop()
     assert "yet no peer could dial it" in caplog.text
     assert "deleted the port mapping 11.0.0.2:9401 -> 192.168.1.2:9401" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_opted_out_maps_nothing(tmp_path: Path):
+    prefix = f"vpx-x{os.getpid()}"
+    with home_network(tmp_path, prefix, upnp=True) as (outside, router, home):
+        boot = NodeInNamespace(outside, OUTSIDE_ADDRESS, 0)
+        peers = (boot.start().transport.address,)
+        config = dataclasses.replace(FAST, try_port_mapping=False)
+        joiner = NodeInNamespace(
+            home, LAN_PEER_ADDRESS, PORT, peers, config, check_reachability=True
+        )
+        try:
+            reach = joiner.start().transport.reachability
+            assert (reach.reachable, reach.path, reach.port_mapped_by) == (False, "relayed", None)
+            assert LAN_PEER_ADDRESS not in _dnat_rules(router)
+        finally:
+            joiner.stop()
+            boot.stop()
+    assert "redirecting port" not in (tmp_path / "miniupnpd.log").read_text()  # never asked
 
 
 @pytest.mark.timeout(60)
