@@ -154,9 +154,9 @@ def home_network(
         guard.wait(timeout=30)
 
 
-def _wait_for(log: Path, line: str, timeout_s: float = 20) -> None:
+def _wait_for(log: Path, line: str, timeout_s: float = 20, count: int = 1) -> None:
     deadline_s = time.monotonic() + timeout_s
-    while line not in log.read_text():
+    while log.read_text().count(line) < count:
         if time.monotonic() > deadline_s:
             raise AssertionError(f"miniupnpd did not start: {log.read_text()}")
         time.sleep(0.1)
@@ -288,6 +288,28 @@ def test_a_mapping_nobody_can_dial_is_deleted_and_the_peer_is_relayed(tmp_path: 
             boot.stop()
     assert "yet no peer could dial it" in caplog.text
     assert "deleted the port mapping 11.0.0.2:9401 -> 192.168.1.2:9401" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_kept_mapping_is_renewed_before_its_lease_ends(tmp_path: Path):
+    prefix = f"vpx-y{os.getpid()}"
+    lease_s = 4
+    short = dataclasses.replace(FAST, port_mapping=PortMappingConfig(lease_s=lease_s))
+    with home_network(tmp_path, prefix, upnp=True) as (outside, router, home):
+        boot = NodeInNamespace(outside, OUTSIDE_ADDRESS, 0)
+        peers = (boot.start().transport.address,)
+        joiner = NodeInNamespace(
+            home, LAN_PEER_ADDRESS, PORT, peers, short, check_reachability=True
+        )
+        try:
+            assert joiner.start().transport.reachability.port_mapped_by == "UPnP"
+            # renewed every lease_s / 2: after three renewals the first lease is long over
+            log = tmp_path / "miniupnpd.log"
+            _wait_for(log, "updating existing port mapping", timeout_s=40, count=3)
+            assert f"dnat ip to {LAN_PEER_ADDRESS}:{PORT}" in _dnat_rules(router)
+        finally:
+            joiner.stop()
+            boot.stop()
 
 
 @pytest.mark.timeout(60)
