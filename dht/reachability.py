@@ -356,7 +356,11 @@ async def _through_port_mapping(
         return reach
     # peers dial back the address they see this node come from: announce that one
     transport.announce_address(reach.observed_host or mapping.external_host, mapping.external_port)
-    again = await check_reachability(transport, peers, config)
+    try:
+        again = await check_reachability(transport, peers, config)
+    except BaseException:  # cancelled: no mapping is left open behind
+        await mapping.close()
+        raise
     if not again.reachable:
         logger.info("port mapped by %s (%s), yet no peer could dial it", mapping.method, mapping)
         transport.announce_address(own.hostname, own.port)

@@ -34,6 +34,7 @@ from dht.port_mapping import PortMappingConfig
 from dht.reachability import ReachabilityConfig, reachability_line
 from experiments.launch_netns import cleanup_all, list_namespaces
 from experiments.netns_links import LAN_PEER_ADDRESS, home_router, in_namespace, ip
+from tests.experiments.test_nat import _in
 
 MINIUPNPD = "/usr/sbin/miniupnpd"
 pytestmark = pytest.mark.timeout(120)
@@ -265,6 +266,35 @@ def test_a_peer_behind_a_upnp_router_maps_its_port_and_is_called_directly(
             boot.stop()
         assert LAN_PEER_ADDRESS not in _dnat_rules(router)  # deleted when the peer closed
     assert list_namespaces(prefix) == []
+
+
+@pytest.mark.timeout(60)
+def test_the_library_dht_behind_a_upnp_router_maps_its_port_and_deletes_it_at_shutdown(
+    tmp_path: Path,
+):
+    import peer  # the library's peer.DHT, as a user's script makes it
+
+    prefix = f"vpx-l{os.getpid()}"
+    with home_network(tmp_path, prefix, upnp=True) as (outside, router, home):
+        boot = NodeInNamespace(outside, OUTSIDE_ADDRESS, 0)
+        peers = [boot.start().transport.address]
+        try:
+            # its threads are made in the home namespace, so they live there
+            dht = _in(home, lambda: peer.DHT(peers, host="0.0.0.0", port=PORT))
+            try:
+                reach = dht.reachability
+                assert (reach.reachable, reach.path, reach.port_mapped_by) == (
+                    True,
+                    "direct",
+                    "UPnP",
+                )
+                assert dht.urls == [f"http://{ROUTER_ADDRESS}:{PORT}"]
+                assert f"dnat ip to {LAN_PEER_ADDRESS}:{PORT}" in _dnat_rules(router)
+            finally:
+                dht.shutdown()
+            assert LAN_PEER_ADDRESS not in _dnat_rules(router)
+        finally:
+            boot.stop()
 
 
 @pytest.mark.timeout(60)
