@@ -34,6 +34,7 @@ from dht.port_mapping import PortMappingConfig
 from dht.reachability import ReachabilityConfig, reachability_line
 from experiments.launch_netns import cleanup_all, list_namespaces
 from experiments.netns_links import LAN_PEER_ADDRESS, home_router, in_namespace, ip
+from peer.run.config import join_command
 from tests.experiments.test_nat import _in
 
 MINIUPNPD = "/usr/sbin/miniupnpd"
@@ -159,7 +160,7 @@ def _wait_for(log: Path, line: str, timeout_s: float = 20, count: int = 1) -> No
     deadline_s = time.monotonic() + timeout_s
     while log.read_text().count(line) < count:
         if time.monotonic() > deadline_s:
-            raise AssertionError(f"miniupnpd did not start: {log.read_text()}")
+            raise AssertionError(f"no {line!r} in {log.name}: {log.read_text()[-3000:]}")
         time.sleep(0.1)
 
 
@@ -295,6 +296,43 @@ def test_the_library_dht_behind_a_upnp_router_maps_its_port_and_deletes_it_at_sh
             assert LAN_PEER_ADDRESS not in _dnat_rules(router)
         finally:
             boot.stop()
+
+
+@pytest.mark.timeout(180)
+def test_peer_join_behind_a_upnp_router_says_so_and_deletes_the_mapping_when_stopped(
+    tmp_path: Path,
+):
+    prefix = f"vpx-j{os.getpid()}"
+    with home_network(tmp_path, prefix, upnp=True) as (outside, router, home):
+        boot = NodeInNamespace(outside, OUTSIDE_ADDRESS, 0)
+        url = boot.start().transport.address
+        args = join_command(
+            log_level="INFO",
+            run_id="upnp",
+            task="synthetic",
+            task_option=["hidden_dim=16", "input_dim=16", "num_eval_batches=0"],
+            torch_threads=1,
+            host="0.0.0.0",
+            port=PORT,
+            initial_peers=[url],
+            checkpoint_dir=str(tmp_path / "checkpoints"),
+        )
+        log = tmp_path / "peer.out"
+        env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE"}
+        with log.open("w") as out:
+            command = ["ip", "netns", "exec", home, sys.executable, *args]
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            line = f"reachable at http://{ROUTER_ADDRESS}:{PORT} (port mapped by UPnP)"
+            _wait_for(log, line, timeout_s=150)
+            assert f"dnat ip to {LAN_PEER_ADDRESS}:{PORT}" in _dnat_rules(router)
+            process.send_signal(signal.SIGTERM)  # the peer's own graceful stop
+            assert process.wait(timeout=60) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+            boot.stop()
+        assert LAN_PEER_ADDRESS not in _dnat_rules(router)
 
 
 @pytest.mark.timeout(60)
