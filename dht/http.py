@@ -33,6 +33,7 @@ from dht.http_limits import ConnectionGate
 from dht.http_server import HTTP_PARSER_LOGGER, HttpGetHandler, HttpServer, Refused, status_of
 from dht.http_streams import ClientStream
 from dht.identity import PeerIdentity
+from dht.port_mapping import PortMapping
 from dht.reachability import DIAL_BACK, DialBackService, Reachability
 from dht.relay_client import AddressListener, Candidates, RelayTunnel
 from dht.relay_server import RelayService
@@ -72,6 +73,7 @@ class HttpTransport:
         self._closed = False
         # set by dht.reachability.settle_reachability once the swarm was asked
         self.reachability: Reachability | None = None
+        self.port_mapping: PortMapping | None = None  # kept by settle_reachability; closed here
         self.dial_back = DialBackService(self, config.reachability)
         self._rpc_handlers[DIAL_BACK] = self.dial_back.handle
 
@@ -243,8 +245,14 @@ class HttpTransport:
         one; the port and scheme stay."""
         if self._address is None:
             raise TransportError("announce_host: this node serves nothing")
-        scheme, _, rest = self._address.partition("://")
-        port = rest.rsplit(":", 1)[1]
+        self.announce_address(host, int(self._address.rsplit(":", 1)[1]))
+
+    def announce_address(self, host: str, port: int) -> None:
+        """Announce ``host:port`` (e.g. a port mapped on the gateway) instead of the listening
+        address; the scheme stays."""
+        if self._address is None:
+            raise TransportError("announce_address: this node serves nothing")
+        scheme = self._address.partition("://")[0]
         url_host = f"[{host}]" if ":" in host else host
         self._address = f"{scheme}://{url_host}:{port}"
 
@@ -276,6 +284,8 @@ class HttpTransport:
         if self._closed:
             return
         self._closed = True
+        if self.port_mapping is not None:
+            await self.port_mapping.close()
         if self._tunnel is not None:
             await self._tunnel.close()
         if self.relay is not None:

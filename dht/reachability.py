@@ -17,10 +17,12 @@ a negative cannot be proven either way, and its consequence (client mode) is the
 a node with no proven positive is not reachable. Answers that failed leave the result unknown
 when none came back.
 
-**The decision** (:func:`settle_reachability`): not reachable -> the server is closed and the
-node has no address (client mode); reachable while listening on a wildcard with no announced
-host -> the observed host becomes the announced one (hivemind users get this from identify);
-no peers to ask, or none answered -> as configured.
+**The decision** (:func:`settle_reachability`): not reachable -> the node asks its gateway for a
+port mapping (:mod:`dht.port_mapping`, UPnP-IGD), announces the mapped address and asks again;
+a mapping nobody can dial is deleted; still not reachable -> relayed by an initial peer, or else
+the server is closed and the node has no address (client mode); reachable while listening on
+a wildcard with no announced host -> the observed host becomes the announced one (hivemind users
+get this from identify); no peers to ask, or none answered -> as configured.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from urllib.parse import urlsplit
 
 from dht.errors import BusyError, ConfigError, DHTError, RemoteError, TransportError
 from dht.http_limits import RateLimiter
+from dht.port_mapping import PortMappingConfig, open_port_mapping
 from dht.schema import DialBackAnswer, DialBackRequest, parse
 from dht.transport import RequestContext
 
@@ -67,6 +70,9 @@ class ReachabilityConfig:
         num_peers_asked: distinct initial peers a joining node asks at once.
         check_timeout_s: bound on the whole check, every peer asked and retried, in seconds;
             more than ``dial_back_timeout_s``.
+        try_port_mapping: a node nobody can dial asks its gateway to forward its port (UPnP)
+            before it is relayed; False: never.
+        port_mapping: discovery and request timeouts and the lease of that mapping.
     """
 
     dial_back_timeout_s: float = 5.0
@@ -75,6 +81,8 @@ class ReachabilityConfig:
     max_concurrent_dial_backs: int = 64
     num_peers_asked: int = 3
     check_timeout_s: float = 10.0
+    try_port_mapping: bool = True
+    port_mapping: PortMappingConfig = dataclasses.field(default_factory=PortMappingConfig)
 
     def __post_init__(self) -> None:
         for name in ("dial_back_timeout_s", "max_dial_backs_per_s_per_address", "check_timeout_s"):
@@ -102,6 +110,8 @@ class Reachability:
         num_asked: peers asked; num_answered: peers that answered; num_confirmed: answers of
             "reachable" proven by a hello from that peer.
         reason: why, in words (for the unknown and not-reachable cases).
+        port_mapped_by: how the gateway was asked to forward the port others dial
+            (``"UPnP"``), when a mapping made this node reachable.
     """
 
     reachable: bool | None
@@ -111,6 +121,7 @@ class Reachability:
     num_answered: int = 0
     num_confirmed: int = 0
     reason: str = ""
+    port_mapped_by: str | None = None
 
     @property
     def path(self) -> Path:
@@ -129,6 +140,8 @@ def reachability_line(reach: Reachability) -> str:
     """The one line ``peer join`` prints about reachability (extend here, e.g. for relays)."""
     if reach.address is not None and reach.path == "relayed":
         return f"not reachable from the swarm: relayed via {reach.address.split(RELAY_PATH)[0]}"
+    if reach.reachable and reach.port_mapped_by:
+        return f"reachable at {reach.address} (port mapped by {reach.port_mapped_by})"
     if reach.reachable:
         return f"reachable at {reach.address}"
     if reach.reachable is False:
@@ -306,11 +319,15 @@ async def settle_reachability(
     decided.
 
     Call after the transport started and before the DHT node starts (nothing has announced
-    the address yet). A node nobody can dial attaches to the first of ``relays`` that accepts
+    the address yet). A node nobody can dial asks its gateway for a port mapping and keeps it
+    (``transport.port_mapping``, deleted when the transport closes) if the peers can then dial
+    it; otherwise it attaches to the first of ``relays`` that accepts
     (its address becomes the relayed one), or, with none, runs in client mode. The result is
     also kept as ``transport.reachability``.
     """
     reach = await check_reachability(transport, peers, config)
+    if reach.reachable is False and config.try_port_mapping:
+        reach = await _through_port_mapping(transport, peers, config, reach)
     if reach.reachable is False and relays:
         reach = await _relayed_or_client(transport, reach, relays)
     elif reach.reachable is False:
@@ -321,6 +338,38 @@ async def settle_reachability(
         reach = _replace_address(reach, transport.address)
     transport.reachability = reach
     return reach
+
+
+async def _through_port_mapping(
+    transport: HttpTransport,
+    peers: list[str] | tuple[str, ...],
+    config: ReachabilityConfig,
+    reach: Reachability,
+) -> Reachability:
+    """``reach`` again, with the port mapped on the gateway if that made the node reachable."""
+    own = urlsplit(transport.address)
+    local_host = None if _announces_wildcard(transport) else transport.config.host
+    if local_host is not None and _is_loopback(local_host):
+        return reach  # a gateway cannot forward to a loopback listener
+    mapping = await open_port_mapping(own.port, config.port_mapping, internal_host=local_host)
+    if mapping is None:
+        return reach
+    # peers dial back the address they see this node come from: announce that one
+    transport.announce_address(reach.observed_host or mapping.external_host, mapping.external_port)
+    try:
+        again = await check_reachability(transport, peers, config)
+    except BaseException:  # cancelled: no mapping is left open behind
+        await mapping.close()
+        raise
+    if not again.reachable:
+        logger.info("port mapped by %s (%s), yet no peer could dial it", mapping.method, mapping)
+        transport.announce_address(own.hostname, own.port)
+        await mapping.close()
+        return reach
+    logger.info("port mapped by %s (%s): reachable at %s", mapping.method, mapping, again.address)
+    mapping.start_renewing()
+    transport.port_mapping = mapping
+    return dataclasses.replace(again, port_mapped_by=mapping.method)
 
 
 async def _relayed_or_client(
@@ -343,6 +392,13 @@ def _announces_wildcard(transport: HttpTransport) -> bool:
         return ipaddress.ip_address(cfg.host).is_unspecified
     except ValueError:
         return False
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _replace_address(reach: Reachability, address: str | None) -> Reachability:

@@ -19,7 +19,7 @@ from dht.facade import DHT as BlockingDHT
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity, short_id
 from dht.options import peer_url, read_swarm_key
-from dht.reachability import Reachability
+from dht.reachability import Reachability, ReachabilityConfig
 from dht.storage import ValueWithExpiration
 from peer.api.errors import UNSUPPORTED_DHT, reject_unsupported
 from peer.profiling.prometheus import METRICS_PATH, PrometheusExporter
@@ -84,6 +84,9 @@ class DHT:
         relay: relay for peers that nobody can dial (behind NAT) when this one is reachable.
         max_relayed_bytes_per_s: cap on the bytes per second this peer relays (default: the
             transport's, 12.5e6).
+        port_mapping: a peer that its initial peers cannot dial back asks its home router to
+            forward its port (UPnP) before it is relayed (see :mod:`dht.port_mapping`); the
+            mapping is deleted at :meth:`shutdown`. Never for a loopback ``host``.
         relay_via: be reached through the first of these relays (URLs of reachable peers) that
             accepts, without asking anyone to dial back. By default a peer that its initial
             peers cannot dial back is relayed by one of them (or, if none accepts, runs in
@@ -113,6 +116,7 @@ class DHT:
         serve_metrics: bool = False,
         relay: bool = True,
         max_relayed_bytes_per_s: float | None = None,
+        port_mapping: bool = True,
         relay_via: Sequence[str] = (),
         **hivemind_kwargs: Any,
     ):
@@ -151,6 +155,7 @@ class DHT:
                 swarm_key=key if key is not None else read_swarm_key(None),
                 relay_enabled=bool(relay),
                 **_relay_cap(max_relayed_bytes_per_s),
+                reachability=ReachabilityConfig(try_port_mapping=bool(port_mapping)),
             )
             if identity is None:
                 identity = (

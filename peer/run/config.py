@@ -31,6 +31,7 @@ from dht.errors import ConfigError
 from dht.http_config import TransportConfig
 from dht.options import ENV_PREFIX, peer_url, read_swarm_key
 from dht.options import NETWORK_OPTIONS as NET
+from dht.reachability import ReachabilityConfig
 from peer.swarm.progress import ProgressConfig
 from peer.train.schedules import LRSchedule, make_lr_schedule
 
@@ -66,6 +67,11 @@ class PeerConfig(BaseModel):
     swarm_key_file: Path | None = Field(None, description=NET["swarm_key_file"].help)
     relay: bool = Field(
         True, description="relay for peers others cannot reach (--no-relay: for no one)"
+    )
+    port_mapping: bool = Field(
+        True,
+        description="when nobody can dial this peer, ask the home router to forward its port "
+        "(UPnP) before being relayed (--no-port-mapping: never)",
     )
     relay_via: list[str] = Field(
         default_factory=list,
@@ -219,6 +225,7 @@ class PeerConfig(BaseModel):
             swarm_key=self.swarm_key(),
             relay_enabled=self.relay,
             max_relayed_bytes_per_s=self.max_relayed_bytes_per_s,
+            reachability=ReachabilityConfig(try_port_mapping=self.port_mapping),
         )
 
     def dht_config(self) -> DHTConfig:

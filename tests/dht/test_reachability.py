@@ -19,14 +19,17 @@ from dht.errors import ConfigError, RemoteError
 from dht.http import HttpTransport
 from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.port_mapping import PortMappingConfig
 from dht.reachability import (
     DIAL_BACK,
+    Reachability,
     ReachabilityConfig,
     check_reachability,
     path_of,
     reachability_line,
     settle_reachability,
 )
+from peer.run.config import PeerConfig
 
 pytestmark = pytest.mark.timeout(60)
 FAST = ReachabilityConfig(dial_back_timeout_s=2.0, check_timeout_s=4.0)
@@ -199,3 +202,11 @@ def test_paths_and_config_checks():
         ReachabilityConfig(dial_back_timeout_s=5, check_timeout_s=5)
     with pytest.raises(ConfigError, match="dial_back_burst"):
         ReachabilityConfig(dial_back_burst=0)
+    with pytest.raises(ConfigError, match="discovery_timeout_s"):
+        PortMappingConfig(discovery_timeout_s=0)
+    with pytest.raises(ConfigError, match="lease_s"):
+        PortMappingConfig(lease_s=1)
+    mapped = Reachability(reachable=True, address="http://1.2.3.4:5", port_mapped_by="UPnP")
+    assert reachability_line(mapped) == "reachable at http://1.2.3.4:5 (port mapped by UPnP)"
+    # peer join's --no-port-mapping reaches the transport's reachability config
+    assert PeerConfig(port_mapping=False).transport_config().reachability.try_port_mapping is False
