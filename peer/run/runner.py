@@ -149,6 +149,7 @@ class PeerRun(RunSkeleton):
             relay=config.relay,
             max_relayed_bytes_per_s=config.max_relayed_bytes_per_s,
             relay_via=config.relay_via,
+            port_mapping=config.port_mapping,
         )
         logger.info(
             "peer %s joined run %r, serving on %s",
