@@ -138,6 +138,7 @@ ALLREDUCE_FIELDS = {
     "max_abs_err",
     "bytes_sent_per_peer",
     "gbit_per_s",
+    "deadlines_s",  # an addition: the averager's waits after the last round
 }
 
 
