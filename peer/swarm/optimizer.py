@@ -269,17 +269,20 @@ class CollaborativeOptimizer:
 
     def _early(self, result: RoundResult) -> bool:
         """Whether a round that found no group was early: this peer has no partners yet (a
-        newcomer) and others are at its epoch. Those others count only their partners' samples
-        toward the target (:mod:`peer.swarm.progress`), so they start their round later than a
-        newcomer that counts everyone's; stepping alone now would put the newcomer an epoch
-        ahead of them, round after round. It looks for their group once more instead (the
-        tensors are untouched: a round that found no group averaged nothing)."""
-        return (
-            result.status == "alone"
-            and not result.members
-            and self._num_at_epoch > 1
-            and not self.progress.partners
-        )
+        newcomer) and others are still at its epoch (by their records read now, after the
+        round). Those others count only their partners' samples toward the target
+        (:mod:`peer.swarm.progress`), so they start their round later than a newcomer that
+        counts everyone's; stepping alone now would put the newcomer an epoch ahead of them,
+        round after round. It looks for their group once more instead (the tensors are
+        untouched: a round that found no group averaged nothing). Others that moved on (a
+        record that was stale) are caught up with as usual instead."""
+        if result.status != "alone" or result.members or self.progress.partners:
+            return False
+        swarm = self.progress.current()
+        if swarm.epoch > self.epoch:
+            return False
+        self._count_at_epoch(swarm)
+        return self._num_at_epoch > 1
 
     def _next_epoch(self) -> None:
         self.epoch_counter.advance_to(self.epoch + 1)

@@ -135,7 +135,7 @@ def test_the_converted_hivemind_script_trains_two_processes_that_average(tmp_pat
     script = "examples/hivemind_converted.py"
     # epochs of a few hundred steps: the second process, started after the first printed its
     # address (seconds on a loaded machine), can still catch the first one's epoch
-    slow = ["--target-batch-size", "8192"]
+    slow = ["--target-batch-size", "32768"]
     first = spawn([script, "--seconds", "20", "--seed", "1", *slow])
     line = first_line(first)
     initial = re.findall(r"'([^']+)'", line)
