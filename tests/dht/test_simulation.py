@@ -20,6 +20,10 @@ async def test_thousand_nodes_with_a_fifth_killed_still_find_every_value():
         latency=LatencyModel(base_s=0.0005, jitter_s=0.0005),
         seed=1,
         join_fraction=0.05,
+        # killed nodes refuse at once and nothing is dropped here, so the RPC timeout only
+        # judges late answers: 1000 nodes share one event loop, and on a loaded machine an
+        # answer can come later than a second without being lost
+        config=DHTConfig(rpc_timeout_s=5.0),
     )
     assert report.num_killed == 200 and report.num_joined == 50
     assert report.store_success_rate == 1.0
