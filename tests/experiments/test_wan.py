@@ -1,7 +1,7 @@
 """The WAN preset's parts end to end: a sweep in namespaces with latency and loss through the
 user-space emulator (this kernel has no sch_netem) and one peer behind NAT, relayed by the
-bootstrap node; the swarm averages, the peers measure the emulated RTT and the report shows it. Needs root,
-iproute2, nftables and /dev/net/tun; CI runs as root."""
+bootstrap node; the swarm averages, the peers measure the emulated RTT and the report shows
+it. Needs root, iproute2, nftables and /dev/net/tun; CI runs as root."""
 
 from __future__ import annotations
 
