@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import shutil
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from pyroute2 import netns
 
 from dht.errors import RequestTimeoutError, TransportError
 from dht.http import HttpTransport
@@ -25,6 +22,7 @@ from experiments.launch_netns import NetnsSession, address_of
 from experiments.netns_links import LAN_PEER_ADDRESS
 from tests.dht.test_relay import Reached
 from tests.dht.test_transport import echo, halve, roundtrip
+from tests.experiments.namespace_loop import LoopInNamespace
 from tests.experiments.test_nat import PORT, _in, _network
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,46 +30,23 @@ if os.geteuid() != 0 or shutil.which("nft") is None or not os.path.exists("/dev/
     pytestmark = [pytestmark, pytest.mark.skip(reason="needs root, nftables and /dev/net/tun")]
 
 
-class RelayedPeer:
-    """A relayed peer's transport on its own event loop, in a thread inside ``namespace``."""
+class RelayedPeer(LoopInNamespace):
+    """A relayed peer's transport on its own event loop, in a thread inside ``namespace``;
+    :meth:`start` returns (relayed address, peer id, the server's own URL)."""
 
     def __init__(self, namespace: str, relay_url: str):
-        self._namespace, self._relay_url = namespace, relay_url
-        self._out: queue.Queue = queue.Queue()
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._main)
+        super().__init__(namespace)
+        self._relay_url = relay_url
 
-    def start(self, timeout_s: float = 30) -> tuple[str, str, str]:
-        """Start; (relayed address, peer id, the server's own URL)."""
-        self._thread.start()
-        result = self._out.get(timeout=timeout_s)
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=30)
-
-    def _main(self) -> None:
-        try:
-            netns.setns(self._namespace, flags=0)
-            asyncio.run(self._serve())
-        except BaseException as e:
-            self._out.put(e)
-
-    async def _serve(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+    async def serve(self) -> None:
         config = TransportConfig(host=LAN_PEER_ADDRESS, port=0, relay_heartbeat_s=2.0)
         async with HttpTransport(PeerIdentity.generate(), config) as transport:
             transport.add_rpc_handler("echo", echo)
             transport.add_stream_handler("halve", halve)
             own_url = transport.address
             address = await transport.attach_relay([self._relay_url])
-            self._out.put((address, transport.peer_id, own_url))
-            await self._stop.wait()
+            self.started((address, transport.peer_id, own_url))
+            await self.stopped()
 
 
 async def call_through(address: str, peer_id: str, own_url: str) -> dict:

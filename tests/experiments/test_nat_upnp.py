@@ -5,16 +5,13 @@ no gateway it is relayed as before. Needs root, iproute2, nftables and miniupnpd
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
-import queue
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +20,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from pyroute2 import netns
 
 from dht.config import DHTConfig
 from dht.http_config import TransportConfig
@@ -35,6 +31,7 @@ from dht.reachability import ReachabilityConfig, reachability_line
 from experiments.launch_netns import cleanup_all, list_namespaces
 from experiments.netns_links import LAN_PEER_ADDRESS, home_router, in_namespace, ip
 from peer.run.config import join_command
+from tests.experiments.namespace_loop import LoopInNamespace
 from tests.experiments.test_nat import _in
 
 MINIUPNPD = "/usr/sbin/miniupnpd"
@@ -164,8 +161,9 @@ def _wait_for(log: Path, line: str, timeout_s: float = 20, count: int = 1) -> No
         time.sleep(0.1)
 
 
-class NodeInNamespace:
-    """An ``open_node`` on its own event loop, in a thread inside ``namespace``, until stopped."""
+class NodeInNamespace(LoopInNamespace):
+    """An ``open_node`` on its own event loop, in a thread inside ``namespace``, until stopped;
+    :meth:`start` returns the node."""
 
     def __init__(
         self,
@@ -176,49 +174,28 @@ class NodeInNamespace:
         reachability: ReachabilityConfig = FAST,
         **kw: Any,
     ):
-        self._namespace, self._host, self._port, self._kw = namespace, host, port, kw
+        super().__init__(namespace)
+        self._host, self._port, self._kw = host, port, kw
         self._reachability = reachability
         self._initial_peers = peers
-        self._out: queue.Queue = queue.Queue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
         self.node: DHTNode | None = None
-        self._thread = threading.Thread(target=self._main)
 
     def start(self, timeout_s: float = 60) -> DHTNode:
-        self._thread.start()
-        result = self._out.get(timeout=timeout_s)
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return super().start(timeout_s)
 
     def run(self, function: Callable[[DHTNode], Awaitable[Any]], timeout_s: float = 30) -> Any:
         """``await function(node)`` on the node's loop; its result."""
-        future = asyncio.run_coroutine_threadsafe(function(self.node), self._loop)
-        return future.result(timeout=timeout_s)
+        return self.call(lambda: function(self.node), timeout_s)
 
-    def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=30)
-
-    def _main(self) -> None:
-        try:
-            netns.setns(self._namespace, flags=0)
-            asyncio.run(self._serve())
-        except BaseException as e:
-            self._out.put(e)
-
-    async def _serve(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+    async def serve(self) -> None:
         transport = TransportConfig(
             host=self._host, port=self._port, reachability=self._reachability
         )
         dht = DHTConfig(initial_peers=self._initial_peers)
         async with open_node(PeerIdentity.generate(), transport, dht, **self._kw) as node:
             self.node = node
-            self._out.put(node)
-            await self._stop.wait()
+            self.started(node)
+            await self.stopped()
 
 
 def _dnat_rules(router: str) -> str:
