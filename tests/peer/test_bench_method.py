@@ -164,7 +164,10 @@ def test_interleaved_windows_hold_under_a_hog_that_a_b_a_does_not(sides):
     hog.run_from(total_s / 4, 3 * total_s / 4)
     result = interleave(a, b, num_pairs=NUM_PAIRS, window_s=WINDOW_S)
     spread = result.spread
-    assert spread.num_pairs == NUM_PAIRS
+    # A window in which the loop got no CPU at all cannot be measured and is left out (the
+    # method's contract). The host's scheduler can starve a just-continued loop behind the
+    # hog for a whole window (seen once in CI: 29 of 30 pairs), so most pairs, not all.
+    assert spread.num_pairs >= 0.8 * NUM_PAIRS, spread
     # the hog is a real disturbance: the windows it covered did far less work
     rates = [r for r in result.rates_a if r is not None]
     assert min(rates) < 0.5 * max(rates)
