@@ -1,8 +1,12 @@
 """One peer's side of a butterfly all-reduce over a formed group.
 
 The flattened vector is split into one part per member that has an address (sized by
-bandwidth). This peer streams every other reducer's part to it and takes the average back
-(:mod:`averaging.sender`) while it reduces its own part (:mod:`averaging.reducer`), all at once.
+bandwidth), each part into the group's number of streams (slices of whole chunks). This peer
+streams every slice of every other reducer's part to it and takes the average back
+(:mod:`averaging.sender`) while it reduces the slices of its own part
+(:mod:`averaging.reducer`), all at once: with ``num_streams`` streams per pair, that many TCP
+connections carry each pair's bytes (a long fat or lossy link, where one TCP flow cannot fill
+the pipe; see :mod:`averaging.streams`).
 The whole exchange is bounded by ``allreduce_timeout_s``: what is not averaged by then keeps its
 local values, and the outcome says so.
 """
@@ -18,6 +22,7 @@ from averaging.compression import get_codec
 from averaging.config import AveragerConfig
 from averaging.deadlines import Deadlines
 from averaging.group import GroupInfo
+from averaging.partition import Part
 from averaging.protocol import PartHeader
 from averaging.reducer import PartReducer
 from averaging.router import PartRouter
@@ -76,52 +81,56 @@ async def run_allreduce(
         await asyncio.to_thread(codec.prepare)
     outcome = AllReduceOutcome(total_numel=flat.size)
     worker = Worker(outcome.stats, config.offload_min_numel)
-    parts = group.parts(flat.size)
+    slices = group.stream_parts(flat.size)
     weights = group.weights()
     own_weight = weights[own_peer_id]
 
-    def header(index: int, weight: float) -> PartHeader:
-        part = parts[index]
+    def header(part: Part, weight: float) -> PartHeader:
         return PartHeader(
-            group.group_id, index, weight, part.numel, group.compression, part.chunk_numel
+            group.group_id,
+            part.index,
+            weight,
+            part.numel,
+            group.compression,
+            part.chunk_numel,
+            stream=part.stream,
         )
 
-    own_index = group.index_of(own_peer_id)
-    own_part = parts[own_index]
-    reducer = None
-    if own_part.numel:
-        reducer = PartReducer(
-            part=own_part,
-            values=flat[own_part.start : own_part.end],
+    reducers = {
+        part.stream: PartReducer(
+            part=part,
+            values=flat[part.start : part.end],
             own_weight=own_weight,
             senders={peer: w for peer, w in weights.items() if peer != own_peer_id},
-            header=header(own_index, 0.0),
+            header=header(part, 0.0),
             codec=codec,
             config=config,
             worker=worker,
             aggregation=group.aggregation,
             deadlines=deadlines,
         )
+        for part in slices[group.index_of(own_peer_id)]
+    }
     senders = [
         PartSender(
             transport=transport,
             stream_name=stream_name,
             reducer=member,
-            header=header(index, own_weight),
-            part=parts[index],
-            values=flat[parts[index].start : parts[index].end],
+            header=header(part, own_weight),
+            part=part,
+            values=flat[part.start : part.end],
             codec=codec,
             config=config,
             worker=worker,
             deadlines=deadlines,
         )
-        for index, member in enumerate(group.members)
-        if member.peer_id != own_peer_id and parts[index].numel
+        for member, parts in zip(group.members, slices, strict=True)
+        if member.peer_id != own_peer_id
+        for part in parts
     ]
-    router.register(group.group_id, reducer)
+    router.register(group.group_id, reducers)
     tasks = [asyncio.create_task(s.run()) for s in senders]
-    if reducer is not None:
-        tasks.append(asyncio.create_task(reducer.run()))
+    tasks += [asyncio.create_task(r.run()) for r in reducers.values()]
     try:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=config.allreduce_timeout_s)
@@ -132,23 +141,25 @@ async def run_allreduce(
         if tasks:
             await asyncio.wait(tasks)
         router.unregister(group.group_id)
-        if reducer is not None:
+        for reducer in reducers.values():
             await reducer.close()
     for task in tasks:  # a failure here is a bug, not a peer's fault: let it surface
         if not task.cancelled() and task.exception() is not None:
             raise task.exception()
-    _collect(outcome, reducer, senders)
+    _collect(outcome, reducers.values(), senders)
     return outcome
 
 
-def _collect(outcome: AllReduceOutcome, reducer: PartReducer | None, senders) -> None:
-    if reducer is not None:
-        outcome.dropped.update(reducer.dropped)
+def _collect(outcome: AllReduceOutcome, reducers, senders) -> None:
+    """Merge every slice's account: a peer dropped, or a part failed, in any slice counts."""
+    for reducer in reducers:
+        for peer, reason in reducer.dropped.items():
+            outcome.dropped.setdefault(peer, reason)
         outcome.averaged_numel += reducer.averaged_numel
     for sender in senders:
         result = sender.result
         outcome.averaged_numel += result.averaged_numel
         if result.error is not None:
-            outcome.failed_parts[result.reducer] = result.error
+            outcome.failed_parts.setdefault(result.reducer, result.error)
         elif not result.done:
-            outcome.failed_parts[result.reducer] = "unfinished at allreduce_timeout_s"
+            outcome.failed_parts.setdefault(result.reducer, "unfinished at allreduce_timeout_s")

@@ -36,6 +36,7 @@ from averaging.group import GroupInfo
 from averaging.matchmaking import Matchmaker, MatchmakingDHT
 from averaging.result import RoundResult
 from averaging.router import PartRouter
+from averaging.streams import StreamChooser
 from averaging.tensors import FlatTensors
 from dht.errors import DHTError
 from dht.runtime import EventLoopThread
@@ -76,6 +77,7 @@ class DecentralizedAverager:
         self._tensors = FlatTensors(tensors)
         self._stream_name = f"averaging.{prefix}.part"
         self.deadlines = Deadlines(self.config, self._measured_rtt_s)
+        self.streams = StreamChooser(self.config, self._measured_rtt_s)
         self._router = PartRouter(
             transport, self._stream_name, group_wait_s=self.config.group_wait_s
         )
@@ -88,6 +90,7 @@ class DecentralizedAverager:
                 prefix=prefix,
                 config=self.config,
                 deadlines=self.deadlines,
+                num_streams=self.streams.choose,
             )
         self._lock = asyncio.Lock()
         self._closed = False
@@ -322,6 +325,9 @@ class DecentralizedAverager:
         phase_s["scatter"] = loop.time() - start
         phase_s.update(outcome.stats.cpu_s)
         result = dataclasses.replace(_result_of(group, outcome, phase_s), deadlines_s=dict(waits))
+        if result.status == "ok":
+            moved_bytes = result.bytes_sent + result.bytes_received
+            self.streams.observe(group.num_streams, moved_bytes, result.allreduce_s)
         return self._finish(key, result, phase_s["matchmaking"])
 
     def _finish(self, key: str, result: RoundResult, matchmaking_s: float) -> RoundResult:
@@ -370,4 +376,5 @@ def _result_of(
         averaged_fraction=fraction,
         compression=group.compression.value,
         phase_s=dict(phase_s),
+        num_streams=group.num_streams,
     )

@@ -99,6 +99,7 @@ async def _peer(rank: int, spec: dict[str, Any], barrier, results) -> None:
                             "max_abs_err": max_abs_err,
                             "phase_s": dict(result.phase_s),
                             "deadlines_s": dict(result.deadlines_s),
+                            "num_streams": result.num_streams,
                         },
                     )
                 )
@@ -136,6 +137,7 @@ def run_allreduce_bench(
     places: list[tuple[Callable[[], None], str]] | None = None,
     aggregation: str = "mean",
     include_rounds: bool = False,
+    streams_per_pair: int = 0,
 ) -> dict[str, Any]:
     """Run ``num_rounds`` measured rounds (after ``num_warmup``) of ``num_peers`` processes.
 
@@ -157,6 +159,9 @@ def run_allreduce_bench(
     ``deadlines_s``: the waits of the last round (the longest over peers; see
     :mod:`averaging.deadlines`). With ``include_rounds``, also ``round_details``: per measured
     round, each peer's status, the checked peer's ``max_abs_err`` and its ``deadlines_s``.
+    ``streams_per_pair`` goes into the default config (0: chosen from the measured RTT, see
+    :mod:`averaging.streams`); ``streams_per_pair`` in the result is the median over measured
+    rounds of the number the groups used.
 
     Raises:
         ValueError: bad arguments.
@@ -172,6 +177,7 @@ def run_allreduce_bench(
         min_group_size=num_peers,
         compression=compression,
         aggregation=aggregation,
+        streams_per_pair=streams_per_pair,
     )
     spec = {
         "num_peers": num_peers,
@@ -196,6 +202,9 @@ def run_allreduce_bench(
     summary["deadlines_s"] = {
         k: round(v, 3) for k, v in sorted(_round_detail(rounds[-1])["deadlines_s"].items())
     }
+    summary["streams_per_pair"] = statistics.median_low(
+        peer["num_streams"] for peers in rounds for peer in peers
+    )
     if include_rounds:
         summary["round_details"] = [_round_detail(peers) for peers in rounds]
     if config.aggregation.value != "mean":  # an extra field only when asked for

@@ -10,7 +10,12 @@ from typing import Any
 from averaging.bounds import DEFAULT_MAX_WEIGHT_RATIO, MAX_BANDWIDTH
 from averaging.compression import UINT8_BLOCK, Compression
 from averaging.errors import ConfigError
-from averaging.group import DEFAULT_CHUNK_NUMEL, MAX_CHUNK_NUMEL, MAX_WEIGHT_RATIO
+from averaging.group import (
+    DEFAULT_CHUNK_NUMEL,
+    MAX_CHUNK_NUMEL,
+    MAX_STREAMS_PER_PAIR,
+    MAX_WEIGHT_RATIO,
+)
 from averaging.robust import Aggregation
 
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -56,7 +61,17 @@ class AveragerConfig:
             most 2**21); the wire carries ``4 * chunk_numel`` bytes per chunk without
             compression. Small parts use smaller chunks. A group uses its leader's setting.
         max_chunks_in_flight: chunks of a part a reducer accumulates at once (its memory is
-            this many chunks per part; senders are held back by flow control beyond it).
+            this many chunks per part; senders are held back by flow control beyond it). With
+            several streams per pair, per slice of the part.
+        streams_per_pair: streams (TCP connections) each sender opens to each reducer, the
+            part cut into that many slices of whole chunks; 0 (default): chosen from the
+            measured RTT and the goodput of past rounds (:mod:`averaging.streams`). A group
+            uses its leader's choice.
+        max_streams_per_pair: the most streams per pair the automatic choice takes, and the
+            most this peer accepts from a leader (at most 8: a server admits 8 streams per
+            peer at once).
+        rtt_per_stream_s: in seconds; while the measured median RTT is below it the automatic
+            choice is one stream, and its first try is one stream per this much RTT.
         offload_min_numel: numpy work on at least this many values (compression, decoding)
             runs in a worker thread, off the event loop.
         compression: wire format of the parts unless a step says otherwise.
@@ -98,6 +113,9 @@ class AveragerConfig:
     max_deadline_s: float = 120.0
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     max_chunks_in_flight: int = 4
+    streams_per_pair: int = 0
+    max_streams_per_pair: int = 4
+    rtt_per_stream_s: float = 0.02
     offload_min_numel: int = 65536
     compression: Compression = Compression.NONE
     bandwidth: float = 1.0
@@ -150,6 +168,7 @@ class AveragerConfig:
                 f"({self.reducer_timeout_s})"
             )
         self._check_deadline_bounds()
+        self._check_streams()
         if self.matchmaking_poll_min_s > self.matchmaking_poll_max_s:
             raise ConfigError("matchmaking_poll_min_s must not exceed matchmaking_poll_max_s")
         if not UINT8_BLOCK <= self.chunk_numel <= MAX_CHUNK_NUMEL or self.chunk_numel % UINT8_BLOCK:
@@ -174,6 +193,23 @@ class AveragerConfig:
             raise ConfigError(f"num_partner_rounds must be >= 0, got {self.num_partner_rounds}")
         if self.group_bits and not set(self.group_bits) <= {"0", "1"}:
             raise ConfigError(f"group_bits must be a string of 0s and 1s, got {self.group_bits!r}")
+
+    def _check_streams(self) -> None:
+        if not 1 <= self.max_streams_per_pair <= MAX_STREAMS_PER_PAIR:
+            raise ConfigError(
+                f"max_streams_per_pair must be in [1, {MAX_STREAMS_PER_PAIR}], "
+                f"got {self.max_streams_per_pair}"
+            )
+        if not 0 <= self.streams_per_pair <= self.max_streams_per_pair:
+            raise ConfigError(
+                f"streams_per_pair must be 0 (automatic) or in [1, max_streams_per_pair="
+                f"{self.max_streams_per_pair}], got {self.streams_per_pair}"
+            )
+        if not (self.rtt_per_stream_s > 0 and math.isfinite(self.rtt_per_stream_s)):
+            raise ConfigError(
+                f"rtt_per_stream_s must be a positive number of seconds, got "
+                f"{self.rtt_per_stream_s}"
+            )
 
     def _check_deadline_bounds(self) -> None:
         if not isinstance(self.adaptive_deadlines, bool):

@@ -3,8 +3,9 @@
 Wire format (a msgpack map; the leader sends it, every member checks it whole):
 ``group`` (hex id), ``members`` (a list of ``{peer, addr, bw, w}``, sorted by peer id, no peer
 or address twice), ``compression``, ``chunk`` (values per chunk), ``agg`` (the aggregation
-rule, :mod:`averaging.robust`) and ``wr`` (the weight ratio of :func:`averaging.bounds.
-bounded_weights`). Entries are bounded (:mod:`averaging.bounds`), and the parts and weights
+rule, :mod:`averaging.robust`), ``wr`` (the weight ratio of :func:`averaging.bounds.
+bounded_weights`) and ``streams`` (streams per sender and reducer, 1 when absent; see
+:mod:`averaging.streams`). Entries are bounded (:mod:`averaging.bounds`), and the parts and weights
 every member uses are the bounded ones.
 """
 
@@ -25,7 +26,7 @@ from averaging.bounds import (
 )
 from averaging.compression import UINT8_BLOCK, Compression
 from averaging.errors import ProtocolViolation
-from averaging.partition import Part, make_parts
+from averaging.partition import Part, make_parts, split_streams
 from averaging.robust import Aggregation
 from dht.identity import is_peer_id
 
@@ -33,6 +34,7 @@ MAX_GROUP_SIZE = 256
 MAX_WEIGHT_RATIO = 1e6
 MAX_CHUNK_NUMEL = 2 * 1024 * 1024  # 8 MiB of float32: the transport's default frame limit
 DEFAULT_CHUNK_NUMEL = 1024 * 1024  # 4 MiB of float32: fewer, larger writes cost less CPU
+MAX_STREAMS_PER_PAIR = 8  # a server admits 8 streams per peer at once (dht.http_config)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ class GroupInfo:
         chunk_numel: the most values per chunk (small parts use smaller chunks).
         aggregation: how reducers combine the contributions (:mod:`averaging.robust`).
         max_weight_ratio: a weight counts at most this many times the lower median weight.
+        num_streams: how many streams (TCP connections) each sender opens to each reducer; the
+            reducer's part is cut into that many slices of whole chunks, one per stream.
     """
 
     group_id: str
@@ -100,6 +104,7 @@ class GroupInfo:
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     aggregation: Aggregation = Aggregation.MEAN
     max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO
+    num_streams: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", Compression(self.compression))
@@ -122,6 +127,12 @@ class GroupInfo:
             and self.chunk_numel % UINT8_BLOCK == 0
         ):
             raise ProtocolViolation(f"bad chunk size {self.chunk_numel!r}")
+        if not (
+            isinstance(self.num_streams, int)
+            and not isinstance(self.num_streams, bool)
+            and 1 <= self.num_streams <= MAX_STREAMS_PER_PAIR
+        ):
+            raise ProtocolViolation(f"bad number of streams {self.num_streams!r}")
 
     @property
     def peer_ids(self) -> tuple[str, ...]:
@@ -149,6 +160,18 @@ class GroupInfo:
         except (ValueError, OverflowError, ZeroDivisionError) as e:
             raise ProtocolViolation(f"the group cannot be partitioned: {e}") from None
 
+    def stream_parts(self, total_numel: int) -> list[list[Part]]:
+        """Each member's part (:meth:`parts`) cut into its streams' slices
+        (:func:`averaging.partition.split_streams`); an empty part has no slice.
+
+        Raises:
+            ProtocolViolation: no member can reduce.
+        """
+        return [
+            split_streams(part, self.num_streams) if part.numel else []
+            for part in self.parts(total_numel)
+        ]
+
     def weights(self) -> dict[str, float]:
         """Each member's weight as every member uses it (bounded relative to the group)."""
         bounded = bounded_weights([m.weight for m in self.members], self.max_weight_ratio)
@@ -162,6 +185,7 @@ class GroupInfo:
             "chunk": self.chunk_numel,
             "agg": self.aggregation.value,
             "wr": self.max_weight_ratio,
+            "streams": self.num_streams,
         }
 
     @classmethod
@@ -195,7 +219,10 @@ class GroupInfo:
         ratio = raw.get("wr")
         if not is_number(ratio):
             raise ProtocolViolation("bad weight ratio in group")
-        return cls(group_id, parsed, compression, chunk_numel, aggregation, float(ratio))
+        num_streams = raw.get("streams", 1)
+        return cls(
+            group_id, parsed, compression, chunk_numel, aggregation, float(ratio), num_streams
+        )
 
 
 def check_offered(
@@ -207,12 +234,14 @@ def check_offered(
     aggregation: Aggregation,
     max_weight_ratio: float,
     numel: int,
+    max_streams: int = MAX_STREAMS_PER_PAIR,
 ) -> None:
     """Refuse a group a follower cannot take part in honestly: it must list the follower ``me``
     exactly as it sent itself, and the leader (``(peer id, address)``) as it answered; be no
-    larger than ``max_size``; use the follower's aggregation rule and weight bound; and
-    partition ``numel`` values (by fair bandwidths). Its structure (sorted unique ids, distinct
-    addresses, bounded entries) was checked by :meth:`GroupInfo.from_wire`.
+    larger than ``max_size``; use the follower's aggregation rule and weight bound; open at
+    most ``max_streams`` streams per reducer; and partition ``numel`` values (by fair
+    bandwidths). Its structure (sorted unique ids, distinct addresses, bounded entries) was
+    checked by :meth:`GroupInfo.from_wire`.
 
     Raises:
         ProtocolViolation, KeyError: the group is refused.
@@ -228,4 +257,6 @@ def check_offered(
         raise ProtocolViolation(f"the group aggregates by {group.aggregation.value}")
     if group.max_weight_ratio != max_weight_ratio:
         raise ProtocolViolation(f"the group bounds weights at {group.max_weight_ratio:g}x")
+    if group.num_streams > max_streams:
+        raise ProtocolViolation(f"the group asks for {group.num_streams} streams per pair")
     group.parts(numel)

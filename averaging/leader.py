@@ -36,6 +36,8 @@ class Leader:
         current: the search in progress, or None when this peer is not looking.
         partners: this peer's partners (their seats are kept).
         on_arrival: told how long after the search began each follower's ``wait`` came.
+        num_streams: how many streams per pair a group this peer forms uses
+            (:mod:`averaging.streams`).
     """
 
     def __init__(
@@ -44,11 +46,13 @@ class Leader:
         current: Callable[[], Search | None],
         partners: Callable[[], frozenset[str]] = frozenset,
         on_arrival: Callable[[float], None] = lambda offset_s: None,
+        num_streams: Callable[[], int] = lambda: 1,
     ):
         self._config = config
         self._current = current
         self._partners = partners
         self._on_arrival = on_arrival
+        self._num_streams = num_streams
 
     async def on_join(self, ctx, request: Any) -> dict[str, Any]:
         search = self._current()
@@ -155,6 +159,7 @@ class Leader:
             self._config.chunk_numel,
             self._config.aggregation,
             self._config.max_weight_ratio,
+            self._num_streams(),
         )
         term.outcome.set_result(group)
         search.wakeup.set()

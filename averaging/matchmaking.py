@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from averaging.compression import Compression
@@ -78,10 +78,19 @@ class Matchmaker:
         deadlines: told how long after a search began a partner arrived (a follower's ``wait``
             at this leader, or this follower's seat taken); gives the bound of a request to a
             peer (DHT reads and stores stay bounded by ``request_timeout_s``).
+        num_streams: streams per pair of a group this peer leads (:mod:`averaging.streams`).
     """
 
     def __init__(
-        self, *, transport, dht: MatchmakingDHT, peer_id: str, prefix: str, config, deadlines
+        self,
+        *,
+        transport,
+        dht: MatchmakingDHT,
+        peer_id: str,
+        prefix: str,
+        config,
+        deadlines,
+        num_streams: Callable[[], int] = lambda: 1,
     ):
         self._transport = transport
         self._dht = dht
@@ -95,7 +104,11 @@ class Matchmaker:
         self.partners: frozenset[str] = frozenset()
         self._deadlines = deadlines
         self._leader = Leader(
-            config, lambda: self._search, lambda: self.partners, deadlines.observe_arrival
+            config,
+            lambda: self._search,
+            lambda: self.partners,
+            deadlines.observe_arrival,
+            num_streams,
         )
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
@@ -378,6 +391,7 @@ class Matchmaker:
             aggregation=self._config.aggregation,
             max_weight_ratio=self._config.max_weight_ratio,
             numel=search.numel,
+            max_streams=self._config.max_streams_per_pair,
         )
 
     def _join_request(self, search: Search) -> dict[str, Any]:

@@ -27,12 +27,15 @@ class Part:
         start: first value of the part in the flattened vector.
         end: one past its last value.
         chunk_numel: values per chunk (the last chunk may be shorter).
+        stream: which of the part's streams carries this slice (see :func:`split_streams`;
+            0 for a whole part).
     """
 
     index: int
     start: int
     end: int
     chunk_numel: int
+    stream: int = 0
 
     @property
     def numel(self) -> int:
@@ -92,3 +95,28 @@ def make_parts(total_numel: int, bandwidths: Sequence[float], max_chunk_numel: i
         parts.append(Part(index, start, start + size, chunk_numel_of(size, max_chunk_numel)))
         start += size
     return parts
+
+
+def split_streams(part: Part, num_streams: int) -> list[Part]:
+    """Cut ``part`` into up to ``num_streams`` slices of whole chunks, one per stream.
+
+    The chunks are the part's own, so the chunk boundaries (and the compression's blocks) do
+    not depend on how many streams carry them; a part of fewer chunks gets fewer streams. The
+    slices are contiguous and in order; slice ``i`` has ``stream == i``.
+
+    Raises:
+        ValueError: ``num_streams`` < 1.
+    """
+    if num_streams < 1:
+        raise ValueError(f"num_streams must be >= 1, got {num_streams}")
+    num_chunks = part.num_chunks
+    num_slices = max(1, min(num_streams, num_chunks))
+    slices, first_chunk = [], 0
+    for stream in range(num_slices):
+        # the first ``num_chunks % num_slices`` slices take one chunk more
+        count = num_chunks // num_slices + (stream < num_chunks % num_slices)
+        start = part.start + first_chunk * part.chunk_numel
+        end = min(part.start + (first_chunk + count) * part.chunk_numel, part.end)
+        slices.append(Part(part.index, start, end, part.chunk_numel, stream))
+        first_chunk += count
+    return slices

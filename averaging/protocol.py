@@ -1,4 +1,9 @@
-"""The all-reduce's stream protocol: one full-duplex stream per (sender, reducer) part.
+"""The all-reduce's stream protocol: full-duplex streams per (sender, reducer) part.
+
+A group may carry each part over several streams (``GroupInfo.num_streams``): the part is cut
+into slices of whole chunks and each slice is exchanged on a stream of its own, exactly as a
+part of that size would be; the header names the slice (``stream``), its ``numel`` is the
+slice's, and chunk indices count from the slice's first chunk.
 
 Up (sender to reducer): the stream header (:class:`PartHeader`, msgpack), then for each chunk
 ``i`` in order a 12-byte chunk header ``[index u32][nbytes u32][0 u32]`` and the chunk's payload
@@ -39,6 +44,7 @@ class PartHeader:
         dtype: always "float32" before compression.
         compression: the wire format of the chunks, both ways.
         chunk_numel: values per chunk (the last one may be shorter).
+        stream: which slice of the part this stream carries (0 when the part has one stream).
     """
 
     group_id: str
@@ -48,6 +54,7 @@ class PartHeader:
     compression: Compression
     chunk_numel: int
     dtype: str = "float32"
+    stream: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", Compression(self.compression))
@@ -62,6 +69,7 @@ class PartHeader:
             "dtype": self.dtype,
             "compression": self.compression.value,
             "chunk": self.chunk_numel,
+            "stream": self.stream,
         }
 
     @classmethod
@@ -76,8 +84,8 @@ class PartHeader:
         group_id, weight = raw.get("group"), raw.get("weight")
         if not (isinstance(group_id, str) and 0 < len(group_id) <= 64):
             raise ProtocolViolation("bad group id in stream header")
-        for name in ("part", "numel", "chunk"):
-            value = raw.get(name)
+        for name in ("part", "numel", "chunk", "stream"):
+            value = raw.get(name, 0) if name == "stream" else raw.get(name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ProtocolViolation(f"stream header field {name} must be an int >= 0")
         if raw["chunk"] < 1:
@@ -95,7 +103,15 @@ class PartHeader:
             compression = Compression(raw.get("compression"))
         except ValueError:
             raise ProtocolViolation(f"unknown compression {raw.get('compression')!r}") from None
-        return cls(group_id, raw["part"], float(weight), raw["numel"], compression, raw["chunk"])
+        return cls(
+            group_id,
+            raw["part"],
+            float(weight),
+            raw["numel"],
+            compression,
+            raw["chunk"],
+            stream=raw.get("stream", 0),
+        )
 
 
 def pack_chunk_header(index: int, nbytes: int, num_contributors: int = 0) -> bytes:

@@ -255,14 +255,16 @@ class PartReducer:
         if sender is None:
             raise ProtocolViolation("sender is not a member of this group")
         expected = self._header
-        if (header.part, header.numel, header.chunk_numel, header.compression) != (
+        if (header.part, header.stream, header.numel, header.chunk_numel, header.compression) != (
             expected.part,
+            expected.stream,
             expected.numel,
             expected.chunk_numel,
             expected.compression,
         ):
             raise ProtocolViolation(
-                f"header does not match the group's part {expected.part}: "
+                f"header does not match the group's part {expected.part} stream "
+                f"{expected.stream} (got stream {header.stream}): "
                 f"numel {header.numel} vs {expected.numel}, chunk {header.chunk_numel} vs "
                 f"{expected.chunk_numel}, compression {header.compression.value} vs "
                 f"{expected.compression.value}"

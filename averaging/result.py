@@ -37,6 +37,8 @@ class RoundResult:
         deadlines_s: the waits this round used, in seconds, measured or configured
             (:meth:`averaging.deadlines.Deadlines.snapshot`): ``matchmaking_s``, ``sender_s``,
             ``reducer_s``, ``group_wait_s``, ``request_s``, ``allreduce_s``.
+        num_streams: streams per (sender, reducer) pair the group used (0 when no group
+            formed; see :mod:`averaging.streams`).
     """
 
     status: RoundStatus
@@ -54,6 +56,7 @@ class RoundResult:
     phase_s: Mapping[str, float] = field(default_factory=dict)
     epoch: int = -1
     deadlines_s: Mapping[str, float] = field(default_factory=dict)
+    num_streams: int = 0
 
     @property
     def ok(self) -> bool:

@@ -1,4 +1,5 @@
-"""Routes incoming part streams to the round (group) they belong to.
+"""Routes incoming part streams to the round (group) they belong to, and to the reducer of the
+slice of this peer's part that each stream carries.
 
 A stream may arrive a little before this peer has heard that its group formed (the leader's
 answer to it can lag the answer to the sender): it is held up to ``group_wait_s`` for the group
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Mapping
 
 from averaging.errors import ProtocolViolation
 from averaging.protocol import PartHeader
@@ -32,14 +34,15 @@ class PartRouter:
 
     def __init__(self, transport, stream_name: str, *, group_wait_s: float):
         self.group_wait_s = group_wait_s
-        self._reducers: dict[str, PartReducer | None] = {}
+        self._reducers: dict[str, Mapping[int, PartReducer]] = {}
         self._waiters: dict[str, list[asyncio.Future]] = {}
         self._finished: deque[str] = deque(maxlen=_NUM_FINISHED_REMEMBERED)
         transport.add_stream_handler(stream_name, self._handle)
 
-    def register(self, group_id: str, reducer: PartReducer | None) -> None:
-        """Route streams of ``group_id`` to ``reducer`` (None: this peer reduces no part)."""
-        self._reducers[group_id] = reducer
+    def register(self, group_id: str, reducers: Mapping[int, PartReducer]) -> None:
+        """Route streams of ``group_id`` to the reducer of the slice they name (no reducers:
+        this peer reduces no part)."""
+        self._reducers[group_id] = dict(reducers)
         for waiter in self._waiters.pop(group_id, []):
             if not waiter.done():
                 waiter.set_result(None)
@@ -48,15 +51,20 @@ class PartRouter:
         """A member whose header is malformed is out of the round: do not wait for it."""
         raw = stream.header
         group_id = raw.get("group") if isinstance(raw, dict) else None
-        reducer = self._reducers.get(group_id) if isinstance(group_id, str) else None
-        if reducer is not None:
+        reducers = self._reducers.get(group_id, {}) if isinstance(group_id, str) else {}
+        for reducer in reducers.values():
             reducer.drop(stream.sender, reason)
 
     def unregister(self, group_id: str) -> None:
         self._reducers.pop(group_id, None)
         self._finished.append(group_id)
 
-    async def _reducer_for(self, group_id: str) -> PartReducer:
+    async def _reducer_for(self, group_id: str, stream: int) -> PartReducer | None:
+        """The reducer of ``stream`` of this peer's part in ``group_id`` (None: no such stream).
+
+        Raises:
+            BadMessageError: the group is over or unknown, or this peer reduces nothing in it.
+        """
         if group_id not in self._reducers and group_id not in self._finished:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(group_id, []).append(waiter)
@@ -75,10 +83,10 @@ class PartRouter:
             raise BadMessageError("this group's round is over")
         if group_id not in self._reducers:
             raise BadMessageError("unknown group")
-        reducer = self._reducers[group_id]
-        if reducer is None:
+        reducers = self._reducers[group_id]
+        if not reducers:
             raise BadMessageError("this peer reduces no part in this group")
-        return reducer
+        return reducers.get(stream)
 
     async def _handle(self, stream) -> None:
         try:
@@ -86,7 +94,11 @@ class PartRouter:
         except ProtocolViolation as e:
             self._drop_sender_of(stream, f"bad stream header: {e}")
             raise BadMessageError(str(e)) from None
-        reducer = await self._reducer_for(header.group_id)
+        reducer = await self._reducer_for(header.group_id, header.stream)
+        if reducer is None:
+            reason = f"this peer's part has no stream {header.stream} in this group"
+            self._drop_sender_of(stream, reason)
+            raise BadMessageError(reason)
         try:
             await reducer.serve(stream, header)
         except ProtocolViolation as e:

@@ -152,6 +152,15 @@ class NetnsSession(Session):
         ip(*hub, "link", "set", "br0", "up")
         for index, name in enumerate(self.namespaces):
             self._add_namespace(name)
+            if network.tcp_congestion:  # a per-namespace setting: the host keeps its own
+                ip(
+                    "netns",
+                    "exec",
+                    name,
+                    "sysctl",
+                    "-qw",
+                    f"net.ipv4.tcp_congestion_control={network.tcp_congestion}",
+                )
             router = self.routers.get(index)
             if router is not None:
                 self._add_namespace(router)
@@ -247,6 +256,7 @@ class NetnsLauncher(Launcher):
         self.prefix = PREFIX + secrets.token_hex(3)
         self.emulator: Literal["tc", "linkemu"] = "tc"
         self._guard: subprocess.Popen | None = None
+        self._allowed_before: list[str] | None = None
 
     def check(self) -> None:
         if os.geteuid() != 0:
@@ -256,7 +266,28 @@ class NetnsLauncher(Launcher):
                 raise LaunchError(f"the netns launcher needs `{tool}` (install iproute2)")
         if any(group.nat for group in self.network.groups) and shutil.which("nft") is None:
             raise LaunchError("network.groups: nat = true needs `nft` (install nftables)")
+        self._allow_congestion_control()
         self.emulator = self._choose_emulator()
+
+    def _allow_congestion_control(self) -> None:
+        """Make ``network.tcp_congestion`` one a namespace may take as its default.
+
+        Outside the host's own namespace the kernel lets a namespace default only to the
+        controls in the host's ``tcp_allowed_congestion_control``: add it there for the run
+        (:meth:`close` puts the list back).
+        """
+        wanted = self.network.tcp_congestion
+        if not wanted:
+            return
+        if wanted not in available_congestion_controls():
+            raise LaunchError(
+                f"network.tcp_congestion: {wanted} is not available here (have: "
+                f"{', '.join(available_congestion_controls())}; modprobe tcp_{wanted})"
+            )
+        allowed = _ALLOWED_CONGESTION.read_text().split()
+        if wanted not in allowed:
+            allow_congestion_controls([*allowed, wanted])
+            self._allowed_before = allowed
 
     def _choose_emulator(self) -> Literal["tc", "linkemu"]:
         from experiments.linkemu.emulator import available as linkemu_available
@@ -278,8 +309,16 @@ class NetnsLauncher(Launcher):
 
     def open_session(self, run_dir: Path, num_peers: int) -> NetnsSession:
         if self._guard is None:
+            restore = [",".join(self._allowed_before)] if self._allowed_before else []
             self._guard = subprocess.Popen(
-                [python(), "-m", "experiments.netns_guard", self.prefix, str(os.getpid())],
+                [
+                    python(),
+                    "-m",
+                    "experiments.netns_guard",
+                    self.prefix,
+                    str(os.getpid()),
+                    *restore,
+                ],
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # outlives a SIGKILL of this process group
             )
@@ -287,10 +326,27 @@ class NetnsLauncher(Launcher):
 
     def close(self) -> None:
         cleanup_all(self.prefix)
+        allowed, self._allowed_before = self._allowed_before, None
+        if allowed is not None:
+            allow_congestion_controls(allowed)
         guard, self._guard = self._guard, None
         if guard is not None:
             guard.terminate()
             guard.wait(timeout=COMMAND_TIMEOUT_S)
+
+
+def available_congestion_controls() -> list[str]:
+    """The TCP congestion controls this kernel has loaded."""
+    path = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+    return path.read_text().split() if path.exists() else []
+
+
+_ALLOWED_CONGESTION = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+
+
+def allow_congestion_controls(names: list[str]) -> None:
+    """Set the host's ``tcp_allowed_congestion_control`` (those a namespace may default to)."""
+    _ALLOWED_CONGESTION.write_text(" ".join(names))
 
 
 def netem_available() -> bool:

@@ -98,12 +98,18 @@ class NetworkSpec(LinkSpec):
         description="tc: kernel qdiscs (netem for latency, jitter and loss); linkemu: the "
         "user-space emulator; auto: tc unless the kernel lacks sch_netem and netem is needed",
     )
+    tcp_congestion: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9_]{1,16}$",
+        description="TCP congestion control in every peer's namespace, e.g. cubic (the "
+        "default of Linux distributions, Windows and macOS) or bbr; None: the host's default",
+    )
 
     def link_for(self, index: int) -> LinkSpec:
         for group in self.groups:
             if index in group.peers:
                 return LinkSpec(**group.model_dump(exclude={"peers", "nat"}))
-        return LinkSpec(**self.model_dump(exclude={"groups", "emulator"}))
+        return LinkSpec(**self.model_dump(exclude={"groups", "emulator", "tcp_congestion"}))
 
     def behind_nat(self, index: int) -> bool:
         """Whether peer ``index`` sits behind a NAT router."""

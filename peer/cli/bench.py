@@ -18,6 +18,22 @@ def _group_size(text: str) -> int:
     return value
 
 
+def _percent(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 100:
+        raise argparse.ArgumentTypeError(f"must be a percentage in [0, 100), got {text}")
+    return value
+
+
+def _streams(text: str) -> int:
+    from averaging.group import MAX_STREAMS_PER_PAIR  # numpy: only when the option is given
+
+    value = int(text)
+    if not 0 <= value <= MAX_STREAMS_PER_PAIR:
+        raise argparse.ArgumentTypeError(f"must be 0 (automatic) to {MAX_STREAMS_PER_PAIR}")
+    return value
+
+
 def add_bench_allreduce_command(bench_sub) -> None:
     parser = bench_sub.add_parser(
         "allreduce",
@@ -88,19 +104,42 @@ def add_bench_allreduce_command(bench_sub) -> None:
         default=None,
         help="each peer's link rate, Mbit/s, both directions (emulated as --latency-ms)",
     )
+    parser.add_argument(
+        "--loss-pct",
+        type=_percent,
+        default=None,
+        help="packets lost between two peers, %% (emulated as --latency-ms)",
+    )
+    parser.add_argument(
+        "--tcp-congestion",
+        default=None,
+        help="TCP congestion control in the peers' namespaces (emulated as --latency-ms), "
+        "e.g. cubic, the default of most volunteers' systems (default: this host's)",
+    )
+    parser.add_argument(
+        "--streams",
+        type=_streams,
+        default=0,
+        help="streams (TCP connections) per sender and reducer, 1-8, or 0: chosen from the "
+        "measured RTT (native only) (default: 0)",
+    )
     parser.set_defaults(run=run_bench_allreduce)
 
 
 def _emulated_allreduce_bench(args: argparse.Namespace) -> dict:
     """The native bench with its peers in namespaces behind emulated links (``--latency-ms``,
-    ``--bandwidth-mbit``); the result names the network it ran on."""
+    ``--bandwidth-mbit``, ``--loss-pct``); the result names the network it ran on."""
     from averaging.bench import run_allreduce_bench
     from experiments.bench_network import emulated_places
     from experiments.launch_base import LaunchError
 
     try:
         with emulated_places(
-            args.peers, latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit
+            args.peers,
+            latency_ms=args.latency_ms,
+            bandwidth_mbit=args.bandwidth_mbit,
+            loss_percent=args.loss_pct,
+            tcp_congestion=args.tcp_congestion,
         ) as places:
             result = run_allreduce_bench(
                 args.peers,
@@ -110,18 +149,42 @@ def _emulated_allreduce_bench(args: argparse.Namespace) -> dict:
                 include_phases=args.phases,
                 places=places,
                 aggregation=args.aggregation,
+                streams_per_pair=args.streams,
             )
     except LaunchError as e:
-        raise ConfigError(f"--latency-ms/--bandwidth-mbit: {e}") from None
-    return result | {"latency_ms": args.latency_ms, "bandwidth_mbit": args.bandwidth_mbit}
+        raise ConfigError(f"--latency-ms/--bandwidth-mbit/--loss-pct: {e}") from None
+    except ValueError as e:  # the network spec refused a value
+        raise ConfigError(f"--tcp-congestion: {e}") from None
+    return result | {
+        "latency_ms": args.latency_ms,
+        "bandwidth_mbit": args.bandwidth_mbit,
+        "loss_pct": args.loss_pct,
+        "tcp_congestion": args.tcp_congestion or _host_congestion_control(),
+    }
+
+
+def _host_congestion_control() -> str | None:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def allreduce_runner(args: argparse.Namespace, backend: str) -> Callable[[], dict]:
     """One ``peer bench allreduce`` run of ``backend`` with the options in ``args``."""
-    emulated = args.latency_ms is not None or args.bandwidth_mbit is not None
+    emulated = any(
+        x is not None
+        for x in (args.latency_ms, args.bandwidth_mbit, args.loss_pct, args.tcp_congestion)
+    )
     if backend == "hivemind":
         if emulated:
-            raise ConfigError("--latency-ms/--bandwidth-mbit: only with --backend native")
+            raise ConfigError(
+                "--latency-ms/--bandwidth-mbit/--loss-pct/--tcp-congestion: only with "
+                "--backend native"
+            )
+        if args.streams:
+            raise ConfigError("--streams: only with --backend native")
         from peer.hivemind.bench import run_hivemind_allreduce_bench
 
         return functools.partial(
@@ -139,6 +202,7 @@ def allreduce_runner(args: argparse.Namespace, backend: str) -> Callable[[], dic
         args.rounds,
         include_phases=args.phases,
         aggregation=args.aggregation,
+        streams_per_pair=args.streams,
     )
 
 

@@ -66,6 +66,8 @@ HEADER_CASES = {
     "wrong weight": lambda h: {**h, "weight": h["weight"] * 2},
     "unknown compression": lambda h: {**h, "compression": "zip"},
     "not a header": lambda h: [1, 2, 3],
+    "a stream the group does not have": lambda h: {**h, "stream": 1},
+    "a negative stream": lambda h: {**h, "stream": -1},
 }
 
 

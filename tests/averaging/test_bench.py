@@ -15,7 +15,9 @@ CONTRACT = {
 
 def test_bench_reports_the_contract_fields():
     result = run_allreduce_bench(2, 10_001, "none", 2, num_warmup=0)
-    assert set(result) == CONTRACT | {"deadlines_s"}  # an extra: the last round's waits
+    # extras: the last round's waits, and the streams per pair the groups used
+    assert set(result) == CONTRACT | {"deadlines_s", "streams_per_pair"}
+    assert result["streams_per_pair"] == 1  # loopback: one
     assert set(result["deadlines_s"]) == {
         "matchmaking_s", "sender_s", "reducer_s", "group_wait_s", "request_s", "allreduce_s",
     }  # fmt: skip

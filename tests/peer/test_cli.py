@@ -139,6 +139,7 @@ ALLREDUCE_FIELDS = {
     "bytes_sent_per_peer",
     "gbit_per_s",
     "deadlines_s",  # an addition: the averager's waits after the last round
+    "streams_per_pair",  # an addition: streams per sender and reducer the groups used
 }
 
 
@@ -159,6 +160,21 @@ def test_bench_allreduce_prints_the_contract_json():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(report) == ALLREDUCE_FIELDS
     assert report["rounds"] == 2 and report["max_abs_err"] < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--streams", "9"], "--streams"),
+        (["--loss-pct", "100"], "--loss-pct"),
+        (["--backend", "hivemind", "--streams", "2"], "--streams: only with --backend native"),
+        (["--tcp-congestion", "Not A Name"], "--tcp-congestion"),
+    ],
+)
+def test_bench_allreduce_refuses_bad_network_flags_in_one_line(flags, message):
+    result = run("bench", "allreduce", *flags, "--json", timeout_s=60)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
 
 
 TRAIN_FIELDS = {
