@@ -158,7 +158,8 @@ def run_allreduce_bench(
     and ``max_abs_err`` stays against the weighted mean, which a robust rule departs from).
     ``deadlines_s``: the waits of the last round (the longest over peers; see
     :mod:`averaging.deadlines`). With ``include_rounds``, also ``round_details``: per measured
-    round, each peer's status, the checked peer's ``max_abs_err`` and its ``deadlines_s``.
+    round, each peer's status, the checked peer's ``max_abs_err``, its ``deadlines_s``, the
+    streams per pair (``num_streams``) and the slowest peer's ``allreduce_s``.
     ``streams_per_pair`` goes into the default config (0: chosen from the measured RTT, see
     :mod:`averaging.streams`); ``streams_per_pair`` in the result is the median over measured
     rounds of the number the groups used.
@@ -219,6 +220,8 @@ def _round_detail(peers: list[dict]) -> dict[str, Any]:
         "statuses": sorted(peer["status"] for peer in peers),
         "max_abs_err": max(errors, default=None),
         "deadlines_s": {k: max(peer["deadlines_s"].get(k, 0.0) for peer in peers) for k in waits},
+        "num_streams": max(peer["num_streams"] for peer in peers),
+        "allreduce_s": max(peer["allreduce_s"] for peer in peers),
     }
 
 
