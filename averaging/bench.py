@@ -160,9 +160,9 @@ def run_allreduce_bench(
     :mod:`averaging.deadlines`). With ``include_rounds``, also ``round_details``: per measured
     round, each peer's status, the checked peer's ``max_abs_err``, its ``deadlines_s``, the
     streams per pair (``num_streams``) and the slowest peer's ``allreduce_s``.
-    ``streams_per_pair`` goes into the default config (0: chosen from the measured RTT, see
-    :mod:`averaging.streams`); ``streams_per_pair`` in the result is the median over measured
-    rounds of the number the groups used.
+    ``streams_per_pair`` goes into the default config (0: chosen from the measured RTT and
+    past goodput, see :mod:`averaging.streams`); ``streams_per_pair`` in the result is the
+    median over measured rounds of the number the groups used.
 
     Raises:
         ValueError: bad arguments.

@@ -102,4 +102,6 @@ class PartRouter:
         try:
             await reducer.serve(stream, header)
         except ProtocolViolation as e:
+            # out of one slice is out of the round: the same as with one stream per part
+            self._drop_sender_of(stream, str(e))
             raise BadMessageError(str(e)) from None

@@ -121,7 +121,7 @@ def add_bench_allreduce_command(bench_sub) -> None:
         type=_streams,
         default=0,
         help="streams (TCP connections) per sender and reducer, 1-8, or 0: chosen from the "
-        "measured RTT (native only) (default: 0)",
+        "measured RTT and past goodput (native only) (default: 0)",
     )
     parser.set_defaults(run=run_bench_allreduce)
 

@@ -4,6 +4,7 @@ connection, averaged exactly; the number is the leader's, chosen from its measur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import secrets
 
@@ -16,10 +17,11 @@ from averaging.config import AveragerConfig
 from averaging.errors import ConfigError, ProtocolViolation
 from averaging.group import GroupInfo, GroupMember, check_offered
 from averaging.partition import Part, split_streams
-from averaging.protocol import PartHeader
+from averaging.protocol import PartHeader, pack_chunk_header
 from averaging.streams import StreamChooser
 
-from .conftest import exact_mean, fast_config
+from .conftest import exact_mean, fast_config, make_group
+from .test_bad_peers import client_transport, nan_chunk, send_bad_stream
 
 pytestmark = pytest.mark.timeout(60)
 PEER = "ab" * 32
@@ -167,3 +169,49 @@ async def test_the_leader_chooses_the_streams_from_its_measured_rtt(make_swarm):
         assert result.status == "ok", result.reason
         assert result.num_streams == 4
         np.testing.assert_allclose(peer.tensors[0], exact_mean(vectors, [1, 1]), rtol=1e-5)
+
+
+async def test_a_member_that_breaks_one_slice_is_out_of_every_slice(make_peers):
+    # its slice 0 carries NaN; then it sends a well-formed slice 1: nothing of it may count
+    rng = np.random.default_rng(7)
+    vectors = [rng.standard_normal(8192).astype(np.float32) for _ in range(2)]
+    honest = await make_peers([[v.copy()] for v in vectors], config=fast_config())
+    async with client_transport() as bad:
+        group = make_group([*honest, bad], [1.0, 2.0, 5.0], chunk_numel=1024)
+        group = dataclasses.replace(group, num_streams=2)
+
+        async def misbehave() -> list[str]:
+            answers = []
+            for stream in (0, 1):  # the broken slice first, then the good one
+                for parts in group.stream_parts(8192):
+                    part = next((p for p in parts if p.stream == stream), None)
+                    if part is None:
+                        continue
+                    header = PartHeader(
+                        group.group_id, part.index, 5.0, part.numel, group.compression,
+                        part.chunk_numel, stream=stream,
+                    ).to_wire()  # fmt: skip
+                    frames = (
+                        nan_chunk(part.chunk_size(0))
+                        if stream == 0
+                        else [
+                            frame
+                            for chunk in range(part.num_chunks)
+                            for frame in (
+                                pack_chunk_header(chunk, 4 * part.chunk_size(chunk)),
+                                np.ones(part.chunk_size(chunk), np.float32).tobytes(),
+                            )
+                        ]
+                    )
+                    answers.append(await send_bad_stream(bad, group, part, header, frames))
+            return answers
+
+        *results, answers = await asyncio.gather(
+            *(p.averager.step_in_group(group) for p in honest), misbehave()
+        )
+    assert answers and all(a.startswith("refused") for a in answers), answers
+    for peer, result in zip(honest, results, strict=True):
+        assert bad.peer_id in result.dropped_peers
+        np.testing.assert_allclose(
+            peer.tensors[0], exact_mean(vectors, [1.0, 2.0]), rtol=1e-5, atol=1e-6
+        )
