@@ -188,8 +188,10 @@ def test_the_dashboard_shows_a_hivemind_swarm(tmp_path):
     for peer in view.peers:
         assert 1 <= peer.epoch <= final_epoch[peer.short_id]
         assert peer.address.startswith("/ip4/127.0.0.1/tcp/") and not peer.stale
-        # how fast it accumulates within an epoch: faster than over the whole run, rounds included
-        assert peer.samples_per_s > 0.5 * rate_of[peer.short_id], (peer, summaries)
+        # hivemind's own rate: an EMA of seconds per sample over its steps, which one stalled
+        # step pulls far below the run's mean (CI saw 16 against 714 samples/s right after a
+        # round that found no group); a unit or field mix-up would put it far above
+        assert 0 < peer.samples_per_s < 10 * rate_of[peer.short_id], (peer, summaries)
         fractions = peer.profile.fractions
         # the profile record's phases: every second of the window in one phase
         assert math.isclose(sum(fractions.values()), 1.0, abs_tol=0.02), fractions
