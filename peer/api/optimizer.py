@@ -82,10 +82,11 @@ class Optimizer(OptimizerState, torch.optim.Optimizer):
             under the keys a ``peer join`` peer of the same model uses. Default: a module of
             the parameters alone.
         **options: the rest of ``peer join``'s settings that apply to a library peer
-            (``target_group_size``, ``min_group_size``, ``newcomer_wait``, ``publish_interval``,
-            ``wait_for_peers``, ``wait_for_peers_timeout``, ``lr_schedule``, ``warmup_epochs``,
-            ``schedule_epochs``, ``min_lr_ratio``, ``metrics_file``, ``metrics_interval``,
-            ``trace``, ``trace_max_mb``, ``profile_interval``, ``profile_window``), ``summary``
+            (``target_group_size``, ``min_group_size``, ``newcomer_wait``, ``min_deadline``,
+            ``publish_interval``, ``wait_for_peers``, ``wait_for_peers_timeout``,
+            ``lr_schedule``, ``warmup_epochs``, ``schedule_epochs``, ``min_lr_ratio``,
+            ``metrics_file``, ``metrics_interval``, ``trace``, ``trace_max_mb``,
+            ``profile_interval``, ``profile_window``), ``summary``
             (print the profiler's table at shutdown; default True) and hivemind's arguments
             that have no equivalent (a value other than their default raises ``TypeError``).
 

@@ -184,6 +184,7 @@ _OURS = (
     "target_group_size",
     "min_group_size",
     "newcomer_wait",
+    "min_deadline",
     "publish_interval",
     "wait_for_peers",
     "wait_for_peers_timeout",

@@ -3,12 +3,15 @@
 The baseline (:mod:`peer.bench.baseline_run`: a plain PyTorch loop in a process of its own,
 torch threads = the machine's cores) and the swarm (a bootstrap node in this process and N peer
 processes whose torch threads sum to the same cores) are measured in alternate windows over the
-same stretch of time: about ``seconds / window_s`` pairs (10 at the defaults: 2-s windows), in
+same stretch of time: about ``seconds / window_s`` pairs (40 at the defaults: 1-s windows), in
 the order baseline-swarm, swarm-baseline, ... (:mod:`peer.bench.pairs`,
 :mod:`peer.bench.train_windows`). While one side is measured, the other's process groups are
 stopped (SIGSTOP), and continued (SIGCONT) for its own window (:mod:`peer.bench.windows`): the
-whole swarm pauses at once, so no peer sees another stall; its clocks jump by the pause, which
-stays under every peer timeout (the shortest is 5 s) and its DHT records' 20-s lifetime. With
+whole swarm pauses at once, so no peer sees another stall. Its clocks jump by the pause (up to
+two windows), which stays under the waits nothing raises (an RPC's 5 s, the DHT records' 20-s
+lifetime); the adaptive waits, which loopback makes short, are floored above it
+(``--min-deadline``, :meth:`TrainBenchConfig.pause_floor_s`), so no round fails because of a
+pause, and a peer's rate skips the pause (:mod:`peer.swarm.progress`, stalls). With
 ``--peers 1`` the lone peer talks only to the bootstrap node, which keeps serving in this
 process throughout. The first ``SETTLE_S`` of each window are not measured on either side (right
 after a pause the peers extrapolate each other's progress records by the pause). A machine whose
@@ -79,9 +82,13 @@ START_GRACE_S = 120.0
 # AUTOGROUP_NOTE: a session of its own would put each peer in a scheduler autogroup of its own
 # (/proc/sys/kernel/sched_autogroup_enabled): on a loaded host N peers would then get N shares
 # of the CPU against the baseline's one. Every process of the bench shares the bench's session.
-# The longest window: a pause must stay well under a peer's shortest timeout (5 s) and its
-# DHT records' 20-s lifetime.
-MAX_WINDOW_S = 3.0
+# The longest window. The swarm is paused for up to two of the baseline's windows in a row (A B
+# B A A B ...): that must stay under the waits no floor raises (an RPC's 5 s, the DHT records'
+# 20-s lifetime).
+MAX_WINDOW_S = 2.0
+# Seconds above the longest pause that the peers' adaptive waits are floored at (see
+# ``pause_floor_s``): the loop's own wake-up after SIGCONT, and the bench reading metrics.
+PAUSE_MARGIN_S = 1.0
 # what runs while the peers train: handed their processes and metrics files
 Schedule = Callable[[list, list[Path]], Awaitable[None]]
 
@@ -116,7 +123,7 @@ class TrainBenchConfig:
     num_peers: int = 2
     task: str = "synthetic"
     task_options: tuple[str, ...] = ()
-    seconds: float = 20.0
+    seconds: float = 40.0
     batch_size: int | None = None
     target_batch_size: int = 2048
     lr: float = 1e-3
@@ -128,7 +135,7 @@ class TrainBenchConfig:
     warmup_epochs: int = 0
     min_lr_ratio: float = 0.0
     timeout_s: float = 3600.0
-    window_s: float = 2.0
+    window_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_peers", "target_batch_size", "num_threads"):
@@ -145,6 +152,13 @@ class TrainBenchConfig:
         num_pairs = max(num_pairs, math.ceil(self.seconds / MAX_WINDOW_S))
         return num_pairs, self.seconds / num_pairs
 
+    def pause_floor_s(self) -> float:
+        """The floor of the peers' adaptive waits in interleaved windows (``--min-deadline``):
+        above the longest pause, two windows, so that no wait begun just before a pause runs
+        out during it (a loopback swarm's own waits are far shorter, and fire only when a peer
+        fails, which none does in the bench)."""
+        return 2 * self.windows()[1] + PAUSE_MARGIN_S
+
     def all_task_options(self) -> list[str]:
         options = list(self.task_options)
         if self.batch_size is not None:
@@ -159,8 +173,10 @@ def peer_command(
     windows), a fine metrics stream there and a time bound that the bench's own stop precedes.
     """
     schedule = config.lr_schedule != "constant" or config.warmup_epochs
+    min_deadline = None
     if metrics_file is not None:
         stop = dict(max_time=4 * config.seconds + START_GRACE_S)
+        min_deadline = config.pause_floor_s()
     elif config.epochs is None:
         stop = dict(max_time=config.seconds)
     else:
@@ -183,6 +199,7 @@ def peer_command(
             lr_schedule=config.lr_schedule if schedule else None,
             warmup_epochs=config.warmup_epochs if schedule else None,
             min_lr_ratio=config.min_lr_ratio if schedule else None,
+            min_deadline=min_deadline if config.backend == "native" else None,
             task_option=config.all_task_options(),
             **stop,
         ),

@@ -243,7 +243,7 @@ def add_bench_train_command(bench_sub) -> None:
         "--task-option", action="append", default=[], help="task option KEY=VALUE (repeatable)"
     )
     parser.add_argument(
-        "--seconds", type=positive_float, default=20.0, help="training seconds (default: 20)"
+        "--seconds", type=positive_float, default=40.0, help="training seconds (default: 40)"
     )
     parser.add_argument(
         "--batch-size", type=positive_int, default=None, help="samples per local step"
@@ -277,8 +277,8 @@ def add_bench_train_command(bench_sub) -> None:
     parser.add_argument(
         "--window",
         type=positive_float,
-        default=2.0,
-        help="seconds of each measured window, at most 3 (default: 2; --seconds 20 gives 10 "
+        default=1.0,
+        help="seconds of each measured window, at most 2 (default: 1; --seconds 40 gives 40 "
         "pairs of windows)",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline")

@@ -126,6 +126,13 @@ class PeerConfig(BaseModel):
         description="most seconds to look for a group (less once arrivals are measured)",
     )
     averaging_timeout: float = Field(30.0, gt=0, description="seconds for one whole round")
+    min_deadline: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="shortest adaptive network wait in seconds (a stall on a busy host, or a "
+        "paused swarm, shorter than this never looks like a dead peer)",
+    )
     newcomer_wait: float = Field(
         10.0, ge=0, description="seconds a peer alone at its epoch holds it for a peer catching up"
     )
@@ -251,6 +258,7 @@ class PeerConfig(BaseModel):
             allreduce_timeout_s=self.averaging_timeout,
             compression=self.compression,
             aggregation=self.aggregation,
+            min_deadline_s=self.min_deadline,
         )
 
     def newcomer_hold_config(self) -> NewcomerHoldConfig:

@@ -220,3 +220,20 @@ def test_bench_train_prints_the_contract_json_from_interleaved_windows():
     # both sides trained the same task on the same data, as far as the windows took them
     assert report["baseline_samples"] > 0 and report["baseline_eval_loss"] is not None
     assert report["runs_ratio"] == [report["ratio"]]
+
+
+def test_a_paused_two_peer_swarm_fails_no_round_and_holds_its_target():
+    # the swarm is stopped for up to two baseline windows at a time: no wait of a round may run
+    # out during a pause, and the pause must not read as slow training (which made the peers
+    # undercount each other and gather 2-4x the target per epoch)
+    target = 1024
+    result = run(
+        "bench", "train", "--peers", "2", "--seconds", "6", "--window", "1",
+        "--target-batch-size", str(target), "--task-option", "hidden_dim=64", "--json",
+        timeout_s=150,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["failed_rounds"] == 0 and report["num_pairs"] >= 5
+    assert report["rounds"] >= 10
+    assert report["samples"] / report["rounds"] < 1.5 * target

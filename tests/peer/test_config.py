@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,8 @@ def test_precedence_flags_over_toml_over_env(tmp_path, monkeypatch):
         (["--initial-peers", "nohost"], "--initial-peers"),
         (["--task-option", "novalue"], "--task-option"),
         (["--port", "99999"], "--port"),
+        (["--min-deadline", "0"], "--min-deadline"),
+        (["--min-deadline", "61"], "--min-deadline"),
     ],
 )
 def test_invalid_values_name_the_field(argv, message):
@@ -99,3 +102,19 @@ def test_join_command_is_the_inverse_of_the_flags():
     assert parsed == PeerConfig(**expected)
     with pytest.raises(ConfigError, match="no option 'nope'"):
         join_command(nope=1)
+
+
+def test_min_deadline_floors_the_averagers_adaptive_waits():
+    assert parse().averager_config().min_deadline_s == 1.0
+    assert parse("--min-deadline", "3.5").averager_config().min_deadline_s == 3.5
+
+
+def test_the_train_benchs_peers_wait_out_its_longest_pause():
+    from peer.bench.train import TrainBenchConfig, peer_command
+
+    config = TrainBenchConfig(seconds=8, window_s=1.5)
+    _, window_s = config.windows()
+    command = peer_command(config, "http://127.0.0.1:1", 0, metrics_file=Path("m.jsonl"))
+    floor_s = float(command[command.index("--min-deadline") + 1])
+    assert floor_s > 2 * window_s  # the swarm is paused for up to two baseline windows
+    assert "--min-deadline" not in peer_command(config, "http://127.0.0.1:1", 0)  # unpaused
