@@ -1,8 +1,9 @@
-"""``peer bench train``: a swarm of real ``peer join`` processes against one plain PyTorch loop.
+"""``peer bench train``: a swarm of real ``peer join`` processes against plain PyTorch loops.
 
-The baseline (:mod:`peer.bench.baseline_run`: a plain PyTorch loop in a process of its own,
-torch threads = the machine's cores) and the swarm (a bootstrap node in this process and N peer
-processes whose torch threads sum to the same cores) are measured in alternate windows over the
+The baseline (:mod:`peer.bench.baseline_run`: plain PyTorch loops in processes of their own; by
+default one per peer with that peer's torch threads and data seed, ``--baseline single`` one
+with all the cores) and the swarm (a bootstrap node in this process and N peer processes whose
+torch threads sum to the machine's cores) are measured in alternate windows over the
 same stretch of time: about ``seconds / window_s`` pairs (40 at the defaults: 1-s windows), in
 the order baseline-swarm, swarm-baseline, ... (:mod:`peer.bench.pairs`,
 :mod:`peer.bench.train_windows`). While one side is measured, the other's process groups are
@@ -27,10 +28,12 @@ and paused alike, neither shares an interpreter or a thread pool with the bench 
 OpenMP pool collapses very differently from one process to another on a loaded host). The peers
 wait for each other before their clocks start (``--wait-for-peers``), and the windows start once
 each one has reported samples, so start-up (imports, joining) is outside the measured time. Peer
-``i`` reads data seed ``i`` and the baseline seed 0, as peer 0 does: one peer and the baseline
-see the same batches. The baseline's process fixes glibc's malloc thresholds as every peer does
-by default (:mod:`peer.train.allocator`): the ratio measures the peers' machinery, not the
-allocator.
+``i`` reads data seed ``i``, as its matched plain loop does (a single loop reads seed 0, as
+peer 0 does). Why matched by default: on a 2-vCPU virtual machine two 1-thread processes did
+1.5-1.9x the work of one 2-thread process, a factor that moved from minute to minute; against
+one 2-thread loop, two 1-thread peers measured that factor more than the swarm. The baseline's
+processes fix glibc's malloc thresholds as every peer does by default (:mod:`peer.train.allocator`):
+the ratio measures the peers' machinery, not the allocator.
 
 In ``epochs`` mode the baseline (:mod:`peer.bench.baseline`, in this process) trains its steps
 first, then the swarm (this compares losses, not rates); without the baseline the swarm trains
@@ -117,6 +120,12 @@ class TrainBenchConfig:
         window_s: seconds of each measured window when the baseline and the swarm take turns
             (``seconds`` of each side are split into about ``seconds / window_s`` pairs, at
             least 2, of windows of at most ``MAX_WINDOW_S``).
+        baseline: the plain loops the windows compare with: ``matched``, one per peer with
+            that peer's torch threads and data seed (their rates summed: what the swarm's
+            machinery costs, with the machine's own response to a thread count alike on both
+            sides); ``single``, one loop with all the cores and seed 0 (what N peers on this
+            machine lose against training alone on it). The same with one peer. ``epochs``
+            mode always trains one loop.
     """
 
     backend: str = "native"
@@ -136,6 +145,7 @@ class TrainBenchConfig:
     min_lr_ratio: float = 0.0
     timeout_s: float = 3600.0
     window_s: float = 1.0
+    baseline: str = "matched"
 
     def __post_init__(self) -> None:
         for name in ("num_peers", "target_batch_size", "num_threads"):
@@ -143,6 +153,8 @@ class TrainBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.seconds > 0 or not self.lr > 0:
             raise ValueError("seconds and lr must be > 0")
+        if self.baseline not in ("matched", "single"):
+            raise ValueError(f"baseline must be matched or single, got {self.baseline!r}")
         if not 0 < self.window_s <= MAX_WINDOW_S:
             raise ValueError(f"window_s must be in (0, {MAX_WINDOW_S}], got {self.window_s}")
 
@@ -296,13 +308,13 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
             runs.append(await run_windows(config, processes, metrics, start_grace_s=START_GRACE_S))
 
         result = _swarm_fields(config, asyncio.run(_run_peers(config, during=schedule)))
-        return result | window_fields(runs[0], result["samples"])
+        return result | window_fields(runs[0], result["samples"]) | {"baseline": config.baseline}
     baseline = _baseline(config) if config.run_baseline else None
     if baseline is not None:
         baseline.train(max_steps=config.epochs)
     result = _swarm_fields(config, asyncio.run(_run_peers(config)))
     if baseline is not None:
-        result |= _baseline_fields(baseline.result(), result)
+        result |= _baseline_fields(baseline.result(), result) | {"baseline": "single"}
     return result
 
 
@@ -331,6 +343,7 @@ def _swarm_fields(config: TrainBenchConfig, summaries: list[dict]) -> dict:
         "round_overhead_s": round(overhead_s / num_rounds, 4) if num_rounds else None,
         "eval_loss": round(sum(eval_losses) / len(eval_losses), 4) if eval_losses else None,
         "baseline_eval_loss": None,
+        "baseline": None,  # which plain loops (TrainBenchConfig.baseline); None without any
         "peak_rss_mb_per_peer": _mean_mb(s["peak_rss_bytes"] for s in summaries),
         "peak_pss_mb_per_peer": _mean_mb(s["peak_pss_bytes"] for s in summaries),
     }

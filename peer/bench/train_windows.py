@@ -1,12 +1,11 @@
-"""``peer bench train`` in interleaved windows: the baseline process against the swarm's.
+"""``peer bench train`` in interleaved windows: the baseline processes against the swarm's.
 
 Both sides are processes in their own sessions, measured the same way (their metrics streams)
-and paused the same way (SIGSTOP of their process groups): the plain loop is
-:mod:`peer.bench.baseline_run` with all the cores' torch threads, the swarm the N ``peer join``
-processes. Neither side shares an interpreter, a GIL or an OpenMP pool with the bench, and all
-of them stay in the bench's session: on a host with scheduler autogroups (one per session) both
-sides draw on the same share of the CPU. See
-:mod:`peer.bench.train` for the design.
+and paused the same way (SIGSTOP of their process groups): the plain loops are
+:mod:`peer.bench.baseline_run` processes (:func:`baseline_shapes`), the swarm the N ``peer join``
+processes. Neither side shares an interpreter, a GIL or an OpenMP pool with the bench, and all of
+them stay in the bench's session: on a host with scheduler autogroups (one per session) both sides
+draw on the same share of the CPU. See :mod:`peer.bench.train` for the design.
 """
 
 from __future__ import annotations
@@ -31,15 +30,26 @@ WARMUP_S = 1.0
 LOSS_WINDOW_SAMPLES = 2048
 
 
-def baseline_command(config, metrics_file: Path, max_time_s: float) -> list[str]:
-    """The baseline process's command line (``config``: a ``TrainBenchConfig``)."""
+def baseline_shapes(config) -> list[tuple[int, int]]:
+    """(torch threads, data seed) of each baseline process: ``matched``, one per peer with that
+    peer's threads and seed; ``single``, one with all the cores and seed 0."""
+    if config.baseline == "single":
+        return [(config.num_threads, 0)]
+    threads = max(1, config.num_threads // config.num_peers)
+    return [(threads, seed) for seed in range(config.num_peers)]
+
+
+def baseline_command(
+    config, metrics_file: Path, max_time_s: float, *, threads: int, seed: int
+) -> list[str]:
+    """A baseline process's command line (``config``: a ``TrainBenchConfig``)."""
     command = [
         sys.executable, "-m", "peer.bench.baseline_run",
         "--task", config.task,
         "--target-batch-size", str(config.target_batch_size),
         "--lr", str(config.lr),
-        "--torch-threads", str(config.num_threads),
-        "--seed", "0",
+        "--torch-threads", str(threads),
+        "--seed", str(seed),
         "--max-time", str(max_time_s),
         "--metrics-file", str(metrics_file),
         "--metrics-interval", str(METRICS_INTERVAL_S),
@@ -59,56 +69,75 @@ async def _wait_started(metrics: MetricsFiles, processes, timeout_s: float) -> N
 
 
 async def run_windows(config, peers, peer_metrics: list[Path], *, start_grace_s: float) -> dict:
-    """Start the baseline process, wait until it and every peer train, measure both in
-    alternate windows; returns ``{"windows": Interleaved, "baseline": its summary, "curve":
-    its (samples seen, loss) per metrics line}``. The peers are left running."""
+    """Start the baseline processes (:func:`baseline_shapes`), wait until they and every peer
+    train, measure both sides in alternate windows; returns ``{"windows": Interleaved,
+    "baselines": their summaries, "curve": the first one's (samples seen, loss) per metrics
+    line}``. The peers are left running."""
+    directory = peer_metrics[0].parent
+    paths = [directory / f"baseline-{i}.jsonl" for i in range(len(baseline_shapes(config)))]
+    logs = [path.with_suffix(".log") for path in paths]
+    baselines = []
+    try:
+        for (threads, seed), path, log in zip(baseline_shapes(config), paths, logs, strict=True):
+            max_time_s = 4 * config.seconds + start_grace_s
+            command = baseline_command(config, path, max_time_s, threads=threads, seed=seed)
+            with log.open("wb") as stderr_file:
+                baselines.append(
+                    await asyncio.create_subprocess_exec(
+                        *command,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=stderr_file,
+                        process_group=0,  # a group to pause, in the bench's session (autogroup)
+                    )
+                )
+        windows = await _measure(config, peers, peer_metrics, baselines, paths, logs, start_grace_s)
+        for baseline in baselines:
+            baseline.terminate()  # it stops after its step, evaluates and prints its summary
+        outputs = [
+            await asyncio.wait_for(baseline.communicate(), start_grace_s) for baseline in baselines
+        ]
+    finally:
+        await asyncio.gather(*(stop_process_group(baseline) for baseline in baselines))
+    summaries = []
+    for baseline, (stdout, _), log in zip(baselines, outputs, logs, strict=True):
+        lines = stdout.decode().strip().splitlines()
+        if baseline.returncode != 0 or not lines:
+            raise RuntimeError(f"the baseline failed (exit {baseline.returncode}): {_tail(log)}")
+        summaries.append(json.loads(lines[-1]))
+    return {"windows": windows, "baselines": summaries, "curve": _curve(paths[0])}
+
+
+async def _measure(config, peers, peer_metrics, baselines, paths, logs, start_grace_s):
+    """Both sides warm, then the interleaved windows; returns the :class:`Interleaved`."""
     num_pairs, window_s = config.windows()
     settle_s = min(SETTLE_S, window_s / 4)
-    path = peer_metrics[0].parent / "baseline.jsonl"
-    log = path.with_suffix(".log")
-    with log.open("wb") as stderr_file:
-        baseline = await asyncio.create_subprocess_exec(
-            *baseline_command(config, path, 4 * config.seconds + start_grace_s),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=stderr_file,
-            process_group=0,  # a group to pause, in the bench's session (autogroup) as the peers
-        )
+    swarm = PausedGroups([p.pid for p in peers], MetricsFiles(peer_metrics), settle_s=settle_s)
+    plain = PausedGroups([b.pid for b in baselines], MetricsFiles(paths), settle_s=settle_s)
+    await _wait_started(swarm.metrics, peers, start_grace_s)
     try:
-        swarm = PausedGroups([p.pid for p in peers], MetricsFiles(peer_metrics), settle_s=settle_s)
-        plain = PausedGroups([baseline.pid], MetricsFiles([path]), settle_s=settle_s)
-        await _wait_started(swarm.metrics, peers, start_grace_s)
-        try:
-            await _wait_started(plain.metrics, [baseline], start_grace_s)
-        except RuntimeError as e:
-            raise RuntimeError(f"the baseline: {e}: {_tail(log)}") from None
-        await asyncio.sleep(WARMUP_S)  # both warm: no window holds a side's first steps
-        swarm.pause()
-        plain.pause()
-        # the windows run in a thread, which a cancelled await leaves running: once told, it
-        # skips its remaining windows (the bench's Ctrl-C returns within one window)
-        cancelled = threading.Event()
+        await _wait_started(plain.metrics, baselines, start_grace_s)
+    except RuntimeError as e:
+        raise RuntimeError(f"the baseline: {e}: {_tail(logs[0])}") from None
+    await asyncio.sleep(WARMUP_S)  # both warm: no window holds a side's first steps
+    swarm.pause()
+    plain.pause()
+    # the windows run in a thread, which a cancelled await leaves running: once told, it
+    # skips its remaining windows (the bench's Ctrl-C returns within one window)
+    cancelled = threading.Event()
 
-        def gated(side: PausedGroups):
-            return lambda seconds: None if cancelled.is_set() else side(seconds)
+    def gated(side: PausedGroups):
+        return lambda seconds: None if cancelled.is_set() else side(seconds)
 
-        try:
-            windows: Interleaved = await asyncio.to_thread(
-                interleave, gated(plain), gated(swarm), num_pairs=num_pairs, window_s=window_s
-            )
-        except BaseException:
-            cancelled.set()
-            raise
-        finally:
-            swarm.resume()
-        plain.resume()
-        baseline.terminate()  # it stops after its step, evaluates and prints its summary
-        stdout, _ = await asyncio.wait_for(baseline.communicate(), start_grace_s)
+    try:
+        return await asyncio.to_thread(
+            interleave, gated(plain), gated(swarm), num_pairs=num_pairs, window_s=window_s
+        )
+    except BaseException:
+        cancelled.set()
+        raise
     finally:
-        await stop_process_group(baseline)
-    lines = stdout.decode().strip().splitlines()
-    if baseline.returncode != 0 or not lines:
-        raise RuntimeError(f"the baseline failed (exit {baseline.returncode}): {_tail(log)}")
-    return {"windows": windows, "baseline": json.loads(lines[-1]), "curve": _curve(path)}
+        swarm.resume()
+        plain.resume()
 
 
 def _tail(log: Path) -> list[str]:
@@ -141,20 +170,24 @@ def loss_at(curve: list[tuple[int, float]], num_samples: int) -> float | None:
 def window_fields(run: dict, samples: int) -> dict:
     """The result fields of an interleaved run (``samples``: what the swarm saw)."""
     windows: Interleaved = run["windows"]
-    baseline, spread = run["baseline"], windows.spread
+    baselines, spread = run["baselines"], windows.spread
     at_samples = loss_at(run["curve"], samples)
 
     def rounded(value: float | None, digits: int = 4) -> float | None:
         return None if value is None else round(value, digits)
 
+    def mean(key: str) -> float | None:  # over the baseline processes, as the swarm's over peers
+        values = [b[key] for b in baselines if b[key] is not None]
+        return sum(values) / len(values) if values else None
+
     return {
         "samples_per_s": round(windows.median_rate(1), 1),
         "baseline_samples_per_s": round(windows.median_rate(0), 1),
-        "baseline_final_loss": rounded(baseline["recent_loss"]),
+        "baseline_final_loss": rounded(mean("recent_loss")),
         "ratio": round(spread.ratio_p50, 3),
-        "baseline_samples": baseline["num_samples"],
+        "baseline_samples": sum(b["num_samples"] for b in baselines),
         "baseline_loss_at_samples": rounded(at_samples),
-        "baseline_eval_loss": rounded(baseline["eval_loss"]),
+        "baseline_eval_loss": rounded(mean("eval_loss")),
         **spread.fields(),
         "window_s": round(windows.window_s, 3),
         "windows_samples_per_s": [rounded(r, 1) for r in windows.rates_b],

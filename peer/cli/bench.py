@@ -281,6 +281,13 @@ def add_bench_train_command(bench_sub) -> None:
         help="seconds of each measured window, at most 2 (default: 1; --seconds 40 gives 40 "
         "pairs of windows)",
     )
+    parser.add_argument(
+        "--baseline",
+        choices=["matched", "single"],
+        default="matched",
+        help="matched (default): one plain loop per peer with its threads and data seed, rates "
+        "summed; single: one plain loop with all the cores (the same with --peers 1)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline")
     parser.add_argument(
         "--backend", choices=["native", "hivemind"], default="native", help="default: native"
@@ -320,6 +327,7 @@ def run_bench_train(args: argparse.Namespace) -> int:
             warmup_epochs=args.warmup_epochs,
             min_lr_ratio=args.min_lr_ratio,
             window_s=args.window,
+            baseline=args.baseline,
             **extra,
         )
     except ValueError as e:

@@ -55,6 +55,7 @@ def dashboard_companion(config, stop: threading.Event):
 
 def run_join(args: argparse.Namespace) -> int:
     from peer.run.backend import make_peer_run
+    from peer.swarm.progress import note_continued
     from peer.train.tasks import TaskError
 
     config = load_config(args)
@@ -68,6 +69,8 @@ def run_join(args: argparse.Namespace) -> int:
         run.companion = dashboard_companion(config, stop)
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # continued after Ctrl-Z or SIGSTOP: the stop was not slow training (see note_continued)
+    signal.signal(signal.SIGCONT, lambda *_: note_continued())
     try:
         summary = run.run()
     finally:

@@ -40,14 +40,20 @@ from dht.owned_record import OwnedRecord
 from peer.records.progress import PeerProgress, parse_record, progress_key
 
 logger = logging.getLogger(__name__)
-# A report this many times later than this peer's rate says its new samples took, and at least
-# STALL_MIN_S after the one before, spans a stall of the whole process (stopped with SIGSTOP or
-# Ctrl-Z, a laptop suspended, a swap storm), not slower training: the rate skips it. Stalls are
-# believed at most MAX_STALLS_IN_A_ROW reports in a row, so a peer that really slowed down is
-# learned from the next report on.
-STALL_RATIO = 4.0
-STALL_MIN_S = 0.5
-MAX_STALLS_IN_A_ROW = 2
+# How many times this process was continued after a stop (SIGSTOP or Ctrl-Z, then SIGCONT): a
+# process-wide fact, which ``peer join`` records from its SIGCONT handler (``note_continued``).
+_num_continued = [0]
+
+
+def note_continued() -> None:
+    """Record that this process was just continued after a stop (safe in a signal handler).
+
+    The time it was stopped was not training: the next report of every tracker moves its
+    anchor past the stop instead of reading it as a slow stretch. Read as slow training, the
+    stop made the other peers undercount this one and overshoot the target, 2-4x per epoch
+    in a swarm that the train benchmark pauses this way.
+    """
+    _num_continued[0] += 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,7 +252,7 @@ class ProgressTracker:
         self._samples_per_s = 0.0
         self._rate_time_s = 0.0  # seconds the rate averages over (up to publish_interval_s)
         self._last_report: tuple[float, int, int] | None = None  # (monotonic s, epoch, samples)
-        self._num_stalls = 0  # reports in a row that spanned a stall
+        self._num_continued = _num_continued[0]  # stops of the process seen by the last report
         self.global_progress = estimate(
             [], own=self._own_record(), config=config, now=get_dht_time()
         )
@@ -284,9 +290,9 @@ class ProgressTracker:
             elapsed_s = now - last_time
             # No new samples: the peer was not training (waiting for peers, downloading), and
             # the rate is how fast it accumulates while it trains; the report moves the anchor.
-            # A stall (see STALL_RATIO) moves the anchor and leaves the rate.
-            stalled = new_samples > 0 and self._stalled(elapsed_s, new_samples)
-            if elapsed_s > 0 and new_samples > 0 and not stalled:
+            # A stop of the process since the last report moves the anchor, leaves the rate.
+            stopped = self._num_continued != _num_continued[0]
+            if elapsed_s > 0 and new_samples > 0 and not stopped:
                 # A moving average over the last publishing interval, and over the time seen
                 # so far before that: the rate is right from the second report on. Starting
                 # from 0 instead, the first records of a run undercounted every peer, and the
@@ -299,17 +305,7 @@ class ProgressTracker:
                 self._samples_per_s += weight * (instant - self._samples_per_s)
         # one tuple, swapped at once: the loop thread reads a consistent report
         self._last_report = (now, epoch, samples)
-
-    def _stalled(self, elapsed_s: float, new_samples: int) -> bool:
-        """Whether ``elapsed_s`` for ``new_samples`` was a stall (see ``STALL_RATIO``)."""
-        rate = self._samples_per_s
-        stalled = (
-            rate > 0
-            and elapsed_s > max(STALL_MIN_S, STALL_RATIO * new_samples / rate)
-            and self._num_stalls < MAX_STALLS_IN_A_ROW
-        )
-        self._num_stalls = self._num_stalls + 1 if stalled else 0
-        return stalled
+        self._num_continued = _num_continued[0]
 
     def _own_record(self) -> PeerProgress:
         report, now = self._last_report, get_dht_time()

@@ -133,3 +133,17 @@ def test_repeated_train_bench_reports_the_run_with_the_median_ratio(monkeypatch)
     result = train.run_train_bench_repeated(train.TrainBenchConfig(), 4)
     # the lower middle of an even count: the worse of the two middle runs
     assert result["ratio"] == 0.9 and result["runs_ratio"] == [1.2, 0.9, 1.0, 0.8]
+
+
+def test_the_matched_baseline_has_the_swarms_shape():
+    from peer.bench.train import TrainBenchConfig
+    from peer.bench.train_windows import baseline_shapes
+
+    # (torch threads, data seed) per plain loop: peer i's threads and seed
+    assert baseline_shapes(TrainBenchConfig(num_peers=2, num_threads=2)) == [(1, 0), (1, 1)]
+    assert baseline_shapes(TrainBenchConfig(num_peers=3, num_threads=2)) == [(1, 0), (1, 1), (1, 2)]
+    assert baseline_shapes(TrainBenchConfig(num_peers=1, num_threads=2)) == [(2, 0)]
+    single = TrainBenchConfig(num_peers=2, num_threads=2, baseline="single")
+    assert baseline_shapes(single) == [(2, 0)]
+    with pytest.raises(ValueError, match="baseline"):
+        TrainBenchConfig(baseline="double")

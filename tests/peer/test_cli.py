@@ -228,12 +228,14 @@ def test_a_paused_two_peer_swarm_fails_no_round_and_holds_its_target():
     # undercount each other and gather 2-4x the target per epoch)
     target = 1024
     result = run(
-        "bench", "train", "--peers", "2", "--seconds", "6", "--window", "1",
+        "bench", "train", "--peers", "2", "--seconds", "6", "--window", "1", "--threads", "2",
         "--target-batch-size", str(target), "--task-option", "hidden_dim=64", "--json",
         timeout_s=150,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["failed_rounds"] == 0 and report["num_pairs"] >= 5
+    # against two plain loops of the peers' shape (1 thread each here), both of which trained
+    assert report["baseline"] == "matched" and report["baseline_samples"] > 0
     assert report["rounds"] >= 10
     assert report["samples"] / report["rounds"] < 1.5 * target
