@@ -9,6 +9,7 @@ import time (``peer --help`` stays fast); the rest comes when the command runs.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, AsyncExitStack
@@ -98,7 +99,13 @@ def run_monitor(args: argparse.Namespace, backends: Mapping[str, OpenRecords]) -
 def _show(app, *, once: bool) -> int:
     """One frame (``--once``; 1 if the read failed) or the live view until q."""
     if not once:
-        app.run()
+        # Ctrl-C quits even when this process inherited SIGINT ignored (started in the
+        # background by a shell, say), as `peer join` and `peer dht`, which set their own handlers
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            app.run()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return 0
     view = app.print_once(ONCE_TIMEOUT_S)
     if view.error:

@@ -254,8 +254,20 @@ def test_metrics_endpoint_parses_and_counts(swarm):
 
 
 def test_without_a_terminal_monitor_prints_plain_lines(swarm):
+    # started with SIGINT ignored, as a shell starts a background job: Ctrl-C must still quit
+    ignoring_sigint = ["bash", "-c", 'trap "" INT; exec "$@"', "bash"]
     process = subprocess.Popen(
-        [*PEER, "monitor", "--initial-peers", swarm.url, "--run-id", RUN_ID, "--interval", "0.5"],
+        [
+            *ignoring_sigint,
+            *PEER,
+            "monitor",
+            "--initial-peers",
+            swarm.url,
+            "--run-id",
+            RUN_ID,
+            "--interval",
+            "0.5",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
