@@ -133,8 +133,9 @@ async def test_background_publishing_and_rate_estimate():
         assert 0 < worker_view.samples_per_s <= 2000  # about 1000/s, smoothed
 
 
-def test_the_rate_is_right_from_the_second_report(monkeypatch):
-    # a fake monotonic clock: the rate's arithmetic, not wall time, is under test
+def reporter(monkeypatch):
+    """A tracker on a fake monotonic clock (the rate's arithmetic, not wall time, is under
+    test); returns ``report(advance_s, epoch, samples) -> its own rate afterwards``."""
     now_s = [100.0]
     monkeypatch.setattr(progress_module.time, "monotonic", lambda: now_s[0])
     config = ProgressConfig(target_batch_size=10_000, publish_interval_s=2.0)
@@ -146,6 +147,11 @@ def test_the_rate_is_right_from_the_second_report(monkeypatch):
         tracker.report_local_progress(epoch, samples)
         return tracker.current().peers[0].samples_per_s
 
+    return report
+
+
+def test_the_rate_is_right_from_the_second_report(monkeypatch):
+    report = reporter(monkeypatch)
     assert report(0.0, 0, 0) == 0.0
     assert report(0.1, 0, 100) == pytest.approx(1000)  # no ramp from 0
     assert report(0.3, 0, 700) == pytest.approx(700 / 0.4)  # the average of the time seen
@@ -162,20 +168,10 @@ def test_a_stop_of_the_process_is_not_slow_training(monkeypatch):
     # after it spans seconds for a few steps' samples; a rate that took it in would make the
     # others undercount this peer and overshoot the target (the train benchmark pauses swarms
     # this way). A slow stretch without a stop is learned as ever.
-    now_s = [100.0]
-    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now_s[0])
-    config = ProgressConfig(target_batch_size=10_000, publish_interval_s=2.0)
-    node = SimpleNamespace(peer_id="ab" * 32, address="http://127.0.0.1:1")
-    tracker = ProgressTracker(dht=node, prefix="run", config=config)
-
-    def report(advance_s: float, samples: int) -> float:
-        now_s[0] += advance_s
-        tracker.report_local_progress(0, samples)
-        return tracker.current().peers[0].samples_per_s
-
-    report(0.0, 0)
-    assert report(0.1, 100) == pytest.approx(1000)
+    report = reporter(monkeypatch)
+    report(0.0, 0, 0)
+    assert report(0.1, 0, 100) == pytest.approx(1000)
     progress_module.note_continued()  # stopped for about 2 s
-    assert report(2.0, 200) == pytest.approx(1000)
-    assert report(0.1, 300) == pytest.approx(1000)  # the anchor moved past the stop
-    assert report(2.0, 400) == pytest.approx(50)  # no stop: really 20x slower
+    assert report(2.0, 0, 200) == pytest.approx(1000)
+    assert report(0.1, 0, 300) == pytest.approx(1000)  # the anchor moved past the stop
+    assert report(2.0, 0, 400) == pytest.approx(50)  # no stop: really 20x slower
