@@ -1,25 +1,24 @@
 """``peer bench train``: a swarm of real ``peer join`` processes against plain PyTorch loops.
 
 The baseline (:mod:`peer.bench.baseline_run`: plain PyTorch loops in processes of their own; by
-default one per peer with that peer's torch threads and data seed, ``--baseline single`` one
-with all the cores) and the swarm (a bootstrap node in this process and N peer processes whose
-torch threads sum to the machine's cores) are measured in alternate windows over the
-same stretch of time: about ``seconds / window_s`` pairs (40 at the defaults: 1-s windows), in
-the order baseline-swarm, swarm-baseline, ... (:mod:`peer.bench.pairs`,
-:mod:`peer.bench.train_windows`). While one side is measured, the other's process groups are
-stopped (SIGSTOP), and continued (SIGCONT) for its own window (:mod:`peer.bench.windows`): the
-whole swarm pauses at once, so no peer sees another stall. Its clocks jump by the pause (up to
-two windows), which stays under the waits nothing raises (an RPC's 5 s, the DHT records' 20-s
-lifetime); the adaptive waits, which loopback makes short, are floored above it
-(``--min-deadline``, :meth:`TrainBenchConfig.pause_floor_s`), so no round fails because of a
-pause, and a peer's rate skips the pause (:mod:`peer.swarm.progress`, stalls). With
-``--peers 1`` the lone peer talks only to the bootstrap node, which keeps serving in this
-process throughout. The first ``SETTLE_S`` of each window are not measured on either side (right
-after a pause the peers extrapolate each other's progress records by the pause). A machine whose
-speed drifts, or another process's burst, then slows both sides of a pair alike, or one pair
-only: the ratio is the median of the pairs' ratios (``ratio_p50``, also ``ratio``),
-``samples_per_s`` and ``baseline_samples_per_s`` the medians over windows, and ``ratio_iqr``,
-``ratio_min``, ``ratio_max`` say how much one pair can be trusted.
+default one per peer with that peer's torch threads and data seed, ``--baseline single`` one with
+all the cores) and the swarm (a bootstrap node in this process and N peer processes whose torch
+threads sum to the machine's cores) are measured in alternate windows over the same stretch of time:
+about ``seconds / window_s`` pairs (40 at the defaults: 1-s windows), in the order baseline-swarm,
+swarm-baseline, ... (:mod:`peer.bench.pairs`, :mod:`peer.bench.train_windows`). While one side is
+measured, the other's process groups are stopped (SIGSTOP), and continued (SIGCONT) for its own
+window (:mod:`peer.bench.windows`): the whole swarm pauses at once, so no peer sees another stall.
+Its clocks jump by the pause (up to two windows), which stays under the waits nothing raises (an
+RPC's 5 s, the DHT records' 20-s lifetime); the adaptive waits, which loopback makes short, are
+floored above it (``--min-deadline``, :meth:`TrainBenchConfig.pause_floor_s`), so no round fails
+because of a pause, and a peer's rate skips the pause (``peer join``'s SIGCONT handler,
+:func:`peer.swarm.progress.note_continued`). With ``--peers 1`` the lone peer talks only to the
+bootstrap node, which keeps serving in this process throughout. The first ``SETTLE_S`` of each
+window are not measured on either side (right after a pause the peers extrapolate each other's
+progress records by the pause). A machine whose speed drifts, or another process's burst, then slows
+both sides of a pair alike, or one pair only: the ratio is the median of the pairs' ratios
+(``ratio_p50``, also ``ratio``), ``samples_per_s`` and ``baseline_samples_per_s`` the medians over
+windows, and ``ratio_iqr``, ``ratio_min``, ``ratio_max`` say how much one pair can be trusted.
 
 A window's rate is read from the side's metrics streams (a line every ``METRICS_INTERVAL_S``):
 the samples of the lines written inside the window, after the first one, over the time between

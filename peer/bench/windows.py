@@ -2,13 +2,14 @@
 SIGSTOP while the other side is measured and continued with SIGCONT for their own windows.
 
 A whole group of processes (every peer of a swarm with their children) is stopped and continued
-together, so inside the swarm nobody sees anybody stall: their clocks jump forward together by
-the pause, which stays shorter than every timeout of a peer (the shortest, an RPC's, is 5 s) and
-than its DHT records' lifetime (20 s). What a window achieved is read from each process's metrics
-stream (``--metrics-file``, lines ``t, samples``): :func:`peer.bench.pairs.rate_between` over the
-lines written inside the window, after ``settle_s`` (the first moments after a pause, when the
-peers' estimates of each other are as old as the pause, are not measured; the baseline gets the
-same untimed start).
+together, so inside the swarm nobody sees anybody stall: their clocks jump forward together by the
+pause, which stays shorter than the waits a peer cannot floor (an RPC's 5 s) and than its DHT
+records' lifetime (20 s); the train benchmark floors the adaptive ones above it
+(:meth:`peer.bench.train.TrainBenchConfig.pause_floor_s`). What a window achieved is read from each
+process's metrics stream (``--metrics-file``, lines ``t, samples``):
+:func:`peer.bench.pairs.rate_between` over the lines written inside the window, after ``settle_s``
+(the first moments after a pause, when the peers' estimates of each other are as old as the pause,
+are not measured; the baseline gets the same untimed start).
 """
 
 from __future__ import annotations
