@@ -26,17 +26,17 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from averaging.allreduce import AllReduceOutcome, run_allreduce
+from averaging.allreduce.butterfly import AllReduceOutcome, run_allreduce
+from averaging.allreduce.deadlines import Deadlines
+from averaging.allreduce.router import PartRouter
+from averaging.allreduce.streams import StreamChooser
 from averaging.bounds import valid_weight
-from averaging.compression import Compression, get_codec
 from averaging.config import AveragerConfig, check_prefix, reducing_address
-from averaging.deadlines import Deadlines
 from averaging.errors import AveragingError, ConfigError, ProtocolViolation, translate
-from averaging.group import GroupInfo
-from averaging.matchmaking import Matchmaker, MatchmakingDHT
+from averaging.matchmaking.group import GroupInfo
+from averaging.matchmaking.matchmaker import Matchmaker, MatchmakingDHT
 from averaging.result import RoundResult
-from averaging.router import PartRouter
-from averaging.streams import StreamChooser
+from averaging.rules.compression import Compression, get_codec
 from averaging.tensors import FlatTensors
 from dht.errors import DHTError
 from dht.runtime import EventLoopThread
@@ -291,7 +291,7 @@ class DecentralizedAverager:
         waits: Mapping[str, float],
     ) -> RoundResult:
         loop = asyncio.get_running_loop()
-        config = dataclasses.replace(  # this round's waits (see averaging.deadlines)
+        config = dataclasses.replace(  # this round's waits (see averaging.allreduce.deadlines)
             self.config,
             allreduce_timeout_s=min(self.config.allreduce_timeout_s, timeout_s),
             sender_timeout_s=waits["sender_s"],

@@ -15,7 +15,8 @@ to agree on them:
 * **Addresses** are ``http(s)://host:port`` URLs (:func:`check_address`).
 
 Values are bounded so that the reducer's arithmetic cannot overflow: each weighted contribution
-must stay within ``FLOAT32_MAX / n`` (see :mod:`averaging.reducer`), so their sum is finite.
+must stay within ``FLOAT32_MAX / n`` (see :mod:`averaging.allreduce.reducer`), so their sum is
+finite.
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from dht.schema import is_relayed_path
+from dht.net.schema import is_relayed_path
 
 MIN_WEIGHT = 2.0**-20
 MAX_WEIGHT = 2.0**53
 MAX_BANDWIDTH = 1e12
 MAX_BANDWIDTH_RATIO = 4.0
 DEFAULT_MAX_WEIGHT_RATIO = 8.0
+MAX_WEIGHT_RATIO = 1e6
+MAX_CHUNK_NUMEL = 2 * 1024 * 1024  # 8 MiB of float32: the transport's default frame limit
+DEFAULT_CHUNK_NUMEL = 1024 * 1024  # 4 MiB of float32: fewer, larger writes cost less CPU
+MAX_STREAMS_PER_PAIR = 8  # a server admits 8 streams per peer at once (dht.net.config)
 MAX_ADDRESS_CHARS = 300
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 

@@ -7,16 +7,17 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from averaging.bounds import DEFAULT_MAX_WEIGHT_RATIO, MAX_BANDWIDTH
-from averaging.compression import UINT8_BLOCK, Compression
-from averaging.errors import ConfigError
-from averaging.group import (
+from averaging.bounds import (
     DEFAULT_CHUNK_NUMEL,
+    DEFAULT_MAX_WEIGHT_RATIO,
+    MAX_BANDWIDTH,
     MAX_CHUNK_NUMEL,
     MAX_STREAMS_PER_PAIR,
     MAX_WEIGHT_RATIO,
 )
-from averaging.robust import Aggregation
+from averaging.errors import ConfigError
+from averaging.rules.compression import UINT8_BLOCK, Compression
+from averaging.rules.robust import Aggregation
 
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -49,7 +50,7 @@ class AveragerConfig:
             heard of (its matchmaking answer may be a little behind), in seconds. With
             ``adaptive_deadlines`` it follows the sender wait.
         adaptive_deadlines: the waits above come from what this peer measured (arrival
-            offsets of partners, RTTs, chunk waits; see :mod:`averaging.deadlines`) within
+            offsets of partners, RTTs, chunk waits; see :mod:`averaging.allreduce.deadlines`) within
             ``min_deadline_s`` and ``max_deadline_s``; False: each wait is its field.
         deadline_safety: an adaptive wait is this many times the 90th percentile of the
             recent measurements of what it waits for.
@@ -65,8 +66,8 @@ class AveragerConfig:
             several streams per pair, per slice of the part.
         streams_per_pair: streams (TCP connections) each sender opens to each reducer, the
             part cut into that many slices of whole chunks; 0 (default): chosen from the
-            measured RTT and the goodput of past rounds (:mod:`averaging.streams`). A group
-            uses its leader's choice.
+            measured RTT and the goodput of past rounds (:mod:`averaging.allreduce.streams`). A
+            group uses its leader's choice.
         max_streams_per_pair: the most streams per pair the automatic choice takes, and the
             most this peer accepts from a leader (at most 8: a server admits 8 streams per
             peer at once).
@@ -81,7 +82,7 @@ class AveragerConfig:
         group_bits: appended to the matchmaking key (Moshpit-style sub-swarms in large runs).
         aggregation: how reducers combine contributions: ``mean`` (weighted, exact),
             ``trimmed_mean`` or ``centered_clip`` (robust to a minority of bad contributions;
-            for ``grad`` mode; see :mod:`averaging.robust`). A peer joins only groups that use
+            for ``grad`` mode; see :mod:`averaging.rules.robust`). A peer joins only groups that use
             its own setting.
         max_weight_ratio: a member's weight counts at most this many times the lower median
             weight of its group (see :mod:`averaging.bounds`). A peer joins only groups that
@@ -94,7 +95,7 @@ class AveragerConfig:
             mid-round costs that part.
         num_partner_rounds: the members of this peer's last this many rounds are its partners;
             it follows a partner's lead before a stranger's (leadership that fresh ids cannot
-            grind; see :mod:`averaging.matchmaking`).
+            grind; see :mod:`averaging.matchmaking.matchmaker`).
     """
 
     target_group_size: int = 16

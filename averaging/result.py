@@ -35,10 +35,10 @@ class RoundResult:
             inside the all-reduce: "encode", "decode", "reduce".
         epoch: the epoch whose round this was (-1 when the caller did not say).
         deadlines_s: the waits this round used, in seconds, measured or configured
-            (:meth:`averaging.deadlines.Deadlines.snapshot`): ``matchmaking_s``, ``sender_s``,
-            ``reducer_s``, ``group_wait_s``, ``request_s``, ``allreduce_s``.
+            (:meth:`averaging.allreduce.deadlines.Deadlines.snapshot`): ``matchmaking_s``,
+            ``sender_s``, ``reducer_s``, ``group_wait_s``, ``request_s``, ``allreduce_s``.
         num_streams: streams per (sender, reducer) pair the group used (0 when no group
-            formed; see :mod:`averaging.streams`).
+            formed; see :mod:`averaging.allreduce.streams`).
     """
 
     status: RoundStatus

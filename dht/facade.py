@@ -8,13 +8,13 @@ from typing import Any
 
 from dht.config import DHTConfig
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.kademlia.node import DHTNode
+from dht.kademlia.storage import ValueWithExpiration
 from dht.launch import open_node
-from dht.node import DHTNode
-from dht.reachability import Reachability
+from dht.net.config import TransportConfig
+from dht.reach.reachability import Reachability
 from dht.runtime import EventLoopThread
-from dht.storage import ValueWithExpiration
 
 
 class DHT:
@@ -31,7 +31,7 @@ class DHT:
         call_timeout_s: bound on each blocking call (start, store, get, close), in seconds.
         check_reachability: ask the initial peers to dial this node back when starting; one
             nobody can dial is relayed by one of them, or else runs in client mode (see
-            :mod:`dht.reachability`).
+            :mod:`dht.reach.reachability`).
         relay_via: be reached through the first of these relays that accepts (URLs).
         routes: each adds its plain routes (``GET /metrics``) to the transport before it serves.
         thread_name: the name of the event-loop thread this DHT creates.

@@ -1,10 +1,10 @@
 """The aiohttp transport: one server and one keep-alive ClientSession per node.
 
 Paths are versioned (``/v2/``; ``/v1/`` is answered 426): ``POST /v2/hello`` makes a session
-(:mod:`dht.session`), ``POST /v2/rpc/{name}`` carries one msgpack request and answers one msgpack
-response, ``POST /v2/stream/{name}`` carries frames both ways, full duplex, and ``GET /v2/info``
-says who this node claims to be. Every request and answer after the handshake is proven under
-the session key; the server's checks and limits are in :mod:`dht.http_server`.
+(:mod:`dht.net.session`), ``POST /v2/rpc/{name}`` carries one msgpack request and answers one
+msgpack response, ``POST /v2/stream/{name}`` carries frames both ways, full duplex, and ``GET
+/v2/info`` says who this node claims to be. Every request and answer after the handshake is proven
+under the session key; the server's checks and limits are in :mod:`dht.net.server`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import aiohttp
 from aiohttp import web
 
 from dht.errors import AuthError, BadMessageError, RemoteError, RequestTimeoutError, TransportError
-from dht.frames import FrameReader, FrameWriter
-from dht.http_client import (
+from dht.identity import PeerIdentity
+from dht.net.client import (
     API_VERSION,
     ClientSessions,
     check_response,
@@ -28,24 +28,24 @@ from dht.http_client import (
     read_limited,
     signed_headers,
 )
-from dht.http_config import TransportConfig
-from dht.http_limits import ConnectionGate
-from dht.http_server import HTTP_PARSER_LOGGER, HttpGetHandler, HttpServer, Refused, status_of
-from dht.http_streams import ClientStream
-from dht.identity import PeerIdentity
-from dht.port_mapping import PortMapping
-from dht.reachability import DIAL_BACK, DialBackService, Reachability
-from dht.relay_client import AddressListener, Candidates, RelayTunnel
-from dht.relay_server import RelayService
-from dht.session import digest
-from dht.transport import SMALL_RPC_BYTES, ByteCounters, RpcHandler, StreamHandler
-from dht.wire import pack, unpack
+from dht.net.config import TransportConfig
+from dht.net.frames import FrameReader, FrameWriter
+from dht.net.limits import ConnectionGate
+from dht.net.server import HTTP_PARSER_LOGGER, HttpGetHandler, HttpServer, Refused, status_of
+from dht.net.session import digest
+from dht.net.streams import ClientStream
+from dht.net.transport import SMALL_RPC_BYTES, ByteCounters, RpcHandler, StreamHandler
+from dht.net.wire import pack, unpack
+from dht.reach.port_mapping import PortMapping
+from dht.reach.reachability import DIAL_BACK, DialBackService, Reachability
+from dht.reach.relay_client import AddressListener, Candidates, RelayTunnel
+from dht.reach.relay_server import RelayService
 
 MSGPACK = "application/msgpack"
 
 
 class HttpTransport:
-    """:class:`dht.transport.Transport` over aiohttp.
+    """:class:`dht.net.transport.Transport` over aiohttp.
 
     Args:
         identity: this node's key pair; it proves this node to every node it calls and to
@@ -71,7 +71,7 @@ class HttpTransport:
         self.relay: RelayService | None = None
         self._tunnel: RelayTunnel | None = None
         self._closed = False
-        # set by dht.reachability.settle_reachability once the swarm was asked
+        # set by dht.reach.reachability.settle_reachability once the swarm was asked
         self.reachability: Reachability | None = None
         self.port_mapping: PortMapping | None = None  # kept by settle_reachability; closed here
         self.dial_back = DialBackService(self, config.reachability)
@@ -234,7 +234,7 @@ class HttpTransport:
 
     async def stop_serving(self) -> None:
         """Close the server and drop the address (client mode from here); the client session
-        stays. For a node that learned nobody can dial it (:mod:`dht.reachability`)."""
+        stays. For a node that learned nobody can dial it (:mod:`dht.reach.reachability`)."""
         runner, self._runner, self.server, self.gate = self._runner, None, None, None
         self._address = None
         if runner is not None:

@@ -2,7 +2,7 @@
 
 The peer id is the hex form of the 32-byte raw public key, so that anyone holding a peer id can
 verify that peer's signatures without a lookup. The DHT node id is derived from it (see
-:func:`dht.routing.DHTID.from_peer_id`).
+:func:`dht.kademlia.routing.DHTID.from_peer_id`).
 """
 
 from __future__ import annotations

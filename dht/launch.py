@@ -7,10 +7,10 @@ from contextlib import asynccontextmanager
 
 from dht.config import DHTConfig
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
-from dht.reachability import settle_reachability
+from dht.kademlia.node import DHTNode
+from dht.net.config import TransportConfig
+from dht.reach.reachability import settle_reachability
 
 
 @asynccontextmanager
@@ -28,7 +28,7 @@ async def open_node(
     With ``relay_via``, the node is reached through the first of those relays that accepts it.
     Otherwise, with ``check_reachability``, the initial peers are asked to dial it back before
     the node starts; a node nobody can dial is relayed by one of them, or else runs in client
-    mode (``node.transport.reachability``, see :mod:`dht.reachability`). ``routes``: each adds
+    mode (``node.transport.reachability``, see :mod:`dht.reach.reachability`). ``routes``: each adds
     its plain routes (``GET /metrics``) to the transport before it serves.
     """
     transport = HttpTransport(identity, transport_config)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dht.errors import BadMessageError, ConfigError
-from dht.schema import parse_address
+from dht.net.schema import parse_address
 
 ENV_PREFIX = "VP_"
 
@@ -43,7 +43,7 @@ def positive_float(text: str) -> float:
 
 def peer_url(url: str) -> str:
     """``url`` without a trailing slash, if it is ``http(s)://host:port`` (the rule every address
-    from the network is held to, :func:`dht.schema.parse_address`).
+    from the network is held to, :func:`dht.net.schema.parse_address`).
 
     Raises:
         ValueError: it is not.

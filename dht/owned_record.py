@@ -1,7 +1,7 @@
 """A record a node owns on the DHT, stored again every few seconds.
 
 A peer publishes several records of its own (progress, profile, rounds, state announcements):
-each under its owner subkey (:func:`dht.validation.owner_subkey`), so the node signs it and
+each under its owner subkey (:func:`dht.kademlia.validation.owner_subkey`), so the node signs it and
 nobody else can overwrite it, and each expiring a while after it was made, so a peer that
 leaves drops out of everyone's view. :class:`OwnedRecord` is that one pattern: the owner says
 how to build the value, this class stores it on a period and when asked, and a failed store is
@@ -17,9 +17,9 @@ from typing import Any
 
 from dht.config import get_dht_time
 from dht.errors import DHTError
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
+from dht.kademlia.validation import owner_subkey
 from dht.periodic import Periodic
-from dht.validation import owner_subkey
 
 logger = logging.getLogger(__name__)
 # (DHT time now) -> (the value to store, the DHT time it describes), or None: nothing to store.

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from experiments.launch_netns import NetnsLauncher, address_of, enter_namespace
+from experiments.launch.netns import NetnsLauncher, address_of, enter_namespace
 from experiments.spec import NetworkSpec
 
 
@@ -37,7 +37,7 @@ def emulated_places(
     the host's default). Everything is removed on exit.
 
     Raises:
-        experiments.launch_base.LaunchError: not root, a tool is missing, or the set-up failed.
+        experiments.launch.base.LaunchError: not root, a tool is missing, or the set-up failed.
     """
     per_link_loss = 1.0 - math.sqrt(1.0 - (loss_percent or 0.0) / 100)  # two links in a row
     network = NetworkSpec(

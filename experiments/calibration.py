@@ -31,7 +31,7 @@ from typing import Any
 
 from rich.console import Console
 
-from experiments.launch_base import pinned, python
+from experiments.launch.base import pinned, python
 from experiments.spec import ExperimentSpec, RunConfig, cpu_split, peer_counts
 
 CALIBRATION_FILE = "calibration.json"

@@ -69,8 +69,8 @@ def add_experiment_command(sub, *, watch: Callable | None = None) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from dht.errors import ConfigError
-    from experiments.launch_base import LaunchError
-    from experiments.report import write_report
+    from experiments.launch.base import LaunchError
+    from experiments.report.writer import write_report
     from experiments.spec import SpecError, load_spec
     from experiments.sweep import run_sweep
 
@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from dht.errors import ConfigError
-    from experiments.report import write_report
+    from experiments.report.writer import write_report
     from experiments.spec import SpecError
 
     if not (args.dir / "spec.toml").is_file():
@@ -108,7 +108,7 @@ def _cleanup(args: argparse.Namespace) -> int:
     import os
     import shutil
 
-    from experiments.launch_netns import cleanup_all
+    from experiments.launch.netns import cleanup_all
 
     if shutil.which("ip") is None:
         sys.stderr.write("peer: error: `ip` (iproute2) is missing: no namespaces to clean up\n")

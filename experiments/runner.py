@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from experiments.analysis import STATUS_FILE, CurvePoint, loss_curve, read_json
-from experiments.launch_base import LaunchError, ProcessPlan, Session
+from experiments.launch.base import LaunchError, ProcessPlan, Session
 from experiments.spec import ExperimentSpec, RunConfig, cpu_split
 from peer.profiling.metrics_reader import read_metrics
 from peer.run.config import join_command

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from experiments.launch_base import Launcher, LaunchError, Session
+from experiments.launch.base import Launcher, LaunchError, Session
 from experiments.runner import Outcome, is_finished, run_config, run_id, write_status
 from experiments.spec import ExperimentSpec, RunConfig, expand
 from experiments.watching import SweepScreen, Watch, WatchTarget
@@ -28,14 +28,14 @@ from experiments.watching import SweepScreen, Watch, WatchTarget
 def make_launcher(spec: ExperimentSpec) -> Launcher:
     """The launcher the spec names."""
     if spec.launcher == "netns":
-        from experiments.launch_netns import NetnsLauncher
+        from experiments.launch.netns import NetnsLauncher
 
         return NetnsLauncher(spec.network)
     if spec.launcher == "ssh":
-        from experiments.launch_ssh import SshLauncher
+        from experiments.launch.ssh import SshLauncher
 
         return SshLauncher(spec.ssh)
-    from experiments.launch_local import LocalLauncher
+    from experiments.launch.local import LocalLauncher
 
     return LocalLauncher()
 
@@ -86,7 +86,7 @@ def run_sweep(
     :mod:`experiments.watching`); None shows the progress bar only.
 
     Raises:
-        experiments.launch_base.LaunchError: the launcher cannot run here (nothing started).
+        experiments.launch.base.LaunchError: the launcher cannot run here (nothing started).
     """
     console = console or Console(stderr=True)
     configs = expand(spec)

@@ -16,10 +16,10 @@ from contextlib import AsyncExitStack, contextmanager
 from rich.console import Console
 
 from dht.config import DHTConfig
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.kademlia.node import DHTNode
 from dht.launch import open_node
-from dht.node import DHTNode
+from dht.net.config import TransportConfig
 from dht.runtime import EventLoopThread
 from monitor.app import LiveApp, running_in_thread
 from monitor.config import MonitorConfig

@@ -17,10 +17,10 @@ from contextlib import asynccontextmanager
 
 from dht.config import DHTConfig, get_dht_time
 from dht.errors import DHTError
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.kademlia.node import DHTNode
 from dht.launch import open_node
-from dht.node import DHTNode
+from dht.net.config import TransportConfig
 from monitor.config import MonitorConfig
 from monitor.state import SwarmView, ViewBuilder
 from peer.records.profile import parse_profile, profile_key

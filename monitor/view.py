@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from dht.identity import short_id
-from dht.reachability import Path, path_of
+from dht.reach.reachability import Path, path_of
 from peer.records.profile import ProfileRecord
 from peer.records.rounds import RoundLogRecord
 

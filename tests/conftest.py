@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.net.config import TransportConfig
 
 
 @pytest.fixture

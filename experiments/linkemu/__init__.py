@@ -5,4 +5,7 @@ process that copies Ethernet frames between them, in each direction through a :c
 random loss, a drop-tail queue drained at the link's rate, then a one-way delay with jitter.
 See :mod:`experiments.linkemu.forwarder` (the process), :mod:`experiments.linkemu.emulator`
 (starting and stopping it) and :mod:`experiments.linkemu.fidelity` (measuring what it does).
+
+May import: :mod:`experiments.spec`, :mod:`experiments.analysis`; the fidelity check alone
+also drives namespaces through :mod:`experiments.launch.netns`.
 """

@@ -26,7 +26,7 @@ from typing import Any
 
 from pyroute2 import netns
 
-from experiments.launch_netns import PREFIX, delete_namespace, ip
+from experiments.launch.netns import PREFIX, delete_namespace, ip
 from experiments.linkemu.emulator import EmulatedLink, Endpoint, shape_from
 from experiments.linkemu.shaper import LinkShape
 

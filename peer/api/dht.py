@@ -16,11 +16,11 @@ from typing import Any
 from dht.config import DHTConfig
 from dht.errors import ConfigError
 from dht.facade import DHT as BlockingDHT
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity, short_id
+from dht.kademlia.storage import ValueWithExpiration
+from dht.net.config import ReachabilityConfig, TransportConfig
 from dht.options import peer_url, read_swarm_key
-from dht.reachability import Reachability, ReachabilityConfig
-from dht.storage import ValueWithExpiration
+from dht.reach.reachability import Reachability
 from peer.api.errors import UNSUPPORTED_DHT, reject_unsupported
 from peer.profiling.prometheus import METRICS_PATH, PrometheusExporter
 
@@ -85,7 +85,7 @@ class DHT:
         max_relayed_bytes_per_s: cap on the bytes per second this peer relays (default: the
             transport's, 12.5e6).
         port_mapping: a peer that its initial peers cannot dial back asks its home router to
-            forward its port (UPnP) before it is relayed (see :mod:`dht.port_mapping`); the
+            forward its port (UPnP) before it is relayed (see :mod:`dht.reach.port_mapping`); the
             mapping is deleted at :meth:`shutdown`. Never for a loopback ``host``.
         relay_via: be reached through the first of these relays (URLs of reachable peers) that
             accepts, without asking anyone to dial back. By default a peer that its initial
@@ -219,7 +219,7 @@ class DHT:
 
     @property
     def node(self):
-        """The :class:`dht.node.DHTNode` (on :attr:`loop_thread`)."""
+        """The :class:`dht.kademlia.node.DHTNode` (on :attr:`loop_thread`)."""
         return self._facade.node
 
     @property

@@ -18,21 +18,26 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from peer.profiling.phases import PhaseClock
 
-if TYPE_CHECKING:
-    from peer.api.optimizer import Optimizer
+
+class _Profiled(Protocol):
+    """What ``profile`` needs of the optimizer it charges (:class:`peer.Optimizer`)."""
+
+    @property
+    def loop_phases(self) -> LoopPhases: ...
+
 
 T = TypeVar("T")
-_active: weakref.ref[Optimizer] | None = None
+_active: weakref.ref[_Profiled] | None = None
 _lock = threading.Lock()
 
 
-def set_active(optimizer: Optimizer | None) -> None:
+def set_active(optimizer: _Profiled | None) -> None:
     """The optimizer whose profiler ``profile`` charges (the newest one alive)."""
     global _active
     with _lock:

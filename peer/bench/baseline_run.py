@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from dht.transport import ByteCounters
+from dht.net.transport import ByteCounters
 from peer.profiling.metrics_stream import MetricsStream
 from peer.profiling.phases import PhaseClock
 from peer.train.allocator import steady_allocator

@@ -167,7 +167,7 @@ def paired_allreduce(
 
 
 def allreduce_cells(config: CompareConfig) -> list[list[Cell]]:
-    from averaging.bench import run_allreduce_bench
+    from averaging.bench.allreduce import run_allreduce_bench
     from peer.hivemind.bench import run_hivemind_allreduce_bench
 
     runners = {"native": run_allreduce_bench, "hivemind": run_hivemind_allreduce_bench}
@@ -221,7 +221,7 @@ def train_cells(config: CompareConfig) -> list[list[Cell]]:
 
 
 def dht_cells(config: CompareConfig) -> list[list[Cell]]:
-    from dht.bench import run_dht_bench
+    from dht.tools.bench import run_dht_bench
     from peer.hivemind.bench import run_hivemind_dht_bench
 
     kwargs = {"num_nodes": config.dht_nodes, "num_keys": config.dht_keys}

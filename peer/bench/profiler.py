@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from dht.transport import ByteCounters
+from dht.net.transport import ByteCounters
 from peer.bench.pairs import RatioSpread, pairwise_ratios, spread
 from peer.profiling.metrics_stream import MetricsStream
 from peer.profiling.phases import PHASES, NullClock

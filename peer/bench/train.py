@@ -69,9 +69,9 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from dht.config import DHTConfig
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
+from dht.net.config import TransportConfig
 from peer.bench.processes import STOP_GRACE_S, sample_memory, stop_process_group
 from peer.bench.train_windows import METRICS_INTERVAL_S, run_windows, window_fields
 from peer.run.config import join_command

@@ -1,4 +1,6 @@
-"""``peer bench allreduce``: the averaging benchmark (its harness lives in ``averaging.bench``)."""
+"""``peer bench allreduce``: the averaging benchmark (its harness lives in
+``averaging.bench.allreduce``).
+"""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _percent(text: str) -> float:
 
 
 def _streams(text: str) -> int:
-    from averaging.group import MAX_STREAMS_PER_PAIR  # numpy: only when the option is given
+    from averaging.bounds import MAX_STREAMS_PER_PAIR  # numpy: only when the option is given
 
     value = int(text)
     if not 0 <= value <= MAX_STREAMS_PER_PAIR:
@@ -129,9 +131,9 @@ def add_bench_allreduce_command(bench_sub) -> None:
 def _emulated_allreduce_bench(args: argparse.Namespace) -> dict:
     """The native bench with its peers in namespaces behind emulated links (``--latency-ms``,
     ``--bandwidth-mbit``, ``--loss-pct``); the result names the network it ran on."""
-    from averaging.bench import run_allreduce_bench
+    from averaging.bench.allreduce import run_allreduce_bench
     from experiments.bench_network import emulated_places
-    from experiments.launch_base import LaunchError
+    from experiments.launch.base import LaunchError
 
     try:
         with emulated_places(
@@ -192,7 +194,7 @@ def allreduce_runner(args: argparse.Namespace, backend: str) -> Callable[[], dic
         )
     if emulated:
         return functools.partial(_emulated_allreduce_bench, args)
-    from averaging.bench import run_allreduce_bench
+    from averaging.bench.allreduce import run_allreduce_bench
 
     return functools.partial(
         run_allreduce_bench,

@@ -25,10 +25,10 @@ from rich.table import Table
 
 from dht.config import DHTConfig
 from dht.errors import DHTError
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity, short_id
+from dht.kademlia.node import DHTNode
 from dht.launch import open_node
-from dht.node import DHTNode
+from dht.net.config import TransportConfig
 from peer.records.progress import PeerProgress, parse_record
 from peer.run.config import join_command
 

@@ -9,8 +9,8 @@ import signal
 import sys
 
 from dht.errors import ConfigError
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity, short_id
+from dht.net.config import TransportConfig
 from dht.options import NETWORK_OPTIONS, add_network_args, peer_url, positive_int, read_swarm_key
 
 
@@ -117,7 +117,7 @@ def run_bench_dht(args: argparse.Namespace) -> int:
 
         result = run_hivemind_dht_bench(num_nodes=args.nodes, num_keys=args.keys, seed=args.seed)
     else:
-        from dht.bench import run_dht_bench
+        from dht.tools.bench import run_dht_bench
 
         result = asyncio.run(
             run_dht_bench(num_nodes=args.nodes, num_keys=args.keys, seed=args.seed)

@@ -54,7 +54,7 @@ def dashboard_companion(config, stop: threading.Event):
 
 
 def run_join(args: argparse.Namespace) -> int:
-    from peer.run.backend import make_peer_run
+    from peer.run.make import make_peer_run
     from peer.swarm.progress import note_continued
     from peer.train.tasks import TaskError
 

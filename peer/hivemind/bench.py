@@ -1,6 +1,6 @@
 """The hivemind side of the benchmarks: ``peer bench allreduce --backend hivemind`` and
 ``peer bench dht --backend hivemind``, with the same workloads and contract fields as the native
-ones (:mod:`averaging.bench`, :mod:`dht.bench`).
+ones (:mod:`averaging.bench.allreduce`, :mod:`dht.tools.bench`).
 
 All-reduce: N processes (spawned; each starts its own hivemind.DHT, which forks a DHT process and
 a p2pd daemon, and a hivemind DecentralizedAverager, another process) draw the same random
@@ -12,8 +12,8 @@ matchmaking lasts until its StepControl says the all-reduce began
 is the butterfly's payload, 2 (n-1)/n of the compressed vector (hivemind does not count bytes).
 
 DHT: N hivemind.DHT nodes started from this process, values stored from random nodes and read from
-others, as in :mod:`dht.bench`; ``rss_mb`` sums the resident memory of this process and all its
-descendants (the DHT processes and their p2pd daemons), ``pss_mb`` their proportional memory.
+others, as in :mod:`dht.tools.bench`; ``rss_mb`` sums the resident memory of this process and all
+its descendants (the DHT processes and their p2pd daemons), ``pss_mb`` their proportional memory.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import psutil
 
-from averaging.bench import _exact_mean, _values
-from averaging.bench_processes import contract_summary, run_peer_processes
+from averaging.bench.allreduce import _exact_mean, _values
+from averaging.bench.processes import contract_summary, run_peer_processes
 from peer.bench.processes import tree_memory_bytes
 from peer.hivemind.hook import BYTES_PER_VALUE, AllreduceWatch, hivemind_compression
 from peer.hivemind.hook import import_hivemind as _import_hivemind
@@ -135,7 +135,8 @@ def run_hivemind_allreduce_bench(
     seed: int = 0,
     timeout_s: float = 900.0,
 ) -> dict[str, Any]:
-    """The hivemind twin of :func:`averaging.bench.run_allreduce_bench`; same contract fields.
+    """The hivemind twin of :func:`averaging.bench.allreduce.run_allreduce_bench`; same contract
+    fields.
 
     Raises:
         ValueError: bad arguments.
@@ -187,7 +188,7 @@ def _percentile_ms(samples_s: list[float], fraction: float) -> float:
 
 
 def run_hivemind_dht_bench(*, num_nodes: int, num_keys: int, seed: int = 0) -> dict[str, Any]:
-    """The hivemind twin of :func:`dht.bench.run_dht_bench`; same contract fields."""
+    """The hivemind twin of :func:`dht.tools.bench.run_dht_bench`; same contract fields."""
     hivemind = _import_hivemind()
     from hivemind.utils import get_dht_time
 

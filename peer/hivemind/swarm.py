@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from dht.errors import ConfigError, DHTError
-from dht.validation import OWNER_PREFIX
+from dht.kademlia.validation import OWNER_PREFIX
 from peer.hivemind.hook import dht_time, import_hivemind, swarm_peer_id
 from peer.hivemind.records import profile_key, progress_key, rounds_key, vp_progress_key
 from peer.records.profile import parse_profile

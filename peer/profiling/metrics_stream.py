@@ -3,7 +3,7 @@
 Fields: ``t, peer, run, epoch, step, loss, samples, samples_per_s, phases {...}, net {sent,
 recv, rtt_ms}, cpu_percent, rss_bytes`` and ``gpu {...}`` where there is one (``rtt_ms`` only
 when this peer made a small request in the interval: the median over the peers it asked of the
-fastest round trip to each, see :meth:`dht.transport.ByteCounters.median_rtt_s`). Phases,
+fastest round trip to each, see :meth:`dht.net.transport.ByteCounters.median_rtt_s`). Phases,
 samples and bytes are per interval. The training loop calls :meth:`MetricsStream.maybe_report`
 after every step: a clock comparison, and the real work (reading the loss, psutil) only once
 per interval.
@@ -19,7 +19,7 @@ from typing import IO
 import psutil
 import torch
 
-from dht.transport import ByteCounters
+from dht.net.transport import ByteCounters
 from peer.profiling.phases import PhaseClock
 
 

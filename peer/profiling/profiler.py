@@ -40,10 +40,10 @@ from typing import Any, NamedTuple
 import psutil
 from rich.console import Console
 
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
+from dht.net.transport import ByteCounters
 from dht.owned_record import OwnedRecord
 from dht.runtime import EventLoopThread
-from dht.transport import ByteCounters
 from peer.profiling.phases import PHASES, PhaseClock
 from peer.profiling.summary import StretchSummary, breakdown_table, nonnegative
 from peer.profiling.trace import DEFAULT_MAX_BYTES, TraceWriter

@@ -15,7 +15,7 @@ Exported (counters end in ``_total``):
 * ``vp_rounds_total``, ``vp_failed_rounds_total``: averaging rounds finished, and failed.
 * ``vp_deadline_seconds{wait}``: the averager's current waits (``matchmaking``, ``sender``,
   ``reducer``, ``group_wait``, ``request``, ``allreduce``; measured or configured, see
-  :mod:`averaging.deadlines`).
+  :mod:`averaging.allreduce.deadlines`).
 """
 
 from __future__ import annotations

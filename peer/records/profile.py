@@ -1,9 +1,10 @@
 """The per-peer profile summary published on the DHT (``{run_id}/profile``), and its parser.
 
 Each training peer stores one signed, expiring record under its own subkey
-(:func:`dht.validation.owner_subkey`) every few seconds; the dashboard and other peers read the
-whole dictionary to show the swarm's breakdown. Rates and fractions cover the publisher's rolling
-window (``window_s`` seconds). This module is torch-free so that ``peer monitor`` stays light.
+(:func:`dht.kademlia.validation.owner_subkey`) every few seconds; the dashboard and other peers read
+the whole dictionary to show the swarm's breakdown. Rates and fractions cover the publisher's
+rolling window (``window_s`` seconds). This module is torch-free so that ``peer monitor`` stays
+light.
 """
 
 from __future__ import annotations

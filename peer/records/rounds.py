@@ -1,8 +1,8 @@
 """The round record (``{run_id}/rounds``): one peer's recent averaging rounds, and its parser.
 
 A training peer keeps its last rounds and stores them, with its run settings and round counters,
-as one signed, expiring record under its own subkey (:func:`dht.validation.owner_subkey`). The
-dashboard reads the whole dictionary to show the swarm's last rounds and the loss over time.
+as one signed, expiring record under its own subkey (:func:`dht.kademlia.validation.owner_subkey`).
+The dashboard reads the whole dictionary to show the swarm's last rounds and the loss over time.
 Torch-free, like everything in :mod:`peer.records`.
 """
 

@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from dht.identity import is_peer_id
-from dht.schema import is_relayed_path
-from dht.validation import subkey_owner
+from dht.kademlia.validation import subkey_owner
+from dht.net.schema import is_relayed_path
 
 logger = logging.getLogger(__name__)
 

@@ -1,22 +1,18 @@
 """The one interface behind which the peer's two backends sit.
 
 ``peer join``, ``peer demo``, the benchmarks and the experiments build a peer with
-:func:`make_peer_run`: the native backend (:class:`peer.run.runner.PeerRun`, our DHT, transport and
-averager) or the hivemind backend (:class:`peer.hivemind.backend.HivemindPeerRun`, hivemind.DHT
-and hivemind.Optimizer), chosen by ``config.backend``. Both train the same task with the same
-:class:`peer.train.trainer.Trainer` and :class:`peer.profiling.phases.PhaseClock`; neither imports
-the other, and
-each is imported only when chosen (hivemind is an optional extra).
+:func:`peer.run.make.make_peer_run`: the native backend (:class:`peer.run.runner.PeerRun`, our DHT,
+transport and averager) or the hivemind backend (:class:`peer.hivemind.backend.HivemindPeerRun`,
+hivemind.DHT and hivemind.Optimizer), chosen by ``config.backend``. Both train the same task with
+the same :class:`peer.train.trainer.Trainer` and :class:`peer.profiling.phases.PhaseClock`; neither
+imports the other, and each is imported only when chosen (hivemind is an optional extra).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from peer.run.config import PeerConfig
+from typing import Protocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,19 +58,3 @@ class PeerRunner(Protocol):
     def run(self) -> RunSummary: ...
 
     def close(self) -> None: ...
-
-
-def make_peer_run(config: PeerConfig, *, stop_event: threading.Event | None = None) -> PeerRunner:
-    """The peer of ``config.backend``.
-
-    Raises:
-        ConfigError: an option the backend cannot honour, or hivemind is not installed.
-        TaskError: the task cannot be built.
-    """
-    if config.backend == "hivemind":
-        from peer.hivemind.backend import HivemindPeerRun
-
-        return HivemindPeerRun(config, stop_event=stop_event)
-    from peer.run.runner import PeerRun
-
-    return PeerRun(config, stop_event=stop_event)

@@ -28,10 +28,9 @@ from pydantic import (
 from averaging.config import AveragerConfig
 from dht.config import DHTConfig
 from dht.errors import ConfigError
-from dht.http_config import TransportConfig
+from dht.net.config import ReachabilityConfig, TransportConfig
 from dht.options import ENV_PREFIX, peer_url, read_swarm_key
 from dht.options import NETWORK_OPTIONS as NET
-from dht.reachability import ReachabilityConfig
 from peer.swarm.progress import ProgressConfig
 from peer.train.schedules import LRSchedule, make_lr_schedule
 

@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable
 
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
 from dht.runtime import EventLoopThread
 from peer.profiling.prometheus import PeerMetrics, PrometheusExporter
 from peer.swarm.round import EpochStats, round_entry

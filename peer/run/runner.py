@@ -18,7 +18,7 @@ import logging
 import threading
 
 from dht.identity import PeerIdentity, short_id
-from dht.reachability import Reachability, reachability_line
+from dht.reach.reachability import Reachability, reachability_line
 from dht.runtime import EventLoopThread
 from peer.api.dht import DHT
 from peer.api.session import Session

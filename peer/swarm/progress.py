@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from dht.config import get_dht_time
 from dht.errors import ConfigError, DHTError
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
 from dht.owned_record import OwnedRecord
 from peer.records.progress import PeerProgress, parse_record, progress_key
 
@@ -195,7 +195,7 @@ def estimate(
     missing = max(0.0, target - accumulated)
     eta_s = 0.0 if not missing else (missing / rate if rate > 0 else math.inf)
     # every peer seen, counted or not: who is at this epoch sizes groups (seats for newcomers;
-    # partners keep theirs, see averaging.leader) and tells a peer whether it is alone
+    # partners keep theirs, see averaging.matchmaking.leader) and tells a peer whether it is alone
     counted_ids = {r.peer_id for r in counted}
     peers = [
         own,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dht.config import get_dht_time
 from dht.errors import ConfigError
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
 from dht.owned_record import OwnedRecord
 from peer.records.rounds import (
     RoundEntry,

@@ -11,7 +11,7 @@ import torch
 
 from averaging.averager import DecentralizedAverager
 from dht.http import HttpTransport
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
 from peer.run.config import PeerConfig
 from peer.swarm.progress import ProgressTracker
 from peer.swarm.state_sync import StateServer

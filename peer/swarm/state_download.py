@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from dht.errors import DHTError
-from dht.node import DHTNode
-from dht.transport import Transport
+from dht.kademlia.node import DHTNode
+from dht.net.transport import Transport
 from peer.records.schema import MAX_COUNT
 from peer.records.state import StateAnnouncement, agreed_digests, parse_state, state_key
 from peer.swarm.state_sync import (

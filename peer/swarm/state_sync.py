@@ -32,10 +32,10 @@ import torch
 
 from dht.config import get_dht_time
 from dht.errors import ConfigError, DHTError
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
+from dht.kademlia.validation import owner_subkey
+from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
-from dht.transport import IncomingStream, Transport
-from dht.validation import owner_subkey
 from peer.records.schema import MAX_COUNT
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, state_key
 from peer.swarm.state_digest import bf16_rounded_bits, state_digest

@@ -12,10 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,14 +19,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dht.auth import SwarmAuth
-from dht.http_client import HELLO_PATH, signed_headers
 from dht.identity import PeerIdentity
-from dht.session import PendingHello, Session, digest
-from dht.wire import FRAME_HEADER, FRAME_MSG, MessageLimits, pack, unpack
+from dht.net.auth import SwarmAuth
+from dht.net.client import HELLO_PATH, signed_headers
+from dht.net.session import PendingHello, Session, digest
+from dht.net.wire import FRAME_HEADER, FRAME_MSG, MessageLimits, pack, unpack
+from tests.helpers.child import JsonLinesChild
 
 WORKER = Path(__file__).with_name("net_worker.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # What a crashed task or handler leaves in a log; an honest node must never show them.
 CRASH_MARKERS = ("Traceback", "Task exception was never retrieved", "UNHANDLED")
 
@@ -157,7 +153,7 @@ async def raw_http(host: str, port: int, request: bytes, *, read_timeout_s: floa
         writer.close()
 
 
-class NodeProcess:
+class NodeProcess(JsonLinesChild):
     """An honest DHT node in its own process.
 
     Args:
@@ -165,43 +161,22 @@ class NodeProcess:
         log_path: where the worker's log goes.
     """
 
+    name = "node process"
+
     def __init__(self, spec: dict[str, Any], log_path: Path):
         self.log_path = log_path
         self._log = open(log_path, "w")
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        self.process = subprocess.Popen(
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-            text=True,
-        )
+        super().__init__(WORKER, spec, stderr=self._log)
         self._lock = asyncio.Lock()
-        self._send(spec)
-        self.peer_id = ""
-        self.address = ""
 
-    def _send(self, message: dict[str, Any]) -> None:
-        self.process.stdin.write(json.dumps(message) + "\n")
-        self.process.stdin.flush()
-
-    async def _receive(self, timeout_s: float) -> dict[str, Any]:
-        line = await asyncio.wait_for(asyncio.to_thread(self.process.stdout.readline), timeout_s)
-        if not line:
-            raise RuntimeError(f"node process exited with {self.process.poll()}: {self.log()}")
-        return json.loads(line)
-
-    async def started(self, timeout_s: float = 60.0) -> NodeProcess:
-        hello = await self._receive(timeout_s)
-        self.peer_id, self.address = hello["peer_id"], hello["address"]
-        return self
+    def exit_detail(self) -> str:
+        return f": {self.log()}"
 
     async def ask(self, command: dict[str, Any], timeout_s: float = 60.0) -> dict[str, Any]:
         """Send one command (``info``, ``store``, ``get``, ``ping``, ``lookup``); its answer."""
         async with self._lock:
-            self._send(command)
-            return await self._receive(timeout_s)
+            self.send(command)
+            return await self.receive(timeout_s)
 
     def log(self) -> str:
         self._log.flush()
@@ -212,14 +187,7 @@ class NodeProcess:
         return [line for line in self.log().splitlines() if any(m in line for m in CRASH_MARKERS)]
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(10)
-        for stream in (self.process.stdin, self.process.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        super().kill()
         self._log.close()
 
 

@@ -29,10 +29,10 @@ from typing import Any
 
 from dht.config import DHTConfig, get_dht_time
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
-from dht.validation import owner_subkey
+from dht.kademlia.node import DHTNode
+from dht.kademlia.validation import owner_subkey
+from dht.net.config import TransportConfig
 from peer.records.progress import parse_record, progress_key
 from peer.records.state import StateAnnouncement, parse_state, state_key
 

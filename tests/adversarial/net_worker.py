@@ -23,11 +23,11 @@ import psutil
 
 from dht.config import DHTConfig, get_dht_time
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
-from dht.routing import DHTID
-from dht.validation import owner_subkey
+from dht.kademlia.node import DHTNode
+from dht.kademlia.routing import DHTID
+from dht.kademlia.validation import owner_subkey
+from dht.net.config import TransportConfig
 
 
 def _info(node: DHTNode, transport: HttpTransport) -> dict[str, Any]:

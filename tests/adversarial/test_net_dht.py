@@ -14,11 +14,11 @@ import pytest
 
 from dht.config import get_dht_time
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.routing import DHTID
-from dht.validation import owner_subkey, sign_record
-from dht.wire import pack
+from dht.kademlia.routing import DHTID
+from dht.kademlia.validation import owner_subkey, sign_record
+from dht.net.config import TransportConfig
+from dht.net.wire import pack
 from tests.adversarial.harness_net import (
     ATTACKER_HOST,
     WireClient,

@@ -12,9 +12,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from averaging.group import GroupMember
-from averaging.protocol import PartHeader
-from dht.wire import pack
+from averaging.allreduce.protocol import PartHeader
+from averaging.matchmaking.group import GroupMember
+from dht.net.wire import pack
 from tests.adversarial.harness_net import (
     ATTACKER_HOST,
     WireClient,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dht.wire import pack
+from dht.net.wire import pack
 from tests.adversarial.harness_net import (
     ATTACKER_HOST,
     WireClient,

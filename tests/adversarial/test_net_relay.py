@@ -4,7 +4,7 @@ tunnel protocol (messages too short, of unknown kinds, streams the peer may not 
 makes the relay drop its tunnel, or answers with a made-up reply, which the caller refuses (the
 relay cannot sign for anyone). The caller of the attacker gets an error, never a hang or an
 answer, and the honest peer is still reached through the same relay, exactly. (Data beyond a
-stream's credit is refused only once it is not read: the memory bound; tests/dht/test_relay.py
+stream's credit is refused only once it is not read: the memory bound; tests/dht/reach/test_relay.py
 holds a stalled stream.)"""
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import pytest
 
 from dht.errors import DHTError
 from dht.http import HttpTransport
-from dht.http_client import signed_headers
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.relay_mux import DATA, END, HEAD, MAX_MESSAGE_BYTES, OPEN
-from dht.relay_server import ATTACH_PATH
-from dht.session import digest
-from dht.wire import pack
-from tests.dht.test_relay import Reached
-from tests.dht.test_relay_failover import start_relay
-from tests.dht.test_transport import echo, halve, roundtrip
+from dht.net.client import signed_headers
+from dht.net.config import TransportConfig
+from dht.net.session import digest
+from dht.net.wire import pack
+from dht.reach.relay_mux import DATA, END, HEAD, MAX_MESSAGE_BYTES, OPEN
+from dht.reach.relay_server import ATTACH_PATH
+from tests.dht.net.test_transport import echo, halve, roundtrip
+from tests.dht.reach.test_relay import Reached
+from tests.dht.reach.test_relay_failover import start_relay
 
 pytestmark = pytest.mark.timeout(120)
 PREFIX = struct.Struct("<BI")

@@ -12,9 +12,9 @@ import asyncio
 import pytest
 
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.wire import pack
+from dht.net.config import TransportConfig
+from dht.net.wire import pack
 from tests.adversarial.harness_net import (
     ATTACKER_HOST,
     WireClient,

@@ -16,16 +16,16 @@ import pytest
 
 from averaging.bounds import FLOAT32_MAX, bounded_weights
 from averaging.errors import ProtocolViolation
-from averaging.group import GroupInfo, GroupMember
-from averaging.matchmaking import Matchmaker
-from averaging.robust import Aggregation, num_trimmed
-from averaging.search import rank_of
+from averaging.matchmaking.group import GroupInfo, GroupMember
+from averaging.matchmaking.matchmaker import Matchmaker
+from averaging.matchmaking.search import rank_of
+from averaging.rules.robust import Aggregation, num_trimmed
 from dht.config import DHTConfig, get_dht_time
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
-from dht.validation import owner_subkey
+from dht.kademlia.node import DHTNode
+from dht.kademlia.validation import owner_subkey
+from dht.net.config import TransportConfig
 from tests.averaging.conftest import exact_mean, fast_config, make_group
 
 pytestmark = pytest.mark.timeout(90)
@@ -266,9 +266,9 @@ async def test_a_leader_keeps_its_partners_seats_from_strangers():
     (it would take the partner's), and the partner still gets in."""
     from types import SimpleNamespace
 
-    from averaging.compression import Compression
-    from averaging.leader import Leader
-    from averaging.search import Search
+    from averaging.matchmaking.leader import Leader
+    from averaging.matchmaking.search import Search
+    from averaging.rules.compression import Compression
 
     partner, strangers = "aa" * 32, ["bb" * 32, "cc" * 32]
     me = GroupMember("ff" * 32, "http://127.0.0.1:9", 1.0, 1.0)

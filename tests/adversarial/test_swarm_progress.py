@@ -11,10 +11,10 @@ from contextlib import AsyncExitStack
 import pytest
 
 from dht.config import DHTConfig, get_dht_time
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.kademlia.validation import owner_subkey
 from dht.launch import open_node
-from dht.validation import owner_subkey
+from dht.net.config import TransportConfig
 from peer.records.progress import PeerProgress, progress_key
 from peer.swarm.progress import ProgressConfig, ProgressTracker, estimate
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dht.validation import owner_subkey
+from dht.kademlia.validation import owner_subkey
 from peer.records.profile import PROFILE_PHASES, ProfileRecord, parse_profile
 from peer.records.progress import PeerProgress, parse_record
 from peer.records.rounds import ROUND_STATUSES, RoundEntry, RoundLogRecord, parse_rounds

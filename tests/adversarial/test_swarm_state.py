@@ -18,10 +18,10 @@ import torch
 
 from dht.config import DHTConfig, get_dht_time
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
-from dht.validation import owner_subkey
+from dht.kademlia.node import DHTNode
+from dht.kademlia.validation import owner_subkey
+from dht.net.config import TransportConfig
 from peer.records.state import EpochDigest, StateAnnouncement, state_key
 from peer.swarm.state_check import loadable_metadata
 from peer.swarm.state_digest import digest_scope, optimizer_structure, state_digest

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from averaging.allreduce.protocol import PartHeader
 from averaging.bounds import MAX_BANDWIDTH, MAX_WEIGHT, check_address
 from averaging.errors import ProtocolViolation
-from averaging.group import GroupInfo
-from averaging.protocol import PartHeader
-from averaging.search import CLIENT_RANK, Search
+from averaging.matchmaking.group import GroupInfo
+from averaging.matchmaking.search import CLIENT_RANK, Search
 from peer.swarm.state_sync import _request as parse_state_request
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,8 +112,8 @@ def test_a_part_header_is_typed_or_refused(raw):
     | values
 )
 def test_a_named_candidate_is_well_formed_or_ignored(raw):
-    from averaging.compression import Compression
-    from averaging.group import GroupMember
+    from averaging.matchmaking.group import GroupMember
+    from averaging.rules.compression import Compression
 
     me = GroupMember("ff" * 32, "http://127.0.0.1:9", 1.0, 1.0)
     search = Search("k", me, 10, Compression.NONE, 0.0, CLIENT_RANK, 2)

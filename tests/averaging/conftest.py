@@ -10,13 +10,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import secrets
-import signal
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,18 +20,18 @@ import pytest
 
 from averaging.averager import DecentralizedAverager
 from averaging.config import AveragerConfig
-from averaging.group import GroupInfo, GroupMember
+from averaging.matchmaking.group import GroupInfo, GroupMember
 from dht.config import DHTConfig
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
+from dht.net.config import TransportConfig
 from tests.averaging.peer_worker import peer_values
+from tests.helpers.child import JsonLinesChild
 
 __all__ = ["exact_mean", "fast_config", "make_group", "peer_values"]
 
 WORKER = Path(__file__).with_name("peer_worker.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST = {
     "matchmaking_time_s": 3.0,
     "request_timeout_s": 2.0,
@@ -158,52 +152,19 @@ async def make_swarm():
     await started.close()
 
 
-class PeerProcess:
+class PeerProcess(JsonLinesChild):
     """An averager in a subprocess, driven over its stdin/stdout (one JSON object a line)."""
 
+    name = "peer process"
+
     def __init__(self, spec: dict[str, Any]):
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        self.process = subprocess.Popen(
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        self._send(spec)
-        self.peer_id: str | None = None
-        self.address: str | None = None
-
-    def _send(self, message: dict[str, Any]) -> None:
-        self.process.stdin.write(json.dumps(message) + "\n")
-        self.process.stdin.flush()
-
-    async def _receive(self, timeout_s: float) -> dict[str, Any]:
-        line = await asyncio.wait_for(asyncio.to_thread(self.process.stdout.readline), timeout_s)
-        if not line:
-            raise RuntimeError(f"peer process exited with {self.process.poll()}")
-        return json.loads(line)
-
-    async def started(self, timeout_s: float = 30.0) -> PeerProcess:
-        hello = await self._receive(timeout_s)
-        self.peer_id, self.address = hello["peer_id"], hello["address"]
-        return self
+        super().__init__(WORKER, spec)
 
     def run_group(self, group: GroupInfo) -> None:
-        self._send({"group": group.to_wire()})
+        self.send({"group": group.to_wire()})
 
     async def result(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        return await self._receive(timeout_s)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
-        for stream in (self.process.stdin, self.process.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        return await self.receive(timeout_s)
 
 
 @pytest.fixture
@@ -219,7 +180,7 @@ async def spawn_peer():
     async def spawn(spec: dict[str, Any]) -> PeerProcess:
         process = PeerProcess(spec)
         processes.append(process)
-        return await process.started()
+        return await process.started(timeout_s=30.0)
 
     yield spawn
     for process in processes:

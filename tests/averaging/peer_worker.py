@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from averaging.allreduce.protocol import CHUNK_HEADER
 from averaging.averager import DecentralizedAverager
 from averaging.config import AveragerConfig
-from averaging.group import GroupInfo
-from averaging.protocol import CHUNK_HEADER
+from averaging.matchmaking.group import GroupInfo
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.net.config import TransportConfig
 
 
 def peer_values(seed: int, rank: int, size: int) -> np.ndarray:

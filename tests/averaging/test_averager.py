@@ -14,9 +14,9 @@ from averaging.config import AveragerConfig
 from averaging.errors import AveragingError, ConfigError
 from dht.config import DHTConfig
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
+from dht.net.config import TransportConfig
 from dht.runtime import EventLoopThread
 
 from .conftest import exact_mean, fast_config

@@ -13,11 +13,11 @@ import os
 import numpy as np
 import pytest
 
-from averaging.protocol import PartHeader, pack_chunk_header
+from averaging.allreduce.protocol import PartHeader, pack_chunk_header
 from dht.errors import DHTError
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.net.config import TransportConfig
 
 from .conftest import exact_mean, fast_config, make_group
 

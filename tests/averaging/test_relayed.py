@@ -13,10 +13,10 @@ import pytest
 from averaging.averager import DecentralizedAverager
 from dht.config import DHTConfig
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
-from tests.dht import test_relay_failover
+from dht.kademlia.node import DHTNode
+from dht.net.config import TransportConfig
+from tests.dht.reach import test_relay_failover
 
 from .conftest import Peer, exact_mean, fast_config
 

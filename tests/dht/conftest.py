@@ -16,8 +16,8 @@ import pytest
 
 from dht.config import Clock, DHTConfig
 from dht.identity import PeerIdentity
-from dht.memory import LatencyModel, MemoryNetwork, MemoryTransport
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
+from dht.tools.memory import LatencyModel, MemoryNetwork, MemoryTransport
 
 TransportFactory = Callable[[PeerIdentity, bool], Any]
 

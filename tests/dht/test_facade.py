@@ -6,10 +6,10 @@ import pytest
 
 from dht.config import DHTConfig, get_dht_time
 from dht.facade import DHT
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.kademlia.validation import owner_subkey
+from dht.net.config import TransportConfig
 from dht.runtime import EventLoopThread
-from dht.validation import owner_subkey
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from experiments.launch_netns import list_namespaces
+from experiments.launch.netns import list_namespaces
 from experiments.linkemu.emulator import EmulatedLink, Endpoint, LinkEmuError
 from experiments.linkemu.fidelity import (
     EmulatedPair,

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from pyroute2 import netns
 
-from experiments.launch_base import ProcessPlan
-from experiments.launch_netns import NetnsSession, address_of, list_namespaces
-from experiments.netns_links import LAN_PEER_ADDRESS
+from experiments.launch.base import ProcessPlan
+from experiments.launch.netns import NetnsSession, address_of, list_namespaces
+from experiments.launch.netns_links import LAN_PEER_ADDRESS
 from experiments.spec import NetworkSpec
 
 pytestmark = pytest.mark.timeout(120)

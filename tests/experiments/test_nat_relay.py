@@ -15,13 +15,13 @@ import pytest
 
 from dht.errors import RequestTimeoutError, TransportError
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from experiments.launch_base import ProcessPlan
-from experiments.launch_netns import NetnsSession, address_of
-from experiments.netns_links import LAN_PEER_ADDRESS
-from tests.dht.test_relay import Reached
-from tests.dht.test_transport import echo, halve, roundtrip
+from dht.net.config import TransportConfig
+from experiments.launch.base import ProcessPlan
+from experiments.launch.netns import NetnsSession, address_of
+from experiments.launch.netns_links import LAN_PEER_ADDRESS
+from tests.dht.net.test_transport import echo, halve, roundtrip
+from tests.dht.reach.test_relay import Reached
 from tests.experiments.namespace_loop import LoopInNamespace
 from tests.experiments.test_nat import PORT, _in, _network
 

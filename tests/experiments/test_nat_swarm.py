@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from experiments.launch_base import ProcessPlan
-from experiments.launch_netns import NetnsSession, address_of
+from experiments.launch.base import ProcessPlan
+from experiments.launch.netns import NetnsSession, address_of
 from experiments.spec import NetworkSpec
 from peer.run.config import join_command
 from tests.experiments.helpers import read_lines

@@ -22,14 +22,13 @@ from urllib.parse import urlsplit
 import pytest
 
 from dht.config import DHTConfig
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.kademlia.node import DHTNode
 from dht.launch import open_node
-from dht.node import DHTNode
-from dht.port_mapping import PortMappingConfig
-from dht.reachability import ReachabilityConfig, reachability_line
-from experiments.launch_netns import cleanup_all, list_namespaces
-from experiments.netns_links import LAN_PEER_ADDRESS, home_router, in_namespace, ip
+from dht.net.config import PortMappingConfig, ReachabilityConfig, TransportConfig
+from dht.reach.reachability import reachability_line
+from experiments.launch.netns import cleanup_all, list_namespaces
+from experiments.launch.netns_links import LAN_PEER_ADDRESS, home_router, in_namespace, ip
 from peer.run.config import join_command
 from tests.experiments.namespace_loop import LoopInNamespace
 from tests.experiments.test_nat import _in
@@ -104,7 +103,7 @@ def home_network(
     ``forwards_mapped`` the router's firewall drops what its mappings redirect."""
     outside, router, home = f"{prefix}-o", f"{prefix}-r", f"{prefix}-h"
     guard = subprocess.Popen(
-        [sys.executable, "-m", "experiments.netns_guard", prefix, str(os.getpid())],
+        [sys.executable, "-m", "experiments.launch.netns_guard", prefix, str(os.getpid())],
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # outlives a SIGKILL of this process group
     )
@@ -260,7 +259,7 @@ def test_the_library_dht_behind_a_upnp_router_maps_its_port_and_deletes_it_at_sh
             # its threads are made in the home namespace, so they live there
             dht = _in(home, lambda: peer.DHT(peers, host="0.0.0.0", port=PORT))
             try:
-                reach = dht.reachability
+                reach = dht.reach.reachability
                 assert (reach.reachable, reach.path, reach.port_mapped_by) == (
                     True,
                     "direct",
@@ -379,7 +378,7 @@ def test_a_peer_that_opted_out_maps_nothing(tmp_path: Path):
 
 @pytest.mark.timeout(60)
 def test_with_no_gateway_a_peer_behind_nat_is_relayed_as_before(tmp_path: Path, caplog):
-    caplog.set_level(logging.INFO, logger="dht.port_mapping")
+    caplog.set_level(logging.INFO, logger="dht.reach.port_mapping")
     prefix = f"vpx-v{os.getpid()}"
     with home_network(tmp_path, prefix, upnp=False) as (outside, _router, home):
         boot = NodeInNamespace(outside, OUTSIDE_ADDRESS, 0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from experiments.launch_netns import (
+from experiments.launch.netns import (
     NetnsSession,
     address_of,
     cleanup_all,
@@ -155,8 +155,8 @@ def test_cleanup_command_removes_left_namespaces(namespaces_cleaned):
 
 
 def test_latency_without_netem_goes_to_the_user_space_emulator(namespaces_cleaned):
-    from experiments.launch_base import LaunchError
-    from experiments.launch_netns import NetnsLauncher, netem_available
+    from experiments.launch.base import LaunchError
+    from experiments.launch.netns import NetnsLauncher, netem_available
 
     auto = NetnsLauncher(NetworkSpec(latency_ms=10))
     auto.check()

@@ -13,8 +13,8 @@ import pytest
 from rich.console import Console
 
 from dht.errors import DHTError
-from experiments.launch_base import ProcessPlan
-from experiments.launch_netns import NetnsSession, delete_namespace, list_namespaces
+from experiments.launch.base import ProcessPlan
+from experiments.launch.netns import NetnsSession, delete_namespace, list_namespaces
 from experiments.spec import NetworkSpec
 from monitor.config import MonitorConfig
 from monitor.embed import client_dashboard

@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from experiments.launch_netns import shaping_commands
+from experiments.launch.netns import shaping_commands
 from experiments.runner import baseline_plan, bootstrap_plan, peer_plans
 from experiments.spec import LinkSpec, expand, parse_spec
 from tests.experiments.helpers import tiny_spec

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.report import write_report
+from experiments.report.writer import write_report
 from peer.records.profile import PROFILE_PHASES
 
 pytestmark = pytest.mark.timeout(60)

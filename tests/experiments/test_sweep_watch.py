@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from experiments import sweep
-from experiments.launch_base import Launcher, ProcessPlan, Session
+from experiments.launch.base import Launcher, ProcessPlan, Session
 from experiments.spec import parse_spec
 from experiments.watching import WatchTarget, WatchUnavailable
 from tests.experiments.helpers import tiny_spec

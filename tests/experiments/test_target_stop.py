@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.launch_base import ProcessPlan
-from experiments.launch_local import LocalSession
+from experiments.launch.base import ProcessPlan
+from experiments.launch.local import LocalSession
 from experiments.runner import watch
 from experiments.spec import parse_spec
 from peer.records.profile import PROFILE_PHASES

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.launch_netns import list_namespaces
+from experiments.launch.netns import list_namespaces
 from experiments.spec import SpecError, load_spec, parse_spec
 from tests.experiments.helpers import ROOT, peer_cli, read_lines, tiny_spec
 

@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from averaging.bench import run_allreduce_bench
+from averaging.bench.allreduce import run_allreduce_bench
 from averaging.config import AveragerConfig
 from experiments.bench_network import emulated_places
 

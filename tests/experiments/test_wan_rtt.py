@@ -13,9 +13,9 @@ import pytest
 from pyroute2 import netns
 
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.transport import ByteCounters
+from dht.net.config import TransportConfig
+from dht.net.transport import ByteCounters
 from experiments.linkemu.fidelity import ADDRESS_B, EmulatedPair
 from experiments.linkemu.shaper import LinkShape
 

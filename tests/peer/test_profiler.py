@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset
 
 import peer.swarm.services
 from averaging.averager import DecentralizedAverager
-from dht.faults import Faults, FaultyTransport
+from dht.tools.faults import Faults, FaultyTransport
 from peer.profiling.metrics_reader import read_metrics, summarize_lines
 from peer.profiling.phases import PHASES
 from peer.profiling.profiler import Profiler, ProfilerConfig, StepProgress

@@ -11,10 +11,10 @@ import pytest
 
 import peer.swarm.progress as progress_module
 from dht.config import DHTConfig, get_dht_time
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
+from dht.kademlia.validation import owner_subkey
 from dht.launch import open_node
-from dht.validation import owner_subkey
+from dht.net.config import TransportConfig
 from peer.records.progress import PeerProgress, parse_record
 from peer.swarm.progress import ProgressConfig, ProgressTracker, estimate
 

@@ -10,11 +10,11 @@ import torch
 
 from dht.config import DHTConfig
 from dht.errors import ConfigError
-from dht.faults import Faults, FaultyTransport
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
+from dht.net.config import TransportConfig
+from dht.tools.faults import Faults, FaultyTransport
 from peer.swarm.state_download import download_state, layout_of
 from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncConfig, StateSyncError
 

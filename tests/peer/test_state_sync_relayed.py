@@ -9,9 +9,9 @@ import torch
 
 from dht.config import DHTConfig
 from dht.http import HttpTransport
-from dht.http_config import TransportConfig
 from dht.identity import PeerIdentity
-from dht.node import DHTNode
+from dht.kademlia.node import DHTNode
+from dht.net.config import TransportConfig
 from peer.swarm.state_download import download_state, layout_of, read_announcements
 from peer.swarm.state_sync import StateServer, StateSnapshot
 from tests.peer.test_state_sync import CONFIG, serve, trained_state

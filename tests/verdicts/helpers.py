@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.launch_base import Session
-from experiments.launch_local import LocalLauncher
+from experiments.launch.base import Session
+from experiments.launch.local import LocalLauncher
 from experiments.runner import bootstrap_plan, peer_plans, run_config
 from experiments.spec import ExperimentSpec, RunConfig, expand, parse_spec
 from peer.profiling.metrics_reader import read_metrics, summarize_lines
@@ -20,7 +20,7 @@ from peer.profiling.summary import StretchSummary
 
 def netns_unavailable() -> str | None:
     """Why the netns launcher cannot run here (None: it can)."""
-    from experiments.launch_netns import delete_namespace
+    from experiments.launch.netns import delete_namespace
 
     if os.geteuid() != 0:
         return "network namespaces and tc need root"
@@ -81,7 +81,7 @@ def run_swarm(spec: ExperimentSpec, run_dir: Path) -> dict[str, StretchSummary]:
 
 def _launcher(spec: ExperimentSpec):
     if spec.launcher == "netns":
-        from experiments.launch_netns import NetnsLauncher
+        from experiments.launch.netns import NetnsLauncher
 
         return NetnsLauncher(spec.network)
     return LocalLauncher()

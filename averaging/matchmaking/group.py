@@ -1,0 +1,262 @@
+"""A formed group: who averages together this round, and how that travels on the wire.
+
+Wire format (a msgpack map; the leader sends it, every member checks it whole):
+``group`` (hex id), ``members`` (a list of ``{peer, addr, bw, w}``, sorted by peer id, no peer
+or address twice), ``compression``, ``chunk`` (values per chunk), ``agg`` (the aggregation
+rule, :mod:`averaging.rules.robust`), ``wr`` (the weight ratio of :func:`averaging.bounds.
+bounded_weights`) and ``streams`` (streams per sender and reducer, 1 when absent; see
+:mod:`averaging.allreduce.streams`). Entries are bounded (:mod:`averaging.bounds`), and the parts
+and weights every member uses are the bounded ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from averaging.bounds import (
+    DEFAULT_CHUNK_NUMEL,
+    DEFAULT_MAX_WEIGHT_RATIO,
+    MAX_CHUNK_NUMEL,
+    MAX_STREAMS_PER_PAIR,
+    MAX_WEIGHT_RATIO,
+    bounded_weights,
+    check_address,
+    fair_bandwidths,
+    is_number,
+    valid_bandwidth,
+    valid_weight,
+)
+from averaging.errors import ProtocolViolation
+from averaging.matchmaking.partition import Part, make_parts, split_streams
+from averaging.rules.compression import UINT8_BLOCK, Compression
+from averaging.rules.robust import Aggregation
+from dht.identity import is_peer_id
+
+MAX_GROUP_SIZE = 256
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """One member of a group.
+
+    Attributes:
+        peer_id: the member's peer id.
+        address: its URL, or None for a client-mode peer (it reduces no part).
+        bandwidth: its relative share of the reduction work (ignored for client-mode peers).
+        weight: the weight of its contribution (samples); 0 means it contributes nothing but
+            still receives the average and reduces its part.
+    """
+
+    peer_id: str
+    address: str | None
+    bandwidth: float = 1.0
+    weight: float = 1.0
+
+    @property
+    def client_mode(self) -> bool:
+        return self.address is None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"peer": self.peer_id, "addr": self.address, "bw": self.bandwidth, "w": self.weight}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> GroupMember:
+        """Parse a member received from the network.
+
+        Raises:
+            ProtocolViolation: a field is missing or malformed.
+        """
+        if not isinstance(raw, Mapping):
+            raise ProtocolViolation("group member is not a map")
+        peer_id, address = raw.get("peer"), raw.get("addr")
+        bandwidth, weight = raw.get("bw"), raw.get("w")
+        if not is_peer_id(peer_id):
+            raise ProtocolViolation(f"bad peer id in group: {str(peer_id)[:80]!r}")
+        if address is not None and not check_address(address):
+            raise ProtocolViolation("a member address must be http(s)://host:port")
+        if not valid_bandwidth(bandwidth):
+            raise ProtocolViolation("member bandwidth must be a finite number in [0, 1e12]")
+        if not valid_weight(weight):
+            raise ProtocolViolation("member weight must be 0 or a finite number in [2**-20, 2**53]")
+        return cls(peer_id, address, float(bandwidth), float(weight))
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A group as its leader announced it; every member derives the same partition from it.
+
+    Attributes:
+        group_id: random hex string naming this group's round.
+        members: the members, ordered by peer id; part ``i`` is reduced by ``members[i]``.
+        compression: the wire format every member uses this round.
+        chunk_numel: the most values per chunk (small parts use smaller chunks).
+        aggregation: how reducers combine the contributions (:mod:`averaging.rules.robust`).
+        max_weight_ratio: a weight counts at most this many times the lower median weight.
+        num_streams: how many streams (TCP connections) each sender opens to each reducer; the
+            reducer's part is cut into that many slices of whole chunks, one per stream.
+    """
+
+    group_id: str
+    members: tuple[GroupMember, ...]
+    compression: Compression = Compression.NONE
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    aggregation: Aggregation = Aggregation.MEAN
+    max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO
+    num_streams: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compression", Compression(self.compression))
+        object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
+        object.__setattr__(self, "members", tuple(self.members))
+        ids = [m.peer_id for m in self.members]
+        if len(set(ids)) != len(ids):
+            raise ProtocolViolation("a peer appears twice in the group")
+        if ids != sorted(ids):
+            raise ProtocolViolation("group members are not ordered by peer id")
+        addresses = [m.address for m in self.members if m.address is not None]
+        if len(set(addresses)) != len(addresses):
+            raise ProtocolViolation("two members of the group share an address")
+        ratio = self.max_weight_ratio
+        if not (is_number(ratio) and 1 <= ratio <= MAX_WEIGHT_RATIO):
+            raise ProtocolViolation(f"bad weight ratio {self.max_weight_ratio!r}")
+        if not (
+            isinstance(self.chunk_numel, int)
+            and UINT8_BLOCK <= self.chunk_numel <= MAX_CHUNK_NUMEL
+            and self.chunk_numel % UINT8_BLOCK == 0
+        ):
+            raise ProtocolViolation(f"bad chunk size {self.chunk_numel!r}")
+        if not (
+            isinstance(self.num_streams, int)
+            and not isinstance(self.num_streams, bool)
+            and 1 <= self.num_streams <= MAX_STREAMS_PER_PAIR
+        ):
+            raise ProtocolViolation(f"bad number of streams {self.num_streams!r}")
+
+    @property
+    def peer_ids(self) -> tuple[str, ...]:
+        return tuple(m.peer_id for m in self.members)
+
+    def index_of(self, peer_id: str) -> int:
+        for index, member in enumerate(self.members):
+            if member.peer_id == peer_id:
+                return index
+        raise KeyError(peer_id)
+
+    def member(self, peer_id: str) -> GroupMember:
+        return self.members[self.index_of(peer_id)]
+
+    def parts(self, total_numel: int) -> list[Part]:
+        """One part per member (empty for client-mode peers), sized by its fair bandwidth
+        (:func:`averaging.bounds.fair_bandwidths`).
+
+        Raises:
+            ProtocolViolation: no member can reduce (every bandwidth is 0).
+        """
+        bandwidths = fair_bandwidths([0.0 if m.client_mode else m.bandwidth for m in self.members])
+        try:
+            return make_parts(total_numel, bandwidths, self.chunk_numel)
+        except (ValueError, OverflowError, ZeroDivisionError) as e:
+            raise ProtocolViolation(f"the group cannot be partitioned: {e}") from None
+
+    def stream_parts(self, total_numel: int) -> list[list[Part]]:
+        """Each member's part (:meth:`parts`) cut into its streams' slices
+        (:func:`averaging.matchmaking.partition.split_streams`); an empty part has no slice.
+
+        Raises:
+            ProtocolViolation: no member can reduce.
+        """
+        return [
+            split_streams(part, self.num_streams) if part.numel else []
+            for part in self.parts(total_numel)
+        ]
+
+    def weights(self) -> dict[str, float]:
+        """Each member's weight as every member uses it (bounded relative to the group)."""
+        bounded = bounded_weights([m.weight for m in self.members], self.max_weight_ratio)
+        return dict(zip(self.peer_ids, bounded, strict=True))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "group": self.group_id,
+            "members": [m.to_wire() for m in self.members],
+            "compression": self.compression.value,
+            "chunk": self.chunk_numel,
+            "agg": self.aggregation.value,
+            "wr": self.max_weight_ratio,
+            "streams": self.num_streams,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> GroupInfo:
+        """Parse a group received from the network.
+
+        Raises:
+            ProtocolViolation: malformed, empty, too large, or a peer listed twice.
+        """
+        if not isinstance(raw, Mapping):
+            raise ProtocolViolation("group is not a map")
+        group_id, members = raw.get("group"), raw.get("members")
+        if not (isinstance(group_id, str) and 0 < len(group_id) <= 64):
+            raise ProtocolViolation("bad group id")
+        if not (isinstance(members, list) and 0 < len(members) <= MAX_GROUP_SIZE):
+            raise ProtocolViolation("group members must be a non-empty list")
+        try:
+            compression = Compression(raw.get("compression"))
+        except ValueError:
+            raise ProtocolViolation("unknown compression in group") from None
+        parsed = tuple(GroupMember.from_wire(m) for m in members)
+        if all(m.client_mode for m in parsed):
+            raise ProtocolViolation("a group needs at least one member with an address")
+        chunk_numel = raw.get("chunk")
+        if isinstance(chunk_numel, bool):
+            raise ProtocolViolation("bad chunk size")
+        try:
+            aggregation = Aggregation(raw.get("agg"))
+        except ValueError:
+            raise ProtocolViolation("unknown aggregation in group") from None
+        ratio = raw.get("wr")
+        if not is_number(ratio):
+            raise ProtocolViolation("bad weight ratio in group")
+        num_streams = raw.get("streams", 1)
+        return cls(
+            group_id, parsed, compression, chunk_numel, aggregation, float(ratio), num_streams
+        )
+
+
+def check_offered(
+    group: GroupInfo,
+    *,
+    me: GroupMember,
+    leader: tuple[str, str],
+    max_size: int,
+    aggregation: Aggregation,
+    max_weight_ratio: float,
+    numel: int,
+    max_streams: int = MAX_STREAMS_PER_PAIR,
+) -> None:
+    """Refuse a group a follower cannot take part in honestly: it must list the follower ``me``
+    exactly as it sent itself, and the leader (``(peer id, address)``) as it answered; be no
+    larger than ``max_size``; use the follower's aggregation rule and weight bound; open at
+    most ``max_streams`` streams per reducer; and partition ``numel`` values (by fair
+    bandwidths). Its structure (sorted unique ids, distinct addresses, bounded entries) was
+    checked by :meth:`GroupInfo.from_wire`.
+
+    Raises:
+        ProtocolViolation, KeyError: the group is refused.
+    """
+    mine = group.member(me.peer_id)  # KeyError if we are not in it
+    if (mine.weight, mine.address, mine.bandwidth) != (me.weight, me.address, me.bandwidth):
+        raise ProtocolViolation("the group misrepresents this peer")
+    if group.member(leader[0]).address != leader[1]:
+        raise ProtocolViolation("the group misrepresents its leader")
+    if len(group.members) > max_size:
+        raise ProtocolViolation(f"a group of {len(group.members)} is larger than allowed")
+    if group.aggregation != aggregation:
+        raise ProtocolViolation(f"the group aggregates by {group.aggregation.value}")
+    if group.max_weight_ratio != max_weight_ratio:
+        raise ProtocolViolation(f"the group bounds weights at {group.max_weight_ratio:g}x")
+    if group.num_streams > max_streams:
+        raise ProtocolViolation(f"the group asks for {group.num_streams} streams per pair")
+    group.parts(numel)

@@ -1,0 +1,441 @@
+"""Matchmaking: peers that want to average under the same key form groups through the DHT.
+
+Every peer looking for a group announces itself in the DHT under the key, in a subkey only it can
+write (:func:`dht.kademlia.validation.owner_subkey`: the record is signed). Peers are ranked by
+``sha256(key, peer id)``, the same order for everyone and a different one every round. A peer
+leads (accepts followers) until it sees a better-ranked peer that is looking; then it asks to join
+that one, and if accepted hands its own followers over to it. So every wait points to a
+better-ranked peer and no two peers can wait for each other.
+
+The protocol has three requests, all answered at once except ``wait``:
+
+* ``join`` (follower to leader): accepted, or refused with why (full, following someone else,
+  not looking, incompatible). Accepting only reserves a seat.
+* ``wait`` (follower to leader): takes the seat and waits until the group forms (answered with the
+  group), the leader hands over to a better leader (a redirect), or gives up. Only followers whose
+  ``wait`` is in progress are put in the group, so a peer never ends up in two groups.
+* ``invite`` (leader to worse-ranked peers it sees in the DHT): "join me now", so that peers
+  that announced before the leader did need not wait for their next read of the DHT.
+
+**Leadership that fresh ids cannot grind** (ids are free: anyone can make one that ranks first).
+Peers that averaged before announce ``settled`` and rank before newcomers. A peer follows only
+its *partners* (members of its last ``num_partner_rounds`` rounds) while any is looking, else
+(none seen for half its matchmaking time, or none at all) whoever ranks best; a partner's
+redirect to a stranger is not followed. Waits still point to better-ranked peers: no cycles.
+Every member checks the whole group (:func:`averaging.matchmaking.group.check_offered`); see
+``docs/SECURITY-swarm.md``.
+
+Peers announce before they first read, so of two peers that start together the later one always
+sees the earlier one. The leader's side is :mod:`averaging.matchmaking.leader`; a leader closes its
+group as soon as it has ``target_group_size`` members, at its own deadline, or at a follower's
+deadline, whichever comes first, if it has at least ``min_group_size``. Otherwise it disbands, and a
+peer that found nobody gets an "alone" result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+from averaging.config import AveragerConfig, reducing_address
+from averaging.errors import ProtocolViolation
+from averaging.matchmaking.group import MAX_GROUP_SIZE, GroupInfo, GroupMember, check_offered
+from averaging.matchmaking.leader import Leader
+from averaging.matchmaking.search import (
+    CLIENT_RANK,
+    Candidate,
+    MatchmakingDHT,
+    MatchResult,
+    Search,
+    parse_candidates,
+    rank_of,
+)
+from averaging.rules.compression import Compression
+from dht.config import get_dht_time
+from dht.errors import DHTError
+from dht.identity import is_peer_id
+from dht.kademlia.validation import owner_subkey
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_MAX_HOPS = 8  # redirects followed in one attempt; each goes to a better-ranked peer
+_RECORD_SLACK_S = 1.0
+
+
+class Matchmaker:
+    """Finds a group for one averager.
+
+    Args:
+        transport: the network; the three request handlers are added here.
+        dht: where peers announce themselves.
+        peer_id: this peer's id.
+        prefix: the averager's name (handlers are named after it).
+        config: group sizes, bounds and poll intervals.
+        deadlines: told how long after a search began a partner arrived (a follower's ``wait``
+            at this leader, or this follower's seat taken); gives the bound of a request to a
+            peer (DHT reads and stores stay bounded by ``request_timeout_s``).
+        num_streams: streams per pair of a group this peer leads
+        (:mod:`averaging.allreduce.streams`).
+    """
+
+    def __init__(
+        self,
+        *,
+        transport,
+        dht: MatchmakingDHT,
+        peer_id: str,
+        prefix: str,
+        config,
+        deadlines,
+        num_streams: Callable[[], int] = lambda: 1,
+    ):
+        self._transport = transport
+        self._dht = dht
+        self._peer_id = peer_id
+        self._config: AveragerConfig = config
+        self._join_name = f"averaging.{prefix}.join"
+        self._wait_name = f"averaging.{prefix}.wait"
+        self._invite_name = f"averaging.{prefix}.invite"
+        self._search: Search | None = None
+        self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
+        self.partners: frozenset[str] = frozenset()
+        self._deadlines = deadlines
+        self._leader = Leader(
+            config,
+            lambda: self._search,
+            lambda: self.partners,
+            deadlines.observe_arrival,
+            num_streams,
+        )
+        transport.add_rpc_handler(self._join_name, self._leader.on_join)
+        transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
+        transport.add_rpc_handler(self._invite_name, self._on_invite)
+
+    def note_round(self, members: Iterable[str]) -> None:
+        """``members`` averaged with this peer: partners for the next rounds."""
+        if self._config.num_partner_rounds == 0:
+            return
+        self._rounds.append(frozenset(members) - {self._peer_id})
+        self.partners = frozenset().union(*self._rounds)
+
+    # ---- looking for a group -----------------------------------------------------------------
+
+    async def find_group(
+        self,
+        key: str,
+        *,
+        weight: float,
+        numel: int,
+        compression: Compression,
+        timeout_s: float,
+        target_group_size: int | None = None,
+    ) -> MatchResult:
+        """Look for a group under ``key`` for at most ``timeout_s`` seconds.
+
+        ``target_group_size`` overrides the config's for this search (a caller that knows how
+        many peers are ready lets a leader close as soon as they are all in).
+        """
+        if self._search is not None:
+            raise RuntimeError("find_group is already running")
+        loop = asyncio.get_running_loop()
+        address = reducing_address(self._transport, self._config)
+        me = GroupMember(self._peer_id, address, self._config.bandwidth, weight)
+        settled = bool(self.partners)
+        rank = rank_of(key, self._peer_id, settled) if address is not None else CLIENT_RANK
+        target = target_group_size or self._config.target_group_size
+        search = Search(key, me, numel, compression, loop.time() + timeout_s, rank, target)
+        search.started = loop.time()
+        search.strangers_after = loop.time() + timeout_s / 2
+        search.lead()
+        self._search = search
+        try:
+            if address is not None:
+                # Announce before the first read: of two peers that start together, the later
+                # one then always sees the earlier one (and invites it or joins it).
+                await self._unless_formed(search, self._announce(search))
+            return await self._look(search)
+        finally:
+            self._search = None
+            if search.term is not None and not search.term.outcome.done():
+                search.term.outcome.set_result("the leader stopped looking")
+            for task in search.tasks:
+                task.cancel()
+            if search.tasks:
+                await asyncio.wait(search.tasks)
+
+    async def _announce(self, search: Search) -> None:
+        value = {"addr": search.me.address, "numel": search.numel, "settled": search.settled}
+        expiration = get_dht_time() + (search.deadline - asyncio.get_running_loop().time())
+        subkey = owner_subkey(search.me.peer_id)
+        start = asyncio.get_running_loop().time()
+        try:
+            async with asyncio.timeout(self._config.request_timeout_s):
+                stored = await self._dht.store(
+                    search.key, value, expiration + _RECORD_SLACK_S, subkey=subkey
+                )
+        except (TimeoutError, DHTError):
+            stored = False
+        if not stored:
+            logger.info("could not announce %s for matchmaking; others may not find us", search.key)
+        logger.debug(
+            "announced under %s in %.1f ms",
+            search.key,
+            1000 * (asyncio.get_running_loop().time() - start),
+        )
+
+    async def _look(self, search: Search) -> MatchResult:
+        loop = asyncio.get_running_loop()
+        pause_s = self._config.matchmaking_poll_min_s
+        candidates: list[Candidate] | None = None
+        while True:
+            if search.term is not None and search.term.outcome.done():
+                return MatchResult.of(search.term.outcome.result())
+            remaining_s = search.deadline - loop.time()
+            if remaining_s <= 0:
+                return self._close(search)
+            if candidates is None:
+                candidates = await self._unless_formed(
+                    search, self._candidates(search, remaining_s)
+                )
+                if candidates is None:
+                    continue  # our group formed meanwhile
+                search.seen.update(c.peer_id for c in candidates)
+            candidates.extend(search.hints.values())
+            search.hints.clear()
+            leader = self._best_leader(search, candidates)
+            if leader is not None:
+                group = await self._follow(search, leader)
+                if group is not None:
+                    return MatchResult(group)
+                continue  # the next best from the same read: refusals say who is taken
+            self._invite(search, candidates)
+            await self._pause(search, min(pause_s, max(0.0, search.deadline - loop.time())))
+            pause_s = min(2 * pause_s, self._config.matchmaking_poll_max_s)
+            candidates = None
+
+    async def _unless_formed(self, search: Search, coro: Awaitable[T]) -> T | None:
+        """``await coro``, unless our group forms first (then None: start the round now)."""
+        if search.term is None:
+            return await coro
+        task = asyncio.create_task(coro)
+        try:
+            await asyncio.wait({task, search.term.outcome}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+        return None if task.cancelled() else task.result()
+
+    async def _pause(self, search: Search, duration_s: float) -> None:
+        """Sleep until the next read, or until a follower completes the group or a better
+        leader invites us."""
+        if not search.wakeup.is_set():
+            try:
+                async with asyncio.timeout(duration_s):
+                    await search.wakeup.wait()
+            except TimeoutError:
+                pass
+        search.wakeup.clear()
+
+    def _invite(self, search: Search, candidates: list[Candidate]) -> None:
+        """As a leader, tell the worse-ranked peers we see to join us now rather than at
+        their next read of the DHT."""
+        if search.term is None:
+            return
+        for candidate in candidates:
+            if (
+                candidate.rank > search.rank
+                and candidate.peer_id not in search.invited
+                and candidate.peer_id not in search.term.followers
+            ):
+                search.invited.add(candidate.peer_id)
+                request = {
+                    "key": search.key,
+                    "leader": search.me.address,
+                    "settled": search.settled,
+                }
+                task = asyncio.create_task(
+                    self._request(search, candidate, self._invite_name, request)
+                )
+                search.tasks.add(task)
+                task.add_done_callback(search.tasks.discard)
+
+    async def _candidates(self, search: Search, remaining_s: float) -> list[Candidate]:
+        start = asyncio.get_running_loop().time()
+        try:
+            async with asyncio.timeout(min(self._config.request_timeout_s, remaining_s)):
+                found = await self._dht.get(search.key, latest=True)
+        except (TimeoutError, DHTError):
+            return []
+        candidates = parse_candidates(found, search.key, self._peer_id)
+        logger.debug(
+            "read %d candidate(s) under %s in %.1f ms",
+            len(candidates),
+            search.key,
+            1000 * (asyncio.get_running_loop().time() - start),
+        )
+        return candidates
+
+    def _best_leader(self, search: Search, candidates: list[Candidate]) -> Candidate | None:
+        """The best-ranked peer above this one to follow: among partners while any partner is
+        looking (see the module docstring), else among all."""
+        now = asyncio.get_running_loop().time()
+        if any(c.peer_id in self.partners for c in candidates):
+            candidates = [c for c in candidates if c.peer_id in self.partners]
+        elif self.partners and now < search.strangers_after:
+            return None  # partners may not have announced yet: lead for now
+        eligible = [
+            c
+            for c in candidates
+            if c.rank < search.rank
+            and c.peer_id not in search.excluded
+            and search.skip_until.get(c.peer_id, 0.0) <= now
+        ]
+        return min(eligible, key=lambda c: c.rank, default=None)
+
+    def _close(self, search: Search) -> MatchResult:
+        """At the deadline: the group if ours is big enough, else why we are alone."""
+        group = self._leader.close(search)
+        if group is not None:
+            return MatchResult(group)
+        if not search.seen:
+            return MatchResult(None, "no other peer was looking for a group")
+        return MatchResult(
+            None,
+            f"saw {len(search.seen)} other peer(s) but no group of "
+            f"{self._config.min_group_size} formed within the matchmaking time",
+        )
+
+    # ---- following a leader ------------------------------------------------------------------
+
+    async def _follow(self, search: Search, leader: Candidate) -> GroupInfo | None:
+        """Join ``leader`` (or where it redirects); the group, or None to keep looking."""
+        target: Candidate | None = leader
+        for _ in range(_MAX_HOPS):
+            if target is None:
+                return None
+            request = self._join_request(search)
+            answer = await self._request(search, target, self._join_name, request)
+            status = answer.get("status")
+            if status == "accepted":
+                self._deadlines.observe_arrival(asyncio.get_running_loop().time() - search.started)
+                return await self._take_seat(search, target)
+            if status == "following":
+                search.skip_until[target.peer_id] = (
+                    asyncio.get_running_loop().time() + self._config.matchmaking_poll_min_s
+                )
+                was_partner = target.peer_id in self.partners
+                target = search.parse_candidate(answer.get("leader"))
+                if was_partner and target is not None and target.peer_id not in self.partners:
+                    return None  # a partner that follows a stranger: lead rather than go there
+                continue
+            search.excluded.add(target.peer_id)
+            members = answer.get("members")
+            if status == "full" and isinstance(members, list):
+                search.excluded.update(p for p in members[:MAX_GROUP_SIZE] if is_peer_id(p))
+            return None
+        return None
+
+    async def _take_seat(self, search: Search, leader: Candidate) -> GroupInfo | None:
+        if search.term is not None and search.term.outcome.done():
+            # Our own group formed while the join was in flight: release the seat, keep ours.
+            await self._request(search, leader, self._wait_name, {"key": search.key, "leave": True})
+            return None
+        if search.term is not None:
+            search.term.outcome.set_result(leader)  # our followers go to the better leader
+            search.term = None
+        search.following = leader
+        timeout_s = search.deadline - asyncio.get_running_loop().time()
+        answer = await self._request(
+            search,
+            leader,
+            self._wait_name,
+            {"key": search.key},
+            timeout_s=max(0.0, timeout_s) + self._config.request_timeout_s,
+        )
+        search.following = None
+        status = answer.get("status")
+        if status == "group":
+            try:
+                group = GroupInfo.from_wire(answer.get("group"))
+                self._check_group(search, group, leader)
+                return group
+            except (ProtocolViolation, KeyError, ValueError, TypeError) as e:
+                logger.warning("leader %s sent a bad group: %s", leader.peer_id[:8], e)
+        elif status == "redirect":
+            redirect = search.parse_candidate(answer.get("leader"))
+            if redirect is not None and (
+                redirect.peer_id in self.partners or leader.peer_id not in self.partners
+            ):
+                search.excluded.add(leader.peer_id)
+                search.lead()
+                return await self._follow(search, redirect)
+        search.excluded.add(leader.peer_id)
+        search.lead()
+        return None
+
+    def _check_group(self, search: Search, group: GroupInfo, leader: Candidate) -> None:
+        """Refuse a group this peer cannot take part in honestly (see :func:`check_offered`).
+
+        Raises:
+            ProtocolViolation, KeyError: the group is refused.
+        """
+        check_offered(
+            group,
+            me=search.me,
+            leader=(leader.peer_id, leader.address),
+            max_size=max(search.target_group_size, self._config.target_group_size),
+            aggregation=self._config.aggregation,
+            max_weight_ratio=self._config.max_weight_ratio,
+            numel=search.numel,
+            max_streams=self._config.max_streams_per_pair,
+        )
+
+    def _join_request(self, search: Search) -> dict[str, Any]:
+        return {
+            "key": search.key,
+            "member": search.me.to_wire(),
+            "numel": search.numel,
+            "remaining_s": max(0.0, search.deadline - asyncio.get_running_loop().time()),
+        }
+
+    async def _request(
+        self,
+        search: Search,
+        target: Candidate,
+        name: str,
+        payload: dict,
+        timeout_s: float | None = None,
+    ) -> dict:
+        if timeout_s is None:
+            remaining_s = search.deadline - asyncio.get_running_loop().time()
+            timeout_s = max(0.001, min(self._deadlines.request_s, remaining_s))
+        try:
+            answer = await self._transport.call(target.address, name, payload, timeout_s=timeout_s)
+        except (DHTError, TimeoutError) as e:
+            logger.debug("%s to %s failed: %s", name, target.peer_id[:8], e)
+            return {"status": "unreachable"}
+        if not isinstance(answer, dict):
+            return {"status": "malformed"}
+        logger.debug(
+            "%s to %s: %s", name.rsplit(".", 1)[-1], target.peer_id[:8], answer.get("status")
+        )
+        return answer
+
+    async def _on_invite(self, ctx, request: Any) -> dict[str, Any]:
+        """A better-ranked leader tells us it is looking: try it at once."""
+        search = self._search
+        if not isinstance(request, Mapping) or search is None or request.get("key") != search.key:
+            return {"status": "not_looking"}
+        leader = search.parse_candidate(
+            {"peer": ctx.sender, "addr": request.get("leader"), "settled": request.get("settled")}
+        )
+        if leader is None:
+            return {"status": "ignored"}
+        search.hints[leader.peer_id] = leader
+        search.wakeup.set()
+        return {"status": "ok"}

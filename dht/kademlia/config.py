@@ -1,0 +1,146 @@
+"""Settings of a DHT node, and the wall clock that expirations are measured on."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dht.errors import BadMessageError, ConfigError
+from dht.net.schema import parse_address
+
+
+class Clock(Protocol):
+    """Where expiration times come from: unix seconds that mean the same on every node."""
+
+    def time(self) -> float: ...
+
+
+class SystemClock:
+    """The machine's wall clock (``time.time``); expirations are compared across machines."""
+
+    def time(self) -> float:
+        return time.time()
+
+
+def get_dht_time() -> float:
+    """The current DHT time: wall-clock unix seconds, what expiration times are measured on."""
+    return time.time()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DHTConfig:
+    """How a DHT node finds others, replicates values and maintains itself.
+
+    Attributes:
+        initial_peers: URLs of nodes to bootstrap from (``http://host:port``); empty for the
+            first node of a swarm.
+        bucket_size: k, the most nodes per k-bucket and the size of a lookup's result set.
+        alpha: how many requests a lookup keeps in flight at once.
+        num_replicas: how many of the closest nodes each store goes to; defaults to
+            ``bucket_size``.
+        refresh_interval_s: how often buckets that saw no traffic are refreshed by a lookup of a
+            random id in their range, in seconds (also how often expired records are purged).
+        republish_interval_s: how often held records that no one else re-stored meanwhile are
+            stored again to the current closest nodes, in seconds.
+        cache_max_age_s: how long a value read through a lookup may answer ``get(latest=False)``
+            without asking the network again, in seconds.
+        cache_max_entries: the most keys kept in that cache (0 disables it).
+        max_value_bytes: the largest packed value accepted, in bytes (stores and answers).
+        max_records: the most records one node holds for others.
+        max_storage_bytes: the most bytes of records one node holds for others, in bytes
+            (a record counts its value, its subkey and 128 bytes of overhead).
+        max_bytes_per_key: the most bytes held under one key, in bytes.
+        max_bytes_per_owner: the most bytes held under one peer's owner subkeys (all keys
+            together), in bytes.
+        max_unowned_bytes_per_key: the most bytes of records anyone may write (plain values,
+            subkeys that name no owner) under one key, in bytes; signed records keep the rest.
+        max_unowned_bytes: the most bytes of records anyone may write, all keys together.
+        lookup_timeout_s: bound on one whole lookup (every hop), in seconds; a lookup that
+            reaches it returns what it found so far.
+        max_nodes_per_answer: a find or store answer naming more nodes than this is refused
+            whole (honest nodes name at most their bucket size).
+        max_pending_verifications: senders' claimed addresses being pinged back at once, at
+            most (a node enters the routing table only once it answered at its address);
+            claims beyond it wait for the sender's next request.
+        rpc_timeout_s: bound on one DHT request to another node, in seconds.
+        bootstrap_timeout_s: bound on reaching the initial peers when starting, in seconds.
+        liveness_check_after_s: a full bucket pings its least recently seen node before
+            preferring a newcomer only if that node has been silent this long, in seconds.
+        max_expiration_ahead_s: records expiring further than this in the future are refused,
+            in seconds (a record cannot squat a key for years).
+    """
+
+    initial_peers: Sequence[str] = ()
+    bucket_size: int = 20
+    alpha: int = 3
+    num_replicas: int | None = None
+    refresh_interval_s: float = 600.0
+    republish_interval_s: float = 1800.0
+    cache_max_age_s: float = 30.0
+    cache_max_entries: int = 1024
+    max_value_bytes: int = 64 * 1024
+    max_records: int = 100_000
+    max_storage_bytes: int = 256 * 2**20
+    max_bytes_per_key: int = 2**20
+    max_bytes_per_owner: int = 2**20
+    max_unowned_bytes_per_key: int = 64 * 2**10
+    max_unowned_bytes: int = 16 * 2**20
+    lookup_timeout_s: float = 30.0
+    max_nodes_per_answer: int = 40
+    max_pending_verifications: int = 1024
+    rpc_timeout_s: float = 5.0
+    bootstrap_timeout_s: float = 10.0
+    liveness_check_after_s: float = 60.0
+    max_expiration_ahead_s: float = 7 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.initial_peers, str):
+            raise ConfigError("initial_peers must be a list of URLs, not one string")
+        object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
+        for url in self.initial_peers:
+            try:
+                parse_address(url, ("http", "https", "mem"))
+            except BadMessageError as e:
+                raise ConfigError(f"initial_peers: {url!r}: {e}") from None
+        if self.num_replicas is None:
+            object.__setattr__(self, "num_replicas", self.bucket_size)
+        for name in (
+            "bucket_size",
+            "alpha",
+            "num_replicas",
+            "max_value_bytes",
+            "max_records",
+            "max_storage_bytes",
+            "max_bytes_per_key",
+            "max_bytes_per_owner",
+            "max_unowned_bytes_per_key",
+            "max_unowned_bytes",
+            "max_nodes_per_answer",
+            "max_pending_verifications",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_nodes_per_answer < self.bucket_size:
+            raise ConfigError(
+                f"max_nodes_per_answer ({self.max_nodes_per_answer}) must be at least "
+                f"bucket_size ({self.bucket_size})"
+            )
+        for name in (
+            "refresh_interval_s",
+            "republish_interval_s",
+            "cache_max_age_s",
+            "rpc_timeout_s",
+            "bootstrap_timeout_s",
+            "max_expiration_ahead_s",
+            "lookup_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.cache_max_entries < 0:
+            raise ConfigError(f"cache_max_entries must be >= 0, got {self.cache_max_entries}")
+        if self.liveness_check_after_s < 0:
+            raise ConfigError(
+                f"liveness_check_after_s must be >= 0, got {self.liveness_check_after_s}"
+            )

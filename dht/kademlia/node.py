@@ -1,0 +1,416 @@
+"""A Kademlia DHT node: store and get values, replicated on the k closest nodes.
+
+Usage (handlers are registered in the constructor, so build the node before starting the
+transport)::
+
+    transport = HttpTransport(identity, TransportConfig())
+    node = DHTNode(transport=transport, identity=identity, config=DHTConfig(initial_peers=urls))
+    async with transport, node:
+        await node.store("key", {"any": "msgpack"}, get_dht_time() + 60)
+        found = await node.get("key")
+
+Network failures never raise out of :meth:`DHTNode.store` and :meth:`DHTNode.get`: they return
+False / None (the outcome methods say why). A node whose transport has no address (client mode)
+answers nothing and holds nothing, but stores and gets through the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dht.errors import BadMessageError, TransportError, ValidationError
+from dht.identity import PeerIdentity, short_id
+from dht.kademlia.config import Clock, DHTConfig, SystemClock, get_dht_time
+from dht.kademlia.lookup import LookupResult, iterative_find
+from dht.kademlia.maintenance import Maintenance
+from dht.kademlia.protocol import DHTProtocol, FindAnswer, StoreRequest
+from dht.kademlia.routing import DHTID, PeerInfo, RoutingTable
+from dht.kademlia.storage import (
+    DHTStorage,
+    Entry,
+    Record,
+    Subkey,
+    ValueCache,
+    ValueWithExpiration,
+    decode_entry,
+    merge_entries,
+)
+from dht.kademlia.validation import (
+    OwnerSignatureValidator,
+    RecordValidator,
+    sign_record,
+    subkey_owner,
+)
+from dht.net.transport import Transport
+from dht.net.wire import MessageLimits, pack
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DHTConfig", "DHTNode", "GetOutcome", "StoreOutcome", "ValueWithExpiration",
+           "get_dht_time"]  # fmt: skip
+
+Key = str | bytes
+_BOOTSTRAP_RETRY_S = 0.25  # pause between rounds of pings to initial peers that did not answer
+
+
+@dataclass(frozen=True)
+class Replication:
+    """Where records went: replicas that accepted them, replicas found, lookup depth."""
+
+    num_accepted: int
+    num_replicas: int
+    hops: int
+
+
+@dataclass(frozen=True)
+class StoreOutcome:
+    """How a store went.
+
+    Attributes:
+        ok: at least one replica (this node included) accepted the value.
+        num_accepted: replicas that accepted it.
+        num_targets: replicas it was sent to (the closest nodes found).
+        hops: depth of the lookup that found the replicas.
+        reason: why nothing accepted it ("" when ok).
+    """
+
+    ok: bool
+    num_accepted: int
+    num_targets: int
+    hops: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class GetOutcome:
+    """How a get went: the value (None if not found) and where it came from.
+
+    ``source`` is "cache" (a recent read), "local" (this node is a replica), "network" (a
+    lookup; ``hops`` is its depth) or "none" (nothing found; ``reason`` says whether the key
+    holds nothing or the network failed).
+    """
+
+    value: ValueWithExpiration | None
+    source: Literal["cache", "local", "network", "none"]
+    hops: int = 0
+    num_queried: int = 0
+    reason: str = ""
+
+
+class DHTNode:
+    """One node of the DHT.
+
+    Args:
+        transport: the network; not yet started (this constructor adds the RPC handlers).
+        identity: this node's key pair; it signs the records under its owner subkey.
+        config: bootstrap peers, k, alpha, replication, intervals, limits and timeouts.
+        clock: the wall clock expirations are measured on (a simulation passes its own).
+        validator: checks records on store and on read (default: owner subkeys signed).
+        limits: bounds on decoding values read from the network.
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        identity: PeerIdentity,
+        config: DHTConfig,
+        clock: Clock | None = None,
+        validator: RecordValidator | None = None,
+        limits: MessageLimits | None = None,
+    ):
+        if transport.peer_id != identity.peer_id:
+            raise ValueError("the transport and the DHT node must share one identity")
+        self.config = config
+        self.identity = identity
+        self.transport = transport
+        self.clock = clock or SystemClock()
+        self.node_id = DHTID.from_peer_id(identity.peer_id)
+        self.limits = limits or MessageLimits()
+        self.routing = RoutingTable(self.node_id, config.bucket_size, config.liveness_check_after_s)
+        self.storage = DHTStorage(
+            self.clock,
+            config.max_records,
+            max_expiration_ahead_s=config.max_expiration_ahead_s,
+            max_bytes=config.max_storage_bytes,
+            max_bytes_per_key=config.max_bytes_per_key,
+            max_bytes_per_owner=config.max_bytes_per_owner,
+            max_unowned_bytes_per_key=config.max_unowned_bytes_per_key,
+            max_unowned_bytes=config.max_unowned_bytes,
+        )
+        self.cache = ValueCache(config.cache_max_entries, config.cache_max_age_s)
+        self.validator = validator or OwnerSignatureValidator()
+        self.protocol = DHTProtocol(
+            transport,
+            own_id=self.node_id,
+            routing=self.routing,
+            storage=self.storage,
+            validator=self.validator,
+            bucket_size=config.bucket_size,
+            max_value_bytes=config.max_value_bytes,
+            rpc_timeout_s=config.rpc_timeout_s,
+            max_nodes_per_answer=config.max_nodes_per_answer,
+            max_pending_verifications=config.max_pending_verifications,
+        )
+        self.maintenance = Maintenance(self)
+        self._started = False
+        self._closed = False
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @property
+    def address(self) -> str | None:
+        """This node's URL, or None in client mode."""
+        return self.transport.address
+
+    @property
+    def num_known_peers(self) -> int:
+        """Nodes in the routing table."""
+        return len(self.routing)
+
+    def __repr__(self) -> str:
+        return f"DHTNode({short_id(self.peer_id)}, {self.address})"
+
+    async def start(self) -> None:
+        """Bootstrap from ``config.initial_peers`` and start refresh and republish.
+
+        Call after the transport started (so this node knows its own address).
+
+        Raises:
+            TransportError: initial peers were given and none of them answered in time.
+        """
+        if self._started:
+            return
+        self._started = True
+        if self.config.initial_peers:
+            await self.bootstrap(self.config.initial_peers)
+        self.maintenance.start()
+
+    async def bootstrap(self, urls) -> int:
+        """Ping ``urls``, then look up the own id to meet the neighbours; returns peers reached.
+
+        Pings are retried (a packet lost, a peer still starting) until ``bootstrap_timeout_s``.
+
+        Raises:
+            TransportError: none of the URLs answered within ``bootstrap_timeout_s``.
+        """
+        own = self.address
+        urls = [url for url in urls if url != own]
+        num_reached = 0
+        try:
+            async with asyncio.timeout(self.config.bootstrap_timeout_s):
+                while urls and not num_reached:
+                    answers = await asyncio.gather(*(self.protocol.ping(url) for url in urls))
+                    num_reached = sum(answer is not None for answer in answers)
+                    if not num_reached:
+                        await asyncio.sleep(_BOOTSTRAP_RETRY_S)
+        except TimeoutError:
+            pass
+        if urls and not num_reached:
+            raise TransportError(f"none of the initial peers answered: {', '.join(urls)}")
+        await self.lookup(self.node_id, want_value=False)
+        logger.debug("%r bootstrapped: %d peers known", self, self.num_known_peers)
+        return num_reached
+
+    async def close(self) -> None:
+        """Stop maintenance and liveness pings (the transport is the caller's); safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.maintenance.close()
+        await self.protocol.close()
+
+    async def __aenter__(self) -> DHTNode:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ---- lookups -----------------------------------------------------------------------------
+
+    async def lookup(
+        self, target: int, *, want_value: bool, latest: bool = True, converge_on: int | None = None
+    ) -> LookupResult:
+        """An iterative lookup of ``target`` over the network (the own storage is not read)."""
+        k = self.config.bucket_size
+        return await iterative_find(
+            target,
+            self.routing.nearest(target, k),
+            lambda peer: self.protocol.find(peer, target, want_value=want_value),
+            own_id=self.node_id,
+            k=k,
+            alpha=self.config.alpha,
+            stop_on_value=want_value and not latest,
+            converge_on=converge_on,
+            timeout_s=self.config.lookup_timeout_s,
+        )
+
+    def _is_replica(self, key_id: int, others: list[PeerInfo]) -> bool:
+        """Whether this node is among the ``num_replicas`` closest to ``key_id``."""
+        if self.address is None:
+            return False
+        own_distance = self.node_id ^ key_id
+        num_closer = sum(1 for p in others if p.node_id ^ key_id < own_distance)
+        return num_closer < self.config.num_replicas
+
+    async def replicate(self, key_id: int, requests: list[StoreRequest]) -> Replication:
+        """Store records (all under ``key_id``) on the ``num_replicas`` closest nodes.
+
+        Finds run until the ``alpha`` closest nodes answered; then stores go to all of the
+        closest seen at once, and their answers, which name closer nodes if there are any,
+        carry the lookup on until the closest have all answered a store.
+        """
+        found = await self.lookup(key_id, want_value=False, converge_on=self.config.alpha)
+        here = self._is_replica(key_id, found.candidates)
+        num_remote = self.config.num_replicas - here
+        accepted_by: dict[int, bool] = {}
+
+        async def store_on(peer: PeerInfo) -> FindAnswer | None:
+            answer = await self.protocol.store(peer, requests)
+            if answer is None:
+                return None
+            accepted_by[peer.node_id] = any(answer.accepted)
+            return FindAnswer(answer.peers, None)
+
+        replicas: list[PeerInfo] = []
+        if num_remote > 0:
+            stored = await iterative_find(
+                key_id,
+                found.candidates,
+                store_on,
+                own_id=self.node_id,
+                k=num_remote,
+                alpha=num_remote,
+                stop_on_value=False,
+                timeout_s=self.config.lookup_timeout_s,
+            )
+            replicas = stored.nearest
+        num_accepted = sum(accepted_by.get(p.node_id, False) for p in replicas)
+        # Candidates may name dead nodes; who answered the stores settles whether we are needed.
+        here = here or self._is_replica(key_id, replicas)
+        if here:
+            local = [self.storage.store(r.key_id, r.record, r.subkey) for r in requests]
+            num_accepted += any(local)
+        return Replication(num_accepted, len(replicas) + here, found.hops)
+
+    # ---- store -------------------------------------------------------------------------------
+
+    async def store(
+        self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None
+    ) -> bool:
+        """Store ``value`` (anything msgpack can pack) under ``key`` until ``expiration_time``.
+
+        With ``subkey`` the key holds a dictionary and this sets one of its entries; under this
+        node's :func:`dht.kademlia.validation.owner_subkey` the record is signed automatically.
+
+        Returns:
+            True if at least one replica accepted the value.
+
+        Raises:
+            BadMessageError: the value cannot be packed or exceeds ``max_value_bytes``.
+        """
+        outcome = await self.store_outcome(key, value, expiration_time, subkey)
+        return outcome.ok
+
+    async def store_outcome(
+        self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None
+    ) -> StoreOutcome:
+        """Like :meth:`store`, with the number of replicas that accepted and why not."""
+        key_id = DHTID.from_key(key)
+        record = self._make_record(key_id, value, expiration_time, subkey)
+        if isinstance(record, str):
+            logger.warning("store of %r refused here: %s", key, record)
+            return StoreOutcome(False, 0, 0, 0, record)
+        self.cache.invalidate(key_id)
+        done = await self.replicate(key_id, [StoreRequest(key_id, subkey, record)])
+        if done.num_accepted:
+            return StoreOutcome(True, done.num_accepted, done.num_replicas, done.hops)
+        reason = "no replica found" if not done.num_replicas else "every replica refused or failed"
+        logger.warning("store of %r failed: %s (%d replicas)", key, reason, done.num_replicas)
+        return StoreOutcome(False, 0, done.num_replicas, done.hops, reason)
+
+    def _make_record(
+        self, key_id: int, value: Any, expiration_time: float, subkey: Subkey | None
+    ) -> Record | str:
+        """The record to store, or why it cannot be stored."""
+        if subkey is not None and (isinstance(subkey, bool) or not isinstance(subkey, Subkey)):
+            raise TypeError(f"subkey must be str, bytes or int, got {type(subkey).__name__}")
+        try:
+            value_bytes = pack(value)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise BadMessageError(f"value cannot be packed: {e}") from e
+        if len(value_bytes) > self.config.max_value_bytes:
+            raise BadMessageError(
+                f"value of {len(value_bytes)} bytes exceeds max_value_bytes "
+                f"({self.config.max_value_bytes})"
+            )
+        expiration_time = float(expiration_time)
+        if expiration_time <= self.clock.time():
+            return "expiration_time is in the past"
+        if expiration_time > self.clock.time() + self.config.max_expiration_ahead_s:
+            return "expiration_time is further ahead than max_expiration_ahead_s"
+        owner = subkey_owner(subkey)
+        if owner is None:
+            return Record(value_bytes, expiration_time)
+        if owner != self.peer_id:
+            return f"subkey {subkey!r} belongs to another peer"
+        try:
+            return sign_record(self.identity, key_id, subkey, value_bytes, expiration_time)
+        except ValidationError as e:
+            return str(e)
+
+    # ---- get ---------------------------------------------------------------------------------
+
+    async def get(self, key: Key, latest: bool = False) -> ValueWithExpiration | None:
+        """The value under ``key``, or None if there is none (or the network failed).
+
+        For a dictionary key the value is ``{subkey: ValueWithExpiration}``, with the
+        expiration of its newest subkey.
+
+        Args:
+            key: the key (str or bytes).
+            latest: ask the k closest nodes and merge their answers (every subkey any of them
+                holds, the newest version of each). Without it the answer may come from a read
+                of the last ``cache_max_age_s``, from this node's own replica, or from the first
+                node of the lookup that holds the key: cheaper, and complete as long as that
+                replica saw every store (a replica that joined late may lack older subkeys
+                until they are republished).
+        """
+        outcome = await self.get_outcome(key, latest=latest)
+        return outcome.value
+
+    async def get_outcome(self, key: Key, *, latest: bool = False) -> GetOutcome:
+        """Like :meth:`get`, with where the value came from and the lookup's depth."""
+        key_id = DHTID.from_key(key)
+        now = self.clock.time()
+        if not latest:
+            for source, entry in (("cache", self.cache.get(key_id, now)),
+                                  ("local", self.storage.get(key_id))):  # fmt: skip
+                value = self._decode(entry, key)
+                if value is not None:
+                    return GetOutcome(value, source)  # type: ignore[arg-type]
+        found = await self.lookup(key_id, want_value=True, latest=latest)
+        entry = found.entry
+        if latest:
+            entry = merge_entries(entry, self.storage.get(key_id))
+        value = self._decode(entry, key)
+        if value is None:
+            reason = "not found"
+            if found.num_queried and found.num_failed == found.num_queried:
+                reason = "no node answered"
+            elif not found.num_queried and self.address is None:
+                reason = "no known peers"
+            if reason != "not found":
+                logger.warning("get of %r failed: %s", key, reason)
+            return GetOutcome(None, "none", found.hops, found.num_queried, reason)
+        self.cache.put(key_id, entry)  # type: ignore[arg-type]
+        return GetOutcome(value, "network", found.hops, found.num_queried)
+
+    def _decode(self, entry: Entry | None, key: Key) -> ValueWithExpiration | None:
+        return decode_entry(entry, self.limits, self.clock.time(), key)

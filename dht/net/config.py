@@ -1,0 +1,250 @@
+"""Settings of the aiohttp transport."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dht.errors import ConfigError
+from dht.net.wire import MessageLimits
+
+
+@dataclass(frozen=True, kw_only=True)
+class PortMappingConfig:
+    """How a node asks its gateway for a port mapping.
+
+    Attributes:
+        discovery_timeout_s: wait for a gateway to answer the SSDP search, in seconds; all
+            that a network without one costs.
+        request_timeout_s: bound on each request to the gateway (its description, each
+            action), in seconds.
+        lease_s: lifetime the mapping is asked for, in seconds (renewed at half of it); a
+            peer that crashed leaves it open at most this long.
+        num_port_attempts: external ports tried: the listening port first, then random
+            dynamic ports (another host of the LAN may hold the same one).
+        description: the mapping's name in the router's table.
+    """
+
+    discovery_timeout_s: float = 2.0
+    request_timeout_s: float = 5.0
+    lease_s: int = 3600
+    num_port_attempts: int = 3
+    description: str = "volunteer-peer"
+
+    def __post_init__(self) -> None:
+        for name in ("discovery_timeout_s", "request_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be positive and finite, got {getattr(self, name)}")
+        if self.lease_s < 2:
+            raise ConfigError(f"lease_s must be >= 2, got {self.lease_s}")
+        if self.num_port_attempts < 1:
+            raise ConfigError(f"num_port_attempts must be >= 1, got {self.num_port_attempts}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReachabilityConfig:
+    """How a node answers dial-backs and checks its own reachability.
+
+    Attributes:
+        dial_back_timeout_s: bound on dialling a caller back (connect and handshake), in
+            seconds.
+        max_dial_backs_per_s_per_address: sustained dial-backs served per source IP, per second.
+        dial_back_burst: dial-backs one source IP may ask for at once before that rate applies.
+        max_concurrent_dial_backs: dial-backs in progress at once, all callers together.
+        num_peers_asked: distinct initial peers a joining node asks at once.
+        check_timeout_s: bound on the whole check, every peer asked and retried, in seconds;
+            more than ``dial_back_timeout_s``.
+        try_port_mapping: a node nobody can dial asks its gateway to forward its port (UPnP)
+            before it is relayed; False: never.
+        port_mapping: discovery and request timeouts and the lease of that mapping.
+    """
+
+    dial_back_timeout_s: float = 5.0
+    max_dial_backs_per_s_per_address: float = 1.0
+    dial_back_burst: int = 20
+    max_concurrent_dial_backs: int = 64
+    num_peers_asked: int = 3
+    check_timeout_s: float = 10.0
+    try_port_mapping: bool = True
+    port_mapping: PortMappingConfig = field(default_factory=PortMappingConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("dial_back_timeout_s", "max_dial_backs_per_s_per_address", "check_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be positive and finite, got {getattr(self, name)}")
+        for name in ("dial_back_burst", "max_concurrent_dial_backs", "num_peers_asked"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.check_timeout_s <= self.dial_back_timeout_s:
+            raise ConfigError(
+                f"check_timeout_s ({self.check_timeout_s}) must exceed dial_back_timeout_s "
+                f"({self.dial_back_timeout_s})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    """Where a node listens, how it is reached, and what it accepts.
+
+    Attributes:
+        host: interface to listen on.
+        port: TCP port; 0 picks a free one.
+        announce_host: host others should use to reach this node; defaults to ``host``, or to
+            the address of the default route's interface when ``host`` is a wildcard.
+        client_mode: run no server (a peer behind NAT); it can still call others.
+        reachability: how this node answers dial-backs and checks its own reachability.
+        swarm_key: shared secret; when set, only members can make a session (the handshake
+            carries an HMAC under it and it salts every session key) and stream frames carry
+            tags. Identity is proven with or without it.
+        tls_cert_file: PEM certificate to serve HTTPS with (needs ``tls_key_file``).
+        tls_key_file: PEM private key of ``tls_cert_file``.
+        tls_ca_file: PEM CA bundle to verify other nodes' HTTPS certificates with.
+        request_timeout_s: bound on one RPC (send, remote work, answer), in seconds.
+        connect_timeout_s: bound on opening a TCP (and TLS) connection, in seconds.
+        stream_idle_timeout_s: bound on each wait for the next frame of a stream, in seconds.
+        stream_write_timeout_s: bound on each write of a stream's reply, in seconds: a
+            receiver that stops reading has its connection cut once a write waited this long
+            (checked every half of it, so within 1.5 times it).
+        max_streams_per_peer: concurrent streams accepted from one proven peer id.
+        max_streams_per_address: concurrent streams accepted from one source IP address.
+        replay_window_s: accepted distance of a request's timestamp from this node's clock,
+            in seconds.
+        max_remembered_nonces: the most (sender, nonce) pairs remembered against replays.
+        session_lifetime_s: how long a session made by the handshake is good for, in seconds.
+        max_handshakes_per_s_per_address: sustained rate of handshakes accepted from one
+            source IP address, per second (each costs a signature check).
+        handshake_burst: handshakes one source IP address may make at once before that rate
+            applies.
+        max_connections: TCP connections the server keeps open at once; more are closed at once.
+        max_connections_per_address: TCP connections kept open at once from one source IP.
+        idle_connection_timeout_s: a connection with no request in progress (including one
+            still sending its request headers) is closed after this long, in seconds.
+        max_header_fields: the most HTTP header fields a request may have.
+        max_header_field_bytes: the longest HTTP header line accepted, in bytes.
+        max_body_bytes_in_flight: request bytes (bodies, stream header frames) being received
+            at once across all requests before their digest is checked, in bytes; a request
+            that does not fit is refused (503) instead of buffered.
+        relay_enabled: relay for peers that others cannot reach (when this node serves: not in
+            client mode): they attach over a WebSocket and are reached at
+            ``{this node's URL}/v2/relay/{peer id}``.
+        max_relayed_peers: the most peers attached to this relay at once; more are refused (503).
+        max_relayed_bytes_per_s: the relayed bytes (both ways, all relayed peers together) this
+            relay forwards per second, in bytes per second (a token bucket holding one second of
+            them): transfers in progress slow down to it, new relayed requests are refused
+            (503) while it is spent.
+        max_relayed_requests_per_peer: requests forwarded to one relayed peer at once (503
+            beyond).
+        relay_heartbeat_s: a relay tunnel is pinged every this many seconds, in seconds, at both
+            ends; a tunnel without an answer for half of it more is closed (so a dead relay is
+            noticed within 1.5 times it).
+        relay_attach_timeout_s: bound on one attempt to attach to a relay, in seconds.
+        relay_retry_s: pause between two rounds of attempts over all relay candidates, in
+            seconds, when none accepted.
+        limits: sizes and nesting accepted in messages and frames.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_host: str | None = None
+    client_mode: bool = False
+    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    swarm_key: bytes | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    request_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    stream_idle_timeout_s: float = 30.0
+    stream_write_timeout_s: float = 30.0
+    max_streams_per_peer: int = 8
+    max_streams_per_address: int = 64
+    replay_window_s: float = 30.0
+    max_remembered_nonces: int = 100_000
+    session_lifetime_s: float = 600.0
+    max_handshakes_per_s_per_address: float = 50.0
+    handshake_burst: int = 200
+    max_connections: int = 1024
+    max_connections_per_address: int = 256
+    idle_connection_timeout_s: float = 30.0
+    max_header_fields: int = 32
+    max_header_field_bytes: int = 4096
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
+    relay_enabled: bool = True
+    max_relayed_peers: int = 32
+    max_relayed_bytes_per_s: float = 12.5e6
+    max_relayed_requests_per_peer: int = 16
+    relay_heartbeat_s: float = 10.0
+    relay_attach_timeout_s: float = 10.0
+    relay_retry_s: float = 2.0
+    limits: MessageLimits = field(default_factory=MessageLimits)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        for name in (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "stream_idle_timeout_s",
+            "stream_write_timeout_s",
+            "replay_window_s",
+            "session_lifetime_s",
+            "max_handshakes_per_s_per_address",
+            "idle_connection_timeout_s",
+            "max_relayed_bytes_per_s",
+            "relay_heartbeat_s",
+            "relay_attach_timeout_s",
+            "relay_retry_s",
+        ):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be positive and finite, got {getattr(self, name)}")
+        for name in (
+            "max_streams_per_peer",
+            "max_streams_per_address",
+            "max_remembered_nonces",
+            "handshake_burst",
+            "max_connections",
+            "max_connections_per_address",
+            "max_header_fields",
+            "max_header_field_bytes",
+            "max_body_bytes_in_flight",
+            "max_relayed_peers",
+            "max_relayed_requests_per_peer",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_body_bytes_in_flight < self.limits.max_body_bytes:
+            raise ConfigError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be at least "
+                f"limits.max_body_bytes ({self.limits.max_body_bytes})"
+            )
+        if self.swarm_key is not None and len(self.swarm_key) < 16:
+            raise ConfigError("swarm_key must be at least 16 bytes")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file must be given together")
+        for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name}: no such file {path}")
+
+    def announced_host(self) -> str:
+        """The host part of this node's URL."""
+        host = self.announce_host or self.host
+        try:
+            wildcard = ipaddress.ip_address(host).is_unspecified
+        except ValueError:
+            return host
+        if wildcard:
+            host = _default_route_ip()
+        return f"[{host}]" if ":" in host else host
+
+
+def _default_route_ip() -> str:
+    # connect() on a UDP socket sends nothing; it only asks the kernel which interface it would use.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

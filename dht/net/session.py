@@ -1,0 +1,353 @@
+"""Proven identity: a signed handshake per (caller, node) pair that derives a session key.
+
+A caller proves its Ed25519 key once per node in ``POST /v2/hello`` and gets a session back:
+
+1. The caller sends ``{peer, eph, ts, nonce, sig}``: its peer id, a fresh X25519 public key,
+   the time, 16 random bytes and its Ed25519 signature over the four.
+2. The node checks the signature (and that the time is within a day of its own), makes its own
+   X25519 key, and
+   derives ``key = HKDF-SHA256(X25519 secret, salt=swarm key or "", info=both ids, both keys)``.
+   It answers ``{peer, eph, ticket, lifetime_s, now, sig}``: its own id and X25519 key, the
+   ticket (the caller's id and the session key sealed with AES-GCM under a key only this process
+   knows, so the node keeps no per-session state), its clock, and its signature over all of it.
+3. The caller checks that signature: it now knows which peer answered, and shares a key with it.
+
+A replayed hello gets nothing: its session key needs the caller's X25519 private key. So a hello
+needs no replay window; later requests do, and the caller stamps them with the node's clock (the
+offset learnt in the handshake), so peers whose clocks disagree still talk.
+
+Every later request carries the ticket and an HMAC-SHA256 under the session key over method,
+path, the body's digest (for a stream: its header frame), timestamp and nonce; every answer an
+HMAC bound to the request's nonce. Only the node the session was made with can check the MAC, so
+a request cannot be replayed to another node, and the swarm key (the HKDF salt) is needed to
+make a session at all. Ephemeral keys give forward secrecy; nothing here is stored on disk.
+
+Wall-clock time is used for the timestamps on purpose: they must mean the same on two machines.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import hmac
+import math
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from dht.errors import AuthError, BadMessageError
+from dht.identity import PeerIdentity, is_peer_id, verify
+from dht.net.wire import pack
+
+PROTOCOL_VERSION = 2
+HELLO_TAG = b"vp-hello/2"
+HELLO_REPLY_TAG = b"vp-hello-reply/2"
+_SESSION_INFO = b"vp-session/2"
+_TICKET_AAD = b"vp-ticket/2"
+NONCE_BYTES = 16
+KEY_BYTES = 32
+_GCM_NONCE_BYTES = 12
+_MAX_OPENED_TICKETS = 4096
+MAX_HELLO_SKEW_S = 86400.0
+
+
+def digest(data: bytes | memoryview) -> bytes:
+    """SHA-256 of a body (or of a stream's header frame)."""
+    return hashlib.sha256(data).digest()
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    # Each part length-prefixed, so no two part lists make the same message; one-shot HMAC.
+    message = b"".join(len(part).to_bytes(4, "little") + part for part in parts)
+    return hmac.digest(key, message, "sha256")
+
+
+def _x25519_raw(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def _derive_key(
+    shared: bytes, salt: bytes, caller: str, node: str, caller_eph: bytes, node_eph: bytes
+) -> bytes:
+    info = _SESSION_INFO + bytes.fromhex(caller) + bytes.fromhex(node) + caller_eph + node_eph
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt or None, info=info)
+    return hkdf.derive(shared)
+
+
+def _hello_signed_bytes(peer: str, eph: bytes, ts: float, nonce: bytes) -> bytes:
+    return pack([HELLO_TAG, peer, eph, ts, nonce])
+
+
+def _reply_signed_bytes(reply: HelloReply, caller_eph: bytes, nonce: bytes) -> bytes:
+    return pack(
+        [HELLO_REPLY_TAG, reply.peer, reply.eph, caller_eph, nonce, digest(reply.ticket),
+         reply.lifetime_s, reply.now]
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HelloRequest:
+    """A parsed, not yet verified ``/v2/hello`` body."""
+
+    peer: str
+    eph: bytes
+    ts: float
+    nonce: bytes
+    sig: bytes
+
+    @classmethod
+    def parse(cls, obj: object) -> HelloRequest:
+        """Check types and sizes; raises BadMessageError."""
+        if not isinstance(obj, dict) or set(obj) != {"v", "peer", "eph", "ts", "nonce", "sig"}:
+            raise BadMessageError("hello must be {v, peer, eph, ts, nonce, sig}")
+        if obj["v"] != PROTOCOL_VERSION or isinstance(obj["v"], bool):
+            raise BadMessageError(f"hello protocol version must be {PROTOCOL_VERSION}")
+        hello = cls(obj["peer"], obj["eph"], obj["ts"], obj["nonce"], obj["sig"])
+        if not is_peer_id(hello.peer):
+            raise BadMessageError("hello names no valid peer id")
+        _check_bytes(hello.eph, KEY_BYTES, "eph")
+        _check_bytes(hello.nonce, NONCE_BYTES, "nonce")
+        _check_bytes(hello.sig, 64, "sig")
+        if not isinstance(hello.ts, float) or not math.isfinite(hello.ts):
+            raise BadMessageError("hello ts must be a finite float")
+        return hello
+
+    def to_wire(self) -> dict:
+        return {
+            "v": PROTOCOL_VERSION,
+            "peer": self.peer,
+            "eph": self.eph,
+            "ts": self.ts,
+            "nonce": self.nonce,
+            "sig": self.sig,
+        }
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    """A parsed, not yet verified answer to ``/v2/hello``."""
+
+    peer: str
+    eph: bytes
+    ticket: bytes
+    lifetime_s: float
+    now: float
+    sig: bytes
+
+    @classmethod
+    def parse(cls, obj: object, max_ticket_bytes: int = 512) -> HelloReply:
+        """Check types and sizes; raises BadMessageError."""
+        fields = ("peer", "eph", "ticket", "lifetime_s", "now", "sig")
+        if not isinstance(obj, dict) or set(obj) != set(fields):
+            raise BadMessageError("hello reply must be {peer, eph, ticket, lifetime_s, now, sig}")
+        reply = cls(*(obj[name] for name in fields))
+        if not is_peer_id(reply.peer):
+            raise BadMessageError("hello reply names no valid peer id")
+        _check_bytes(reply.eph, KEY_BYTES, "eph")
+        _check_bytes(reply.sig, 64, "sig")
+        if not isinstance(reply.ticket, bytes) or not 0 < len(reply.ticket) <= max_ticket_bytes:
+            raise BadMessageError("hello reply ticket must be bytes")
+        lifetime = reply.lifetime_s
+        if not isinstance(lifetime, float) or not 0 < lifetime <= 86400 * 7:
+            raise BadMessageError("hello reply lifetime_s must be a float in (0, 1 week]")
+        if not isinstance(reply.now, float) or not math.isfinite(reply.now):
+            raise BadMessageError("hello reply now must be a finite float")
+        return reply
+
+    def to_wire(self) -> dict:
+        return {
+            "peer": self.peer,
+            "eph": self.eph,
+            "ticket": self.ticket,
+            "lifetime_s": self.lifetime_s,
+            "now": self.now,
+            "sig": self.sig,
+        }
+
+
+def _check_bytes(value: object, length: int, name: str) -> None:
+    if not isinstance(value, bytes) or len(value) != length:
+        raise BadMessageError(f"{name} must be {length} bytes")
+
+
+@dataclass(frozen=True)
+class Session:
+    """The caller's side of a session with one node.
+
+    Attributes:
+        peer_id: the node's proven peer id.
+        key: the session key (32 bytes).
+        ticket: the opaque ticket to present, as it travels in ``x-vp-ticket``.
+        renew_at_s: when (``time.monotonic``) to make a new session before this one expires.
+        clock_offset_s: the node's wall clock minus this one's, in seconds (requests are
+            stamped with the node's time).
+    """
+
+    peer_id: str
+    key: bytes
+    ticket: str
+    renew_at_s: float
+    clock_offset_s: float = 0.0
+
+
+class PendingHello:
+    """A caller's hello in flight: the ephemeral key stays here until the reply arrives."""
+
+    def __init__(self, identity: PeerIdentity):
+        self._identity = identity
+        self._eph = X25519PrivateKey.generate()
+        eph_raw = _x25519_raw(self._eph)
+        ts = round(time.time(), 3)
+        nonce = os.urandom(NONCE_BYTES)
+        sig = identity.sign(_hello_signed_bytes(identity.peer_id, eph_raw, ts, nonce))
+        self.request = HelloRequest(identity.peer_id, eph_raw, ts, nonce, sig)
+
+    def finish(self, reply_obj: object, *, swarm_key: bytes | None) -> Session:
+        """Check the node's reply and derive the session.
+
+        Raises:
+            BadMessageError: the reply is malformed.
+            AuthError: its signature does not verify.
+        """
+        reply = HelloReply.parse(reply_obj)
+        signed = _reply_signed_bytes(reply, self.request.eph, self.request.nonce)
+        if not verify(reply.peer, signed, reply.sig):
+            raise AuthError("hello reply signature does not verify")
+        try:
+            shared = self._eph.exchange(X25519PublicKey.from_public_bytes(reply.eph))
+        except ValueError as e:  # a low-order point: no shared secret
+            raise AuthError(f"hello reply key unusable: {e}") from None
+        key = _derive_key(
+            shared, swarm_key or b"", self._identity.peer_id, reply.peer, self.request.eph,
+            reply.eph,
+        )  # fmt: skip
+        # Renew at 80% of the lifetime: a request never meets a ticket expiring on its way.
+        renew_at_s = time.monotonic() + 0.8 * reply.lifetime_s
+        ticket = base64.urlsafe_b64encode(reply.ticket).decode()
+        # The node read its clock about half way between our hello and its reply.
+        offset_s = reply.now - (self.request.ts + time.time()) / 2
+        return Session(reply.peer, key, ticket, renew_at_s, offset_s)
+
+
+@dataclass(frozen=True)
+class ProvenCaller:
+    """What a node learns from a valid ticket: who the caller is and the key it shares."""
+
+    peer_id: str
+    key: bytes
+
+
+class SessionIssuer:
+    """The node's side: answers hellos and opens the tickets of later requests.
+
+    Args:
+        identity: this node's key pair (signs hello replies).
+        swarm_key: the swarm key, or None; mixed into every session key.
+        lifetime_s: how long a ticket is good for, in seconds.
+        max_hello_skew_s: how far a hello's timestamp may be from this node's clock, in seconds
+            (a sanity bound: a replayed hello gets nothing, see the module's docstring).
+    """
+
+    def __init__(
+        self,
+        identity: PeerIdentity,
+        *,
+        swarm_key: bytes | None,
+        lifetime_s: float,
+        max_hello_skew_s: float = MAX_HELLO_SKEW_S,
+    ):
+        self._identity = identity
+        self._swarm_key = swarm_key or b""
+        self.lifetime_s = lifetime_s
+        self.max_hello_skew_s = max_hello_skew_s
+        self._sealer = AESGCM(AESGCM.generate_key(bit_length=256))
+        # Tickets opened lately: a caller presents the same one on every request.
+        self._opened: OrderedDict[str, tuple[ProvenCaller, float]] = OrderedDict()
+
+    def check_hello(self, hello: HelloRequest, now_s: float | None = None) -> None:
+        """Raise AuthError unless the hello is fresh and signed by the peer it names."""
+        now_s = time.time() if now_s is None else now_s
+        if abs(now_s - hello.ts) > self.max_hello_skew_s:
+            raise AuthError(f"stale hello: timestamp {abs(now_s - hello.ts):.0f} s from now")
+        signed = _hello_signed_bytes(hello.peer, hello.eph, hello.ts, hello.nonce)
+        if not verify(hello.peer, signed, hello.sig):
+            raise AuthError("hello signature does not verify")
+
+    def answer(self, hello: HelloRequest) -> HelloReply:
+        """A session for a checked hello: the reply to send back."""
+        eph = X25519PrivateKey.generate()
+        eph_raw = _x25519_raw(eph)
+        try:
+            shared = eph.exchange(X25519PublicKey.from_public_bytes(hello.eph))
+        except ValueError as e:
+            raise AuthError(f"hello key unusable: {e}") from None
+        me = self._identity.peer_id
+        key = _derive_key(shared, self._swarm_key, hello.peer, me, hello.eph, eph_raw)
+        expires_s = time.monotonic() + self.lifetime_s
+        plain = bytes.fromhex(hello.peer) + key + int(expires_s * 1000).to_bytes(8, "little")
+        gcm_nonce = os.urandom(_GCM_NONCE_BYTES)
+        ticket = gcm_nonce + self._sealer.encrypt(gcm_nonce, plain, _TICKET_AAD)
+        reply = HelloReply(me, eph_raw, ticket, float(self.lifetime_s), time.time(), b"")
+        signed = _reply_signed_bytes(reply, hello.eph, hello.nonce)
+        return dataclasses.replace(reply, sig=self._identity.sign(signed))
+
+    def open_ticket(self, ticket: str) -> ProvenCaller:
+        """The caller a ticket was issued to.
+
+        Raises:
+            AuthError: the ticket is malformed, was not issued by this process, or expired.
+        """
+        opened = self._opened.get(ticket)
+        if opened is None:
+            opened = self._open(ticket)
+            self._opened[ticket] = opened
+            if len(self._opened) > _MAX_OPENED_TICKETS:
+                self._opened.popitem(last=False)
+        caller, expires_s = opened
+        if time.monotonic() > expires_s:
+            raise AuthError("unknown session: ticket expired")
+        return caller
+
+    def _open(self, ticket: str) -> tuple[ProvenCaller, float]:
+        try:
+            raw = base64.urlsafe_b64decode(ticket.encode("ascii"))
+        except (ValueError, UnicodeEncodeError):
+            raise AuthError("unknown session: malformed ticket") from None
+        try:
+            plain = self._sealer.decrypt(
+                raw[:_GCM_NONCE_BYTES], raw[_GCM_NONCE_BYTES:], _TICKET_AAD
+            )
+        except (InvalidTag, ValueError):
+            raise AuthError("unknown session: ticket not issued by this node") from None
+        if len(plain) != 32 + KEY_BYTES + 8:
+            raise AuthError("unknown session: malformed ticket")
+        expires_s = int.from_bytes(plain[-8:], "little") / 1000
+        return ProvenCaller(plain[:32].hex(), plain[32 : 32 + KEY_BYTES]), expires_s
+
+
+def request_mac(key: bytes, method: str, path: str, body_digest: bytes, ts: str, nonce: str) -> str:
+    """The MAC of one request under a session key (hex)."""
+    parts = (b"request", method.encode(), path.encode(), body_digest, ts.encode(), nonce.encode())
+    return _mac(key, *parts).hex()
+
+
+def response_mac(key: bytes, nonce: str, status: int, body_digest: bytes) -> str:
+    """The MAC of the answer to the request with ``nonce`` (hex)."""
+    return _mac(key, b"response", nonce.encode(), str(status).encode(), body_digest).hex()
+
+
+def macs_equal(expected_hex: str, given_hex: str) -> bool:
+    return hmac.compare_digest(expected_hex.encode(), given_hex.encode("ascii", "replace"))
+
+
+def new_nonce() -> str:
+    """A request nonce: 16 random bytes as 32 hex characters."""
+    return os.urandom(NONCE_BYTES).hex()

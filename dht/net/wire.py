@@ -1,0 +1,97 @@
+"""Wire formats: msgpack control messages under limits, and the frame format of binary streams.
+
+Control messages are msgpack. Decoding is bounded: msgpack's own per-container limits cap string,
+binary, array and map lengths; nesting depth is checked after decoding (the body size is already
+capped, so the walk is cheap). Nothing is ever unpickled.
+
+A stream body is a sequence of frames, each ``[kind: u8][length: u32 LE][payload][tag]`` where the
+tag is a 16-byte truncated HMAC when the swarm has a key (see :mod:`dht.net.auth`) and absent
+otherwise. The first frame of each direction is a msgpack header; binary frames follow; an error
+frame ends a stream early with a reason.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from dht.errors import BadMessageError, ConfigError
+
+FRAME_HEADER = struct.Struct("<BI")
+FRAME_MSG = 1  # msgpack payload (the first frame of each direction)
+FRAME_BIN = 2  # raw bytes (a chunk of a tensor, say)
+FRAME_ERROR = 3  # msgpack {"reason": str}; the sender gives up on this stream
+
+
+@dataclass(frozen=True, kw_only=True)
+class MessageLimits:
+    """Bounds on what a node accepts from the network.
+
+    Attributes:
+        max_body_bytes: largest RPC request or response body, in bytes.
+        max_chunk_bytes: largest payload of one stream frame, in bytes.
+        max_msgpack_depth: deepest nesting of msgpack containers accepted.
+        max_msgpack_len: most elements in one msgpack array or map, and most bytes in one
+            string or binary field (also bounded by ``max_body_bytes``).
+    """
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_chunk_bytes: int = 8 * 1024 * 1024
+    max_msgpack_depth: int = 16
+    max_msgpack_len: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_chunk_bytes", "max_msgpack_depth", "max_msgpack_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def pack(obj: Any) -> bytes:
+    """Serialize a control message (dicts, lists, str, bytes, numbers, None, bool)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes | memoryview, limits: MessageLimits) -> Any:
+    """Deserialize a control message received from the network.
+
+    Raises:
+        BadMessageError: truncated or invalid msgpack, trailing bytes, or a limit exceeded.
+    """
+    if len(data) > limits.max_body_bytes:
+        raise BadMessageError(f"message of {len(data)} bytes exceeds {limits.max_body_bytes}")
+    n = limits.max_msgpack_len
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=False,
+            max_str_len=min(n * 64, limits.max_body_bytes),
+            max_bin_len=limits.max_body_bytes,
+            max_array_len=n,
+            max_map_len=n,
+            max_ext_len=0,
+        )
+    except msgpack.ExtraData as e:
+        raise BadMessageError("trailing bytes after msgpack message") from e
+    except (ValueError, msgpack.UnpackException, RecursionError, TypeError) as e:
+        raise BadMessageError(f"malformed msgpack: {e}") from e
+    _check_depth(obj, limits.max_msgpack_depth)
+    return obj
+
+
+def _check_depth(obj: Any, max_depth: int) -> None:
+    stack = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > max_depth:
+            raise BadMessageError(f"msgpack nesting deeper than {max_depth}")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))

@@ -1,0 +1,251 @@
+"""The relay's side: peers that others cannot reach attach here, and requests reach them through it.
+
+``GET /v2/relay-attach`` is authenticated like any request after the handshake (the session's
+headers, :meth:`dht.net.server.HttpServer.authenticate`) and upgrades to a WebSocket: the tunnel
+(:mod:`dht.reach.relay_mux`) of the proven peer id, so a peer can attach only under its own id (a
+new attach under that id replaces the old tunnel). A request to ``/v2/relay/{peer_id}/{path}`` is
+forwarded through that tunnel as it arrives, its answer streamed back, both ways at once; the relay
+forwards the caller's ``x-vp-*`` headers and bytes unchanged and holds no session key with either
+end, so it can read and forge nothing: the caller and the relayed peer check each other's MACs end
+to end (``path`` is the logical ``/v2/...`` path both sign).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+
+from aiohttp import web
+
+from dht.errors import TransportError
+from dht.identity import is_peer_id
+from dht.net.client import API_VERSION, TUNNEL_HEADER
+from dht.net.config import TransportConfig
+from dht.net.limits import peer_host
+from dht.net.server import HttpServer, Refused
+from dht.net.session import digest, response_mac
+from dht.reach.relay_mux import MAX_MESSAGE_BYTES, OPEN, Mux, MuxStream
+
+logger = logging.getLogger(__name__)
+
+ATTACH_PATH = f"/{API_VERSION}/relay-attach"
+RELAY_PREFIX = f"/{API_VERSION}/relay/"
+# What a relay forwards: the versioned API of the relayed peer, nothing else.
+_NAME = "[A-Za-z0-9._-]{1,64}"
+FORWARDED_PATH = re.compile(rf"/{API_VERSION}/(hello|info|rpc/{_NAME}|stream/{_NAME})")
+FORWARDED_HEADERS = ("content-type",)
+
+
+def forwarded_headers(headers) -> dict[str, str]:
+    """The headers a relay carries across: the proof (``x-vp-*``) and the content type; never
+    the tunnel's own mark (a caller cannot pass for the relayed node's tunnel)."""
+    return {
+        name.lower(): value
+        for name, value in headers.items()
+        if (name.lower().startswith("x-vp-") or name.lower() in FORWARDED_HEADERS)
+        and name.lower() != TUNNEL_HEADER
+    }
+
+
+class ByteRate:
+    """A token bucket of bytes that may go into debt: a large transfer is taken at once, and the
+    bucket is spent (new requests refused) until the rate has paid it back.
+
+    Args:
+        rate_per_s: bytes per second; the bucket holds one second of them.
+    """
+
+    def __init__(self, rate_per_s: float):
+        self.rate_per_s = rate_per_s
+        self._tokens = rate_per_s
+        self._last_s = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.rate_per_s, self._tokens + (now - self._last_s) * self.rate_per_s)
+        self._last_s = now
+
+    def spent(self) -> bool:
+        self._refill()
+        return self._tokens < 0
+
+    def take(self, num_bytes: int) -> float:
+        """Take ``num_bytes``; the seconds until the bucket is out of debt again."""
+        self._refill()
+        self._tokens -= num_bytes
+        return max(0.0, -self._tokens / self.rate_per_s)
+
+    async def pay(self, num_bytes: int) -> None:
+        """Take ``num_bytes`` and wait until the bucket is out of debt."""
+        wait_s = self.take(num_bytes)
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+
+
+class RelayService:
+    """The tunnels of the peers relayed here, and the forwarding of requests to them.
+
+    Args:
+        server: this node's server (authenticates attaches; its refusal middleware answers).
+        config: the relay's caps and timeouts (``max_relayed_*``, ``relay_heartbeat_s``).
+    """
+
+    def __init__(self, server: HttpServer, config: TransportConfig):
+        self.server = server
+        self.config = config
+        self.rate = ByteRate(config.max_relayed_bytes_per_s)
+        self._tunnels: dict[str, Mux] = {}
+        self.num_relayed_bytes = 0
+        self.num_attaches = 0
+        self._closed_reason: str | None = None
+
+    @property
+    def relayed_peers(self) -> list[str]:
+        """Peer ids attached here now."""
+        return list(self._tunnels)
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(ATTACH_PATH, self._handle_attach)
+        app.router.add_route("*", RELAY_PREFIX + "{peer_id}/{tail:.*}", self._handle_forward)
+
+    async def close(self, reason: str = "relay shutting down") -> None:
+        """Stop relaying: close every tunnel (their attach handlers return) and refuse new
+        attaches (503, ``reason``); safe twice."""
+        self._closed_reason = self._closed_reason or reason
+        tunnels = list(self._tunnels.values())
+        self._tunnels.clear()
+        await asyncio.gather(*(mux.close(reason) for mux in tunnels))
+
+    # ---- attach ------------------------------------------------------------------------------
+
+    async def _handle_attach(self, request: web.Request) -> web.StreamResponse:
+        proven = self.server.authenticate(request)
+        if proven.body_digest != digest(b""):
+            raise Refused(401, "an attach has an empty body: its digest must be of no bytes")
+        peer_id = proven.peer_id
+        if self._closed_reason is not None:
+            raise Refused(503, self._closed_reason)
+        if peer_id not in self._tunnels and len(self._tunnels) >= self.config.max_relayed_peers:
+            raise Refused(503, f"relay full: {self.config.max_relayed_peers} peers attached")
+        ws = web.WebSocketResponse(
+            heartbeat=self.config.relay_heartbeat_s, compress=False, max_msg_size=MAX_MESSAGE_BYTES
+        )
+        ws.headers["x-vp-peer"] = self.server.peer_id
+        ws.headers["x-vp-mac"] = response_mac(proven.key, proven.nonce, 101, digest(b""))
+        await ws.prepare(request)
+        mux = Mux(
+            ws,
+            idle_timeout_s=self.config.stream_idle_timeout_s,
+            write_timeout_s=self.config.stream_write_timeout_s,
+            max_streams=self.config.max_relayed_requests_per_peer,
+        )
+        old = self._tunnels.get(peer_id)
+        self._tunnels[peer_id] = mux
+        self.num_attaches += 1
+        logger.info("relaying for %s (%d peers attached)", peer_id[:8], len(self._tunnels))
+        if old is not None:
+            await old.close("replaced by a new attach of the same peer")
+        try:
+            await mux.run()
+        finally:
+            if self._tunnels.get(peer_id) is mux:
+                del self._tunnels[peer_id]
+            logger.info("stopped relaying for %s", peer_id[:8])
+        return ws
+
+    # ---- forwarding --------------------------------------------------------------------------
+
+    async def _handle_forward(self, request: web.Request) -> web.StreamResponse:
+        peer_id, path = request.match_info["peer_id"], "/" + request.match_info["tail"]
+        if not is_peer_id(peer_id):
+            raise Refused(404, "a relayed address is /v2/relay/{64 hex peer id}")
+        if request.method not in ("GET", "POST") or not FORWARDED_PATH.fullmatch(path):
+            raise Refused(404, f"a relay forwards only /{API_VERSION}/ requests to relayed peers")
+        mux = self._tunnels.get(peer_id)
+        if mux is None:
+            raise Refused(404, f"peer {peer_id[:16]} is not relayed here (not attached)")
+        hello = path == f"/{API_VERSION}/hello"
+        if hello and not self.server.hellos.allow(peer_host(request.transport)):
+            # the relayed node cannot tell its callers apart by address: the relay does
+            raise Refused(429, "too many handshakes from this address; slow down")
+        length = request.content_length
+        if length is not None and length > self.server.limits.max_body_bytes:
+            raise Refused(413, f"body of {length} bytes exceeds the limit")
+        if self.rate.spent():
+            raise Refused(
+                503, f"relay over its cap of {self.config.max_relayed_bytes_per_s:.0f} bytes/s"
+            )
+        if mux.num_streams >= mux.max_streams:
+            raise Refused(503, f"more than {mux.max_streams} relayed requests to this peer")
+        # A body of known length is paid at once (the bucket goes into debt and refuses others
+        # until it is paid back); streams pay chunk by chunk.
+        wait_s = self.rate.take(length) if length else 0.0
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+        try:
+            stream = mux.open()
+        except TransportError as e:
+            raise Refused(502, f"relayed peer went away: {e}") from None
+        try:
+            return await self._relay(request, stream, path, pay_up=length is None)
+        finally:
+            await stream.close("the caller's request ended")
+
+    async def _relay(
+        self, request: web.Request, stream: MuxStream, path: str, *, pay_up: bool
+    ) -> web.StreamResponse:
+        opening = {"m": request.method, "p": path, "h": forwarded_headers(request.headers)}
+        up: asyncio.Task | None = None
+        response: web.StreamResponse | None = None
+        try:
+            await stream.write_message(OPEN, opening)  # before any DATA of the body
+            up = asyncio.create_task(self._pump_up(request, stream, pay_up))
+            head = await stream.read_message()
+            response = web.StreamResponse(status=_status(head), headers=_headers(head))
+            await response.prepare(request)
+            while (chunk := await stream.read()) is not None:
+                self.num_relayed_bytes += len(chunk)
+                await self.rate.pay(len(chunk))
+                async with asyncio.timeout(self.config.stream_write_timeout_s):
+                    await response.write(chunk)
+            await response.write_eof()
+            return response
+        except (TransportError, TimeoutError, ConnectionError) as e:
+            if response is None:
+                raise Refused(502, f"relayed peer did not answer: {e}") from None
+            if request.transport is not None:
+                request.transport.abort()  # the caller sees a cut answer, not a short one
+            return response
+        finally:
+            if up is not None:
+                up.cancel()
+                await asyncio.gather(up, return_exceptions=True)
+
+    async def _pump_up(self, request: web.Request, stream: MuxStream, pay: bool) -> None:
+        try:
+            async for chunk in request.content.iter_any():
+                self.num_relayed_bytes += len(chunk)
+                if pay:
+                    await self.rate.pay(len(chunk))
+                await stream.write(chunk)
+            await stream.end()
+        except Exception as e:  # whatever cut the caller's body, the relayed peer must hear it
+            await stream.reset(f"caller's request failed: {e}")
+
+
+def _status(head: dict) -> int:
+    status = head.get("s")
+    if type(status) is not int or not 100 <= status <= 599 or status == 101:
+        raise TransportError(f"relayed peer answered a bad status {status!r}")
+    return status
+
+
+def _headers(head: dict) -> dict[str, str]:
+    headers = head.get("h")
+    if not isinstance(headers, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+    ):
+        raise TransportError("relayed peer answered malformed headers")
+    return forwarded_headers(headers)

@@ -1,0 +1,505 @@
+"""DHTNode behaviour over the in-memory transport: replication, expiration, dictionaries,
+validation, client mode, failures, cache and maintenance."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dht.config import DHTConfig
+from dht.errors import (
+    BadMessageError,
+    ConfigError,
+    RemoteError,
+    RequestTimeoutError,
+    TransportError,
+    ValidationError,
+)
+from dht.identity import PeerIdentity
+from dht.kademlia.node import DHTNode, ValueWithExpiration, get_dht_time
+from dht.kademlia.routing import DHTID, MAX_ID, PeerInfo
+from dht.kademlia.storage import Record
+from dht.kademlia.validation import owner_subkey, sign_record, signed_bytes
+from dht.net.wire import pack
+from dht.tools.memory import LatencyModel, MemoryNetwork, MemoryTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+
+def holders(swarm, key) -> set[str]:
+    key_id = DHTID.from_key(key)
+    return {node.peer_id for node in swarm.nodes if node.storage.get(key_id) is not None}
+
+
+def closest(swarm, key, count: int) -> set[str]:
+    key_id = DHTID.from_key(key)
+    ranked = sorted(swarm.nodes, key=lambda n: n.node_id ^ key_id)
+    return {node.peer_id for node in ranked[:count]}
+
+
+def farthest(swarm, key):
+    """The node least likely to hold ``key``: no replica, not even a stray copy."""
+    key_id = DHTID.from_key(key)
+    return max(swarm.nodes, key=lambda n: n.node_id ^ key_id)
+
+
+async def eventually(predicate, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+
+
+async def test_values_of_every_kind_are_found_from_every_node(memory_swarm):
+    swarm = await memory_swarm(20)
+    values = {
+        "dict": {"epoch": 3, "peers": ["a", "b"], "nested": {"x": 1.5}},
+        "list": [1, 2, [3, None, True]],
+        "str": "héllo",
+        b"bytes-key": b"\x00\x01\xff",
+        "int": -(2**40),
+        "float": 0.25,
+    }
+    expiration = get_dht_time() + 60
+    for i, (key, value) in enumerate(values.items()):
+        assert await swarm.nodes[i].store(key, value, expiration)
+    for node in swarm.nodes:
+        for key, value in values.items():
+            found = await node.get(key)
+            assert found == ValueWithExpiration(value, expiration), (node, key)
+    missing = await swarm.nodes[0].get_outcome("never stored")
+    assert missing.value is None and missing.reason == "not found" and missing.num_queried > 0
+
+
+async def test_store_replicates_to_the_k_closest(memory_swarm):
+    swarm = await memory_swarm(24, config=DHTConfig(bucket_size=5, rpc_timeout_s=2.0))
+    for i in range(10):
+        key = f"replicated-{i}"
+        outcome = await swarm.nodes[i].store_outcome(key, i, get_dht_time() + 60)
+        assert outcome.ok and outcome.num_accepted == outcome.num_targets == 5
+        # Every one of the 5 closest holds it. A store sent to the best candidate known at the
+        # time may leave a stray copy just beyond them when a closer node turns up meanwhile.
+        assert closest(swarm, key, 5) <= holders(swarm, key) <= closest(swarm, key, 10)
+
+
+async def test_single_node_stores_and_gets_locally(memory_swarm):
+    swarm = await memory_swarm(1)
+    node = swarm.nodes[0]
+    assert await node.store("alone", [1], get_dht_time() + 60)
+    outcome = await node.get_outcome("alone")
+    assert outcome.source == "local" and outcome.value.value == [1]
+    assert (await node.get("alone", latest=True)).value == [1]
+
+
+async def test_dictionary_subkeys_from_writers_and_replicas_merge(memory_swarm):
+    swarm = await memory_swarm(16)
+    expiration = get_dht_time() + 60
+    for i, writer in enumerate(swarm.nodes[:4]):
+        assert await writer.store("dict", {"n": i}, expiration + i, subkey=f"w{i}")
+    expected = {f"w{i}": ValueWithExpiration({"n": i}, expiration + i) for i in range(4)}
+    for reader in swarm.nodes:
+        found = await reader.get("dict")
+        assert found == ValueWithExpiration(expected, expiration + 3)
+
+    # Two replicas each hold a subkey the other lacks: a latest read merges both.
+    key_id = DHTID.from_key("split")
+    reader = swarm.nodes[-1]
+    replicas = [n for n in swarm.nodes if n is not reader]
+    replicas.sort(key=lambda n: n.node_id ^ key_id)
+    replicas[0].storage.store(key_id, Record(pack("a"), expiration), "a")
+    replicas[1].storage.store(key_id, Record(pack("b"), expiration), "b")
+    found = await reader.get("split", latest=True)
+    assert set(found.value) == {"a", "b"}
+    assert found.value["b"] == ValueWithExpiration("b", expiration)
+
+
+async def test_expired_values_disappear_everywhere(memory_swarm):
+    clock = FakeClock()
+    swarm = await memory_swarm(10, clock=clock)
+    writer, reader = swarm.nodes[0], swarm.nodes[-1]
+    assert await writer.store("short", "gone soon", clock.now + 10)
+    assert await writer.store("long", "stays", clock.now + 100)
+    assert (await reader.get("short")).value == "gone soon"  # now cached by the reader too
+    clock.now += 11
+    assert await reader.get("short") is None
+    assert await reader.get("short", latest=True) is None
+    assert (await reader.get("long")).value == "stays"
+    for node in swarm.nodes:
+        node.storage.purge_expired()
+        assert node.storage.get(DHTID.from_key("short")) is None
+    assert holders(swarm, "short") == set()
+    assert await writer.store("short", "too late", clock.now - 1) is False
+
+
+async def test_newer_expiration_wins_and_older_is_ignored(memory_swarm):
+    swarm = await memory_swarm(12)
+    now = get_dht_time()
+    a, b, reader = swarm.nodes[0], swarm.nodes[5], swarm.nodes[11]
+    assert await a.store("versioned", "v1", now + 100)
+    assert not await b.store("versioned", "older", now + 50), "every replica refuses it"
+    assert (await reader.get("versioned", latest=True)).value == "v1"
+    assert await b.store("versioned", "v2", now + 200)
+    assert await reader.get("versioned", latest=True) == ValueWithExpiration("v2", now + 200)
+
+    # A plain value and a dictionary under one key: the newer expiration wins.
+    assert await a.store("mixed", "plain", now + 100)
+    assert not await b.store("mixed", "sub", now + 90, subkey="s")
+    assert await b.store("mixed", "sub", now + 150, subkey="s")
+    found = await reader.get("mixed", latest=True)
+    assert found.value == {"s": ValueWithExpiration("sub", now + 150)}
+    assert await a.store("mixed", "plain again", now + 300)
+    assert (await reader.get("mixed", latest=True)).value == "plain again"
+
+
+async def test_value_limits_are_enforced(memory_swarm):
+    swarm = await memory_swarm(3, config=DHTConfig(max_value_bytes=100, rpc_timeout_s=2.0))
+    node = swarm.nodes[0]
+    with pytest.raises(BadMessageError, match="max_value_bytes"):
+        await node.store("big", b"x" * 200, get_dht_time() + 60)
+    with pytest.raises(BadMessageError, match="packed"):
+        await node.store("odd", object(), get_dht_time() + 60)
+    # A replica refuses an oversized value sent by a node configured differently.
+    big = Record(b"\xc4\xc8" + b"x" * 200, get_dht_time() + 60)
+    payload = {"addr": None, "records": [[DHTID.from_key("big").to_raw(), None,
+                                          big.value_bytes, big.expiration_time, None]]}  # fmt: skip
+    with pytest.raises(RemoteError) as refused:
+        await swarm.nodes[1].transport.call(node.address, "dht.store", payload)
+    assert refused.value.status == 400
+
+
+def _store_payload(key: str, subkey, record: Record) -> dict:
+    raw_key = DHTID.from_key(key).to_raw()
+    return {
+        "addr": None,
+        "records": [[raw_key, subkey, record.value_bytes, record.expiration_time,
+                     record.signature]],
+    }  # fmt: skip
+
+
+async def test_owner_subkeys_are_signed_and_only_the_owner_writes_them(memory_swarm):
+    swarm = await memory_swarm(12)
+    alice, mallory, reader = swarm.nodes[0], swarm.nodes[1], swarm.nodes[-1]
+    subkey = owner_subkey(alice.peer_id)
+    now = get_dht_time()
+    assert await alice.store("progress", {"epoch": 1}, now + 100, subkey=subkey)
+    found = await reader.get("progress", latest=True)
+    assert found.value == {subkey: ValueWithExpiration({"epoch": 1}, now + 100)}
+
+    # Through its own node, mallory cannot even try.
+    assert not await mallory.store("progress", {"epoch": 99}, now + 500, subkey=subkey)
+    # Sent raw, a forged record is refused by every replica with 422.
+    value = pack({"epoch": 99})
+    key_id = DHTID.from_key("progress")
+    forged = Record(
+        value, now + 500, mallory.identity.sign(signed_bytes(key_id, subkey, value, now + 500))
+    )
+    for replica in swarm.nodes:
+        if replica is mallory:
+            continue
+        with pytest.raises(RemoteError) as refused:
+            await mallory.transport.call(
+                replica.address, "dht.store", _store_payload("progress", subkey, forged)
+            )
+        assert refused.value.status == 422
+    # A genuine record of alice's, signed for another key, is refused as well.
+    moved = sign_record(alice.identity, DHTID.from_key("other"), subkey, value, now + 500)
+    with pytest.raises(RemoteError) as refused:
+        await mallory.transport.call(
+            reader.address, "dht.store", _store_payload("progress", subkey, moved)
+        )
+    assert refused.value.status == 422
+    found = await reader.get("progress", latest=True)
+    assert found.value[subkey].value == {"epoch": 1}
+
+
+async def test_replayed_old_record_is_refused(memory_swarm):
+    swarm = await memory_swarm(10)
+    alice, mallory, reader = swarm.nodes[0], swarm.nodes[1], swarm.nodes[-1]
+    subkey = owner_subkey(alice.peer_id)
+    key_id = DHTID.from_key("state")
+    now = get_dht_time()
+    assert await alice.store("state", "epoch 1", now + 100, subkey=subkey)
+    holder = next(n for n in swarm.nodes if n.storage.get(key_id))
+    old = holder.storage.get(key_id)[subkey]
+    assert await alice.store("state", "epoch 2", now + 200, subkey=subkey)
+    newer = [n for n in swarm.nodes if (n.storage.get(key_id) or {}).get(subkey, old) != old]
+    assert len(newer) == len(swarm.nodes)  # 10 nodes, 20 replicas: every node holds it
+    for replica in newer:
+        if replica is mallory:
+            continue
+        answer = await mallory.transport.call(
+            replica.address, "dht.store", _store_payload("state", subkey, old)
+        )
+        assert answer["accepted"] == [False]
+    found = await reader.get("state", latest=True)
+    assert found.value[subkey] == ValueWithExpiration("epoch 2", now + 200)
+
+
+async def test_reader_drops_records_that_fail_validation(memory_swarm):
+    swarm = await memory_swarm(8)
+    reader = swarm.nodes[0]
+    victim = PeerIdentity.generate()
+    subkey = owner_subkey(victim.peer_id)
+    key_id = DHTID.from_key("poisoned")
+    now = get_dht_time()
+    # Replicas that skipped validation (compromised): they hold a forged record and a good one.
+    for node in swarm.nodes[1:]:
+        node.storage.store(key_id, Record(pack("forged"), now + 100, b"\x01" * 64), subkey)
+        node.storage.store(key_id, Record(pack("free"), now + 100), "free")
+    found = await reader.get("poisoned", latest=True)
+    assert found.value == {"free": ValueWithExpiration("free", now + 100)}
+
+
+async def test_client_mode_node_stores_and_gets_through_others(memory_swarm):
+    swarm = await memory_swarm(10)
+    client = await swarm.add(client_mode=True)
+    swarm.nodes.remove(client)  # keep the server nodes apart for the checks below
+    try:
+        assert client.address is None
+        now = get_dht_time()
+        assert await client.store("from-client", "hi", now + 60)
+        assert holders(swarm, "from-client") == closest(swarm, "from-client", 20)
+        assert (await swarm.nodes[3].get("from-client")).value == "hi"
+        assert await swarm.nodes[3].store("to-client", "hello", now + 60)
+        assert (await client.get("to-client")).value == "hello"
+        assert client.num_known_peers > 0 and len(client.storage) == 0
+        for node in swarm.nodes:
+            assert client.node_id not in node.routing
+    finally:
+        await client.close()
+        await client.transport.close()
+
+
+async def test_dead_nodes_are_dropped_and_lookups_go_on(memory_swarm):
+    swarm = await memory_swarm(24, config=DHTConfig(bucket_size=8, rpc_timeout_s=2.0))
+    now = get_dht_time()
+    for i in range(10):
+        assert await swarm.nodes[i].store(f"churn-{i}", i, now + 60)
+    reader = swarm.nodes[-1]
+    for node in swarm.nodes[:8]:
+        await swarm.kill(node)
+    dead = {node.node_id for node in swarm.killed}
+    num_dead_known = sum(node_id in reader.routing for node_id in dead)
+    for i in range(10):
+        assert (await reader.get(f"churn-{i}", latest=True)).value == i
+    assert sum(node_id in reader.routing for node_id in dead) < max(1, num_dead_known)
+
+
+async def test_network_failure_gives_none_and_false_not_exceptions(memory_swarm):
+    swarm = await memory_swarm(4)
+    client = await swarm.add(client_mode=True)
+    for node in list(swarm.nodes):
+        if node is not client:
+            await swarm.kill(node)
+    assert await client.get("anything") is None
+    failed = await client.get_outcome("anything")
+    assert failed.value is None and failed.reason in ("no node answered", "no known peers")
+    outcome = await client.store_outcome("anything", 1, get_dht_time() + 60)
+    assert not outcome.ok and outcome.reason
+    assert client.num_known_peers == 0
+
+
+async def test_cache_answers_recent_reads_and_latest_bypasses_it(memory_swarm):
+    swarm = await memory_swarm(12, config=DHTConfig(bucket_size=4, rpc_timeout_s=2.0))
+    key_id = DHTID.from_key("cached")
+    reader = farthest(swarm, "cached")
+    writer = next(n for n in swarm.nodes if n is not reader)
+    now = get_dht_time()
+    assert await writer.store("cached", "v1", now + 100)
+    first = await reader.get_outcome("cached")
+    assert first.source == "network" and first.hops >= 1 and first.value.value == "v1"
+    assert (await reader.get_outcome("cached")).source == "cache"
+    assert await writer.store("cached", "v2", now + 200)
+    assert (await reader.get("cached")).value == "v1", "a recent read may answer"
+    assert (await reader.get("cached", latest=True)).value == "v2"
+    assert reader.storage.get(key_id) is None
+    # A store from the reader itself invalidates what it cached.
+    assert await reader.store("cached", "v3", now + 300)
+    assert (await reader.get("cached")).value == "v3"
+
+
+async def test_cache_entries_age_out(memory_swarm):
+    config = DHTConfig(bucket_size=4, cache_max_age_s=0.05, rpc_timeout_s=2.0)
+    swarm = await memory_swarm(10, config=config)
+    reader = farthest(swarm, "aging")
+    assert await swarm.nodes[0].store("aging", 1, get_dht_time() + 100)
+    assert (await reader.get_outcome("aging")).source == "network"
+    await asyncio.sleep(0.2)
+    assert (await reader.get_outcome("aging")).source == "network"
+
+
+async def test_bootstrap_fills_routing_and_bad_initial_peers_raise(memory_swarm):
+    swarm = await memory_swarm(15)
+    assert all(node.num_known_peers >= 10 for node in swarm.nodes)
+    identity = PeerIdentity.generate()
+    transport = MemoryTransport(swarm.network, identity.peer_id)
+    node = DHTNode(
+        transport=transport,
+        identity=identity,
+        config=DHTConfig(initial_peers=["mem://nobody"], bootstrap_timeout_s=1.0),
+    )
+    await transport.start()
+    with pytest.raises(TransportError, match="initial peers"):
+        await node.start()
+    await node.close()
+    await transport.close()
+
+
+def _far_identities(own_id: int, count: int) -> list[PeerIdentity]:
+    """Identities whose node ids lie in the half of the id space that ``own_id`` is not in."""
+    found = []
+    while len(found) < count:
+        identity = PeerIdentity.generate()
+        if (DHTID.from_peer_id(identity.peer_id) ^ own_id) >= MAX_ID // 2:
+            found.append(identity)
+    return found
+
+
+@pytest.mark.parametrize("oldest_alive", [True, False])
+async def test_full_bucket_pings_its_oldest_node(oldest_alive):
+    network = MemoryNetwork()
+    config = DHTConfig(bucket_size=2, liveness_check_after_s=0.0, rpc_timeout_s=2.0)
+    owner = PeerIdentity.generate()
+    own_node_id = DHTID.from_peer_id(owner.peer_id)
+    nodes = []
+    for identity in [owner, *_far_identities(own_node_id, 3)]:
+        transport = MemoryTransport(network, identity.peer_id)
+        nodes.append(DHTNode(transport=transport, identity=identity, config=config))
+        await transport.start()
+    a, oldest, middle, newcomer = nodes
+    try:
+        as_peer = [PeerInfo.of(n.peer_id, n.address) for n in nodes]
+        a.protocol.note_contact(as_peer[1])
+        a.protocol.note_contact(as_peer[2])
+        if not oldest_alive:
+            network.kill(oldest.address)
+        a.protocol.note_contact(as_peer[3])
+        bucket = a.routing.bucket_of(newcomer.node_id)
+        if oldest_alive:
+            await eventually(lambda: list(bucket.nodes)[-1] == oldest.node_id)
+            assert newcomer.node_id in bucket.replacements and newcomer.node_id not in a.routing
+        else:
+            await eventually(lambda: newcomer.node_id in a.routing)
+            assert oldest.node_id not in a.routing and middle.node_id in a.routing
+    finally:
+        for node in nodes:
+            await node.close()
+            await node.transport.close()
+
+
+async def test_republish_restores_values_on_the_closest_nodes(memory_swarm):
+    config = DHTConfig(bucket_size=4, republish_interval_s=0.2, rpc_timeout_s=2.0)
+    swarm = await memory_swarm(12, config=config)
+    key_id = DHTID.from_key("republished")
+    keeper = swarm.nodes[0]
+    record = Record(pack("kept"), get_dht_time() + 100)
+    keeper.storage.store(key_id, record)  # held by one node only, as after heavy churn
+    expected = closest(swarm, "republished", 4) | {keeper.peer_id}
+    await eventually(lambda: expected <= holders(swarm, "republished"))
+    for peer_id in expected:
+        node = next(n for n in swarm.nodes if n.peer_id == peer_id)
+        assert node.storage.get(key_id) == record
+
+
+async def test_refresh_looks_up_idle_buckets_and_purges(memory_swarm):
+    clock = FakeClock()
+    swarm = await memory_swarm(8, clock=clock)
+    node = swarm.nodes[0]
+    node.storage.store(1, Record(pack("x"), clock.now + 5))
+    clock.now += 10
+    num_sent = node.protocol.num_requests_sent
+    num_refreshed = await node.maintenance.refresh()
+    assert num_refreshed == 0 and len(node.storage) == 0
+    for bucket in node.routing.buckets:
+        bucket.last_updated_s -= node.config.refresh_interval_s
+    assert await node.maintenance.refresh() == len(node.routing.buckets)
+    assert node.protocol.num_requests_sent > num_sent
+
+
+async def test_close_is_safe_twice_and_async_with_works(memory_swarm):
+    swarm = await memory_swarm(2)
+    identity = PeerIdentity.generate()
+    transport = MemoryTransport(swarm.network, identity.peer_id)
+    node = DHTNode(
+        transport=transport, identity=identity, config=DHTConfig(initial_peers=swarm.urls)
+    )
+    async with transport:
+        async with node:
+            assert node.num_known_peers == 2
+            assert await node.store("ctx", 1, get_dht_time() + 10)
+        await node.close()
+        with pytest.raises(RemoteError) as refused:  # a closed node answers nothing useful
+            await swarm.nodes[0].transport.call(transport.address, "dht.ping", {"addr": None})
+        assert refused.value.status == 500
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("bucket_size", 0),
+        ("alpha", 0),
+        ("num_replicas", 0),
+        ("rpc_timeout_s", 0),
+        ("refresh_interval_s", -1),
+        ("cache_max_entries", -1),
+        ("max_value_bytes", 0),
+        ("initial_peers", ["localhost:80"]),
+        ("initial_peers", "http://a:1"),
+    ],
+)
+def test_config_errors_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        DHTConfig(**{field: value})
+
+
+def test_config_defaults():
+    config = DHTConfig(initial_peers=["http://127.0.0.1:1"])
+    assert config.num_replicas == config.bucket_size == 20 and config.alpha == 3
+    assert config.initial_peers == ("http://127.0.0.1:1",)
+
+
+async def test_memory_transport_behaves_like_the_wire():
+    network = MemoryNetwork()
+    alice, bob = PeerIdentity.generate(), PeerIdentity.generate()
+    client = MemoryTransport(network, alice.peer_id)
+    server = MemoryTransport(network, bob.peer_id)
+    seen = []
+
+    async def echo(ctx, payload):
+        seen.append(ctx.sender)
+        if payload == "refuse":
+            raise ValidationError("no")
+        return {"echo": payload}
+
+    server.add_rpc_handler("echo", echo)
+    async with client, server:
+        assert server.address.startswith("mem://")
+        assert await client.call(server.address, "echo", (1, b"x")) == {"echo": [1, b"x"]}
+        assert seen == [alice.peer_id]
+        assert client.counters.per_peer[bob.peer_id].sent > 0
+        with pytest.raises(RemoteError) as refused:
+            await client.call(server.address, "echo", "refuse")
+        assert refused.value.status == 422
+        with pytest.raises(RemoteError) as missing:
+            await client.call(server.address, "nothing", 1)
+        assert missing.value.status == 404
+        network.latency = LatencyModel(drop_probability=0.999)
+        with pytest.raises(RequestTimeoutError):
+            await client.call(server.address, "echo", 1, timeout_s=0.05)
+        network.latency = LatencyModel()
+        network.kill(server.address)
+        with pytest.raises(TransportError):
+            await client.call(server.address, "echo", 1)
+    with pytest.raises(NotImplementedError):
+        client.open_stream(server.address, "x", {})

@@ -1,0 +1,150 @@
+"""Bad input against a live node: a 4xx with a reason and one log line each; it serves on.
+
+The requests are made by hand (:class:`tests.adversarial.harness_net.WireClient`): a proven
+session, then a body that is malformed in one way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import aiohttp
+import pytest
+
+from dht.errors import RemoteError
+from dht.net.config import TransportConfig
+from dht.net.wire import FRAME_BIN, FRAME_HEADER, MessageLimits, pack
+from tests.adversarial.harness_net import WireClient
+
+pytestmark = pytest.mark.timeout(60)
+KEY = b"swarm-key-for-tests-0123456789"
+
+
+async def echo(ctx, payload):
+    return payload
+
+
+async def ok_stream(stream):
+    await stream.reply({"ok": True})
+    async for _ in stream:
+        pass
+
+
+def nested(depth: int) -> bytes:
+    return b"\x91" * depth + b"\x00"  # fixarray of one element, depth times
+
+
+RPC_CASES = {
+    "random bytes": (os.urandom(64), 400),
+    "truncated msgpack": (pack({"key": "x" * 50})[:-10], 400),
+    "deeply nested msgpack": (nested(500), 400),
+    "trailing garbage": (pack(1) + b"\x00", 400),
+    "body over the limit": (pack(b"x" * (70 * 1024)), 413),
+}
+
+
+@pytest.fixture
+async def node(make_transport):
+    limits = MessageLimits(max_body_bytes=64 * 1024, max_msgpack_depth=8)
+    return await make_transport(
+        TransportConfig(limits=limits), rpc={"echo": echo}, streams={"ok": ok_stream}
+    )
+
+
+@pytest.fixture
+async def client():
+    async with WireClient() as wire:
+        yield wire
+
+
+async def still_serves(client: WireClient, node) -> None:
+    answer = await client.rpc(node.address, "echo", pack({"still": "here"}))
+    assert answer.status == 200
+    assert answer.message() == {"still": "here"}
+
+
+def refusals(caplog) -> list[logging.LogRecord]:
+    return [
+        r for r in caplog.records if r.name == "dht.net.server" and r.levelno == logging.WARNING
+    ]
+
+
+@pytest.mark.parametrize("case", RPC_CASES)
+async def test_bad_rpc_bodies(node, client, case, caplog):
+    body, status = RPC_CASES[case]
+    answer = await client.rpc(node.address, "echo", body)
+    assert answer.status == status
+    assert answer.reason
+    assert answer.body.decode() == answer.reason
+    assert len(refusals(caplog)) == 1
+    await still_serves(client, node)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/nope", 404),
+        ("POST", "/v2/rpc/no_such_rpc", 404),
+        ("GET", "/v2/rpc/echo", 405),
+        ("POST", "/v2/rpc/echo", 401),  # no session
+        ("POST", "/v1/rpc/echo", 426),  # the unproven protocol of before
+    ],
+)
+async def test_bad_paths_methods_and_versions(node, client, method, path, status, caplog):
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, node.address + path, data=pack(1)) as resp:
+            assert resp.status == status
+            assert resp.headers["x-vp-error"]
+    assert len(refusals(caplog)) == 1
+    await still_serves(client, node)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [os.urandom(100), FRAME_HEADER.pack(FRAME_BIN, 4) + b"abcd", FRAME_HEADER.pack(1, 10**9)],
+    ids=["random bytes", "binary frame first", "frame over the limit"],
+)
+async def test_bad_stream_bodies(node, client, body):
+    answer = await client.stream(node.address, "ok", body, header={"any": 1})
+    assert answer.status == 400
+    assert answer.reason
+    await still_serves(client, node)
+
+
+async def test_swarm_key_refusals(make_transport, caplog):
+    server = await make_transport(TransportConfig(swarm_key=KEY), rpc={"echo": echo})
+    async with (
+        WireClient(swarm_key=KEY) as member,
+        WireClient() as outsider,
+        WireClient(swarm_key=b"another-key-0123456789") as stranger,
+    ):
+        for wire, reason in ((outsider, "missing swarm MAC"), (stranger, "wrong swarm MAC")):
+            with pytest.raises(AssertionError, match=reason):
+                await wire.hello(server.address)
+        session = await member.hello(server.address)
+        body = pack("hello")
+        tampered = await member.rpc(
+            server.address, "echo", pack("HELLO"), session=session, signed_body=body
+        )
+        assert (tampered.status, "digest" in tampered.reason) == (401, True)
+        path = "/v2/rpc/echo"
+        headers = member.sign(session, path, body)
+        assert (await member.post(server.address + path, body, headers)).status == 200
+        replayed = await member.post(server.address + path, body, headers)
+        assert (replayed.status, "replayed" in replayed.reason) == (401, True)
+        stale = member.sign(session, path, body)
+        stale["x-vp-ts"] = f"{float(stale['x-vp-ts']) - 3600:.3f}"  # the MAC no longer matches
+        assert (await member.post(server.address + path, body, stale)).status == 401
+    assert server.server.num_refused == 5
+    assert 1 <= len(refusals(caplog)) <= 5  # one line per status per second: floods stay short
+
+
+async def test_keyed_transports_talk_and_unkeyed_ones_are_refused(make_transport):
+    server = await make_transport(TransportConfig(swarm_key=KEY), rpc={"echo": echo})
+    member = await make_transport(TransportConfig(swarm_key=KEY))
+    outsider = await make_transport()
+    assert await member.call(server.address, "echo", 5) == 5
+    with pytest.raises(RemoteError) as info:
+        await outsider.call(server.address, "echo", 5)
+    assert info.value.status == 401

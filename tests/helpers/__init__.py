@@ -1,0 +1,1 @@
+"""Helpers every test package shares: child processes driven one JSON object a line."""
