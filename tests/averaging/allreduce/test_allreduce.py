@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from averaging.rules.compression import fp16_error_bound, uint8_error_bound
-
-from .conftest import exact_mean, fast_config, make_group
+from tests.averaging.conftest import exact_mean, fast_config, make_group
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,9 +12,9 @@ import pytest
 from averaging.allreduce.deadlines import MIN_SAMPLES, Deadlines, SampleWindow
 from averaging.config import AveragerConfig
 from averaging.errors import ConfigError
+from tests.averaging.conftest import exact_mean, make_group, peer_values
 
 from . import test_faults as faults
-from .conftest import exact_mean, make_group, peer_values
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from .conftest import exact_mean, fast_config, make_group, peer_values
+from tests.averaging.conftest import exact_mean, fast_config, make_group, peer_values
 
 pytestmark = pytest.mark.timeout(90)
 SEED, SIZE, CHUNK = 5, 2_000_000, 16 * 1024  # parts of 2.7 MB: more than socket buffers hold

@@ -19,9 +19,8 @@ from averaging.config import AveragerConfig
 from averaging.errors import ConfigError, ProtocolViolation
 from averaging.matchmaking.group import GroupInfo, GroupMember, check_offered
 from averaging.matchmaking.partition import Part, split_streams
-
-from .conftest import exact_mean, fast_config, make_group
-from .test_bad_peers import client_transport, nan_chunk, send_bad_stream
+from tests.averaging.conftest import exact_mean, fast_config, make_group
+from tests.averaging.test_bad_peers import client_transport, nan_chunk, send_bad_stream
 
 pytestmark = pytest.mark.timeout(60)
 PEER = "ab" * 32

@@ -10,8 +10,7 @@ import pytest
 from averaging.matchmaking.matchmaker import rank_of
 from dht.config import get_dht_time
 from dht.kademlia.validation import owner_subkey, subkey_owner
-
-from .conftest import exact_mean, fast_config
+from tests.averaging.conftest import exact_mean, fast_config
 
 pytestmark = pytest.mark.timeout(90)
 
