@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import statistics
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -56,7 +57,12 @@ MAX_RTT_SAMPLES = 4096
 @dataclass
 class ByteCounters:
     """Totals and per-peer byte counts, and round-trip times of small requests; the profiler
-    and the metrics stream read these."""
+    and the metrics stream read these.
+
+    The event loop writes them and other threads (the metrics stream, the training thread's
+    averager) read them, so the RTT samples are read under a lock: iterating a deque that
+    another thread appends to raises ``RuntimeError: deque mutated during iteration``.
+    """
 
     sent: int = 0
     recv: int = 0
@@ -65,20 +71,24 @@ class ByteCounters:
     rtt_samples: collections.deque[tuple[float, str, float]] = field(
         default_factory=lambda: collections.deque(maxlen=MAX_RTT_SAMPLES)
     )
+    _rtt_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_rtt(self, peer: str, rtt_s: float) -> None:
         """A small request to ``peer`` was answered ``rtt_s`` seconds after it was sent."""
-        self.rtt_samples.append((time.monotonic(), peer, rtt_s))
+        with self._rtt_lock:
+            self.rtt_samples.append((time.monotonic(), peer, rtt_s))
 
     def median_rtt_s(self, since_s: float) -> float | None:
         """The median over peers of each peer's fastest small request since ``since_s``
         (monotonic seconds); None if there was none. The fastest, because some requests wait
-        at the server (a matchmaking leader holds a join) and a round trip is their floor."""
+        at the server (a matchmaking leader holds a join) and a round trip is their floor.
+        Safe to call from any thread."""
         fastest: dict[str, float] = {}
-        for at_s, peer, rtt_s in reversed(self.rtt_samples):
-            if at_s < since_s:
-                break
-            fastest[peer] = min(rtt_s, fastest.get(peer, rtt_s))
+        with self._rtt_lock:
+            for at_s, peer, rtt_s in reversed(self.rtt_samples):
+                if at_s < since_s:
+                    break
+                fastest[peer] = min(rtt_s, fastest.get(peer, rtt_s))
         return statistics.median(fastest.values()) if fastest else None
 
     def add_sent(self, peer: str, num_bytes: int) -> None:
