@@ -114,7 +114,11 @@ class RoundLogRecord:
         """The record's value as stored on the DHT (msgpack-able; the subkey names the peer)."""
         value = asdict(self)
         del value["peer_id"]
-        value["rounds"] = [asdict(entry) for entry in self.rounds]
+        # A reason is the averager's error text, of any length; the reader refuses a record
+        # whose reason is past its schema's bound, so the writer cuts it to what is kept.
+        value["rounds"] = [
+            {**asdict(entry), "reason": entry.reason[:MAX_REASON_CHARS]} for entry in self.rounds
+        ]
         return value
 
 

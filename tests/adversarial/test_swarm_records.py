@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from dht.kademlia.validation import owner_subkey
 from peer.records.profile import PROFILE_PHASES, ProfileRecord, parse_profile
 from peer.records.progress import PeerProgress, parse_record
-from peer.records.rounds import ROUND_STATUSES, RoundEntry, RoundLogRecord, parse_rounds
+from peer.records.rounds import (
+    MAX_REASON_CHARS,
+    ROUND_STATUSES,
+    RoundEntry,
+    RoundLogRecord,
+    parse_rounds,
+)
 from peer.records.schema import MAX_COUNT, check_peer_url, rejects
 from peer.records.state import (
     EpochDigest,
@@ -206,6 +212,19 @@ def test_a_published_round_record_reads_back():
         target_batch_size=64,
         rounds=(RoundEntry(epoch=4, end_time=NOW, status="ok", group_size=3, loss=None),),
     )
+
+
+def test_a_round_that_failed_with_a_long_error_still_reads_back():
+    """The averager's error text has no bound; the record keeps its first MAX_REASON_CHARS (a
+    24-peer swarm's monitor dropped our own record: 'at most 480 characters')."""
+    reason = "matchmaking failed: " + "peer went away; " * 60
+    entry = RoundEntry(epoch=4, end_time=NOW, status="failed", reason=reason)
+    record = RoundLogRecord(
+        peer_id="ab" * 32, time=NOW, epoch=5, target_batch_size=64, rounds=(entry,)
+    )
+    parsed = parse_rounds(OWNER, record.to_wire())
+    assert parsed is not None
+    assert parsed.rounds[0].reason == reason[:MAX_REASON_CHARS]
 
 
 profile_like = fields(
