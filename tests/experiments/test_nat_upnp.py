@@ -259,7 +259,7 @@ def test_the_library_dht_behind_a_upnp_router_maps_its_port_and_deletes_it_at_sh
             # its threads are made in the home namespace, so they live there
             dht = _in(home, lambda: peer.DHT(peers, host="0.0.0.0", port=PORT))
             try:
-                reach = dht.reach.reachability
+                reach = dht.reachability
                 assert (reach.reachable, reach.path, reach.port_mapped_by) == (
                     True,
                     "direct",
