@@ -1,12 +1,44 @@
-"""Fixtures shared by every test package."""
+"""Fixtures shared by every test package, and how the suite is spread over workers.
+
+``make test`` runs the suite on several pytest-xdist workers (``--dist loadgroup``). Tests that
+share a machine-wide resource run one after another on one worker: every test that makes
+network namespaces (they list and clean up namespaces by a shared prefix, and a sweep's netns
+launcher owns the host's ``vpx-`` names while it runs) is in the group ``netns``.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.net.config import TransportConfig
+
+# Test files that make network namespaces (see the module docstring).
+NETNS_FILES = {
+    "experiments/test_linkemu.py",
+    "experiments/test_linkemu_shaper.py",
+    "experiments/test_nat.py",
+    "experiments/test_nat_relay.py",
+    "experiments/test_nat_swarm.py",
+    "experiments/test_nat_upnp.py",
+    "experiments/test_netns.py",
+    "experiments/test_netns_dashboard.py",
+    "experiments/test_wan.py",
+    "experiments/test_wan_bench.py",
+    "experiments/test_wan_deadlines.py",
+    "experiments/test_wan_rtt.py",
+    "verdicts/test_verdicts.py",
+}
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(_TESTS).as_posix() in NETNS_FILES:
+            item.add_marker(pytest.mark.xdist_group("netns"))
 
 
 @pytest.fixture
