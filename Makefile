@@ -18,8 +18,12 @@ $(BIN)/.installed: pyproject.toml
 demo: $(BIN)/.installed
 	$(BIN)/peer demo
 
+# Most tests wait on sockets, timeouts and other processes rather than compute, so the suite
+# runs on more workers than cores; tests that share a machine-wide resource run in one group
+# (tests/conftest.py). PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 3
 test: $(BIN)/.installed lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
