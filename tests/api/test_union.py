@@ -1,5 +1,6 @@
 """Two processes running their own loop on ``peer.Optimizer`` in grad mode end where one process
-stepping on the union of their batches ends (as ``peer join`` does in tests/peer/test_join.py)."""
+stepping on the union of their batches ends (as ``peer join`` does in
+tests/peer/run/test_join.py)."""
 
 from __future__ import annotations
 

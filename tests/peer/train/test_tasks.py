@@ -16,7 +16,7 @@ from peer.train.tasks.charlm import STDLIB_VOCAB
 from peer.train.tasks.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.timeout(60)
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parents[4] / "shared" / "data" / "tinyshakespeare.txt"
 TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "batch_size": 16}
 
 

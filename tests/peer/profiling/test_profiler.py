@@ -28,8 +28,8 @@ from peer.records.profile import parse_profile, profile_key
 from peer.run.runner import PeerRun
 from peer.train.tasks import Task
 from peer.train.tasks.base import seeded_build, worker_generator
-from tests.peer.test_join import config
-from tests.peer.test_phases import FakeTime
+from tests.peer.profiling.test_phases import FakeTime
+from tests.peer.run.test_join import config
 
 pytestmark = pytest.mark.timeout(120)
 SLEEP_S = 0.05
@@ -53,7 +53,9 @@ class SlowBatches(IterableDataset):
 
 
 def slow_task() -> Task:
-    """A task whose loader sleeps 50 ms per batch (``tests.peer.test_profiler:slow_task``)."""
+    """A task whose loader sleeps 50 ms per batch
+    (``tests.peer.profiling.test_profiler:slow_task``).
+    """
 
     def build() -> nn.Module:
         return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
@@ -154,7 +156,7 @@ def test_a_slow_loader_makes_data_the_largest_phase_by_the_injected_delay(tmp_pa
     metrics = tmp_path / "metrics.jsonl"
     run = PeerRun(
         config(
-            task="tests.peer.test_profiler:slow_task",
+            task="tests.peer.profiling.test_profiler:slow_task",
             task_option=[],
             max_time=3.0,
             metrics_file=metrics,

@@ -14,7 +14,7 @@ from dht.kademlia.node import DHTNode
 from dht.net.config import TransportConfig
 from peer.swarm.state_download import download_state, layout_of, read_announcements
 from peer.swarm.state_sync import StateServer, StateSnapshot
-from tests.peer.test_state_sync import CONFIG, serve, trained_state
+from tests.peer.swarm.test_state_sync import CONFIG, serve, trained_state
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,8 +11,14 @@ from torch import nn
 from peer.run.runner import PeerRun
 from peer.swarm.epoch import Epoch
 from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer
-from tests.peer.test_collaborative import TARGET, InstantState, NoAveraging, OnePeerSwarm, step
-from tests.peer.test_join import config
+from tests.peer.run.test_join import config
+from tests.peer.swarm.test_collaborative import (
+    TARGET,
+    InstantState,
+    NoAveraging,
+    OnePeerSwarm,
+    step,
+)
 
 
 def test_epoch_moves_forward_only_and_tells_its_listeners():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from peer.run.runner import PeerRun
-from tests.peer.test_join import config, reference_params, train_together
+from tests.peer.run.test_join import config, reference_params, train_together
 
 pytestmark = pytest.mark.timeout(180)
 

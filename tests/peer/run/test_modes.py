@@ -7,7 +7,7 @@ import pytest
 
 from peer.run.runner import PeerRun
 from peer.train.trainer import evaluate
-from tests.peer.test_join import config, start_swarm, train_together
+from tests.peer.run.test_join import config, start_swarm, train_together
 
 pytestmark = pytest.mark.timeout(240)
 EVAL = ["hidden_dim=64", "num_eval_batches=4"]

@@ -16,7 +16,7 @@ import pytest
 from peer.profiling.phases import PHASES
 from peer.profiling.profiler import Profiler, ProfilerConfig
 from peer.profiling.trace import EPOCHS_TID, PHASES_TID, ROUNDS_TID, TraceWriter
-from tests.peer.test_phases import FakeTime
+from tests.peer.profiling.test_phases import FakeTime
 
 pytestmark = pytest.mark.timeout(60)
 

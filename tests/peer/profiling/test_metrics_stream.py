@@ -8,7 +8,7 @@ import pytest
 
 from peer.profiling.phases import PHASES
 from peer.run.runner import PeerRun
-from tests.peer.test_join import config
+from tests.peer.run.test_join import config
 
 pytestmark = pytest.mark.timeout(120)
 FIELDS = {

@@ -32,7 +32,7 @@ from monitor.records import ThreadedSwarmReader
 from monitor.render import render_dashboard
 from peer.hivemind.backend import HivemindBootstrap
 from peer.hivemind.swarm import HivemindSwarmRecords
-from tests.peer.test_hivemind_backend import TASK_OPTIONS, _left_behind
+from tests.peer.hivemind.test_hivemind_backend import TASK_OPTIONS, _left_behind
 
 pytestmark = pytest.mark.timeout(240)
 RUN_ID = "hm-dash"

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from peer.run.runner import PeerRun
-from tests.peer.test_join import config
+from tests.peer.run.test_join import config
 
 pytestmark = pytest.mark.timeout(180)
 

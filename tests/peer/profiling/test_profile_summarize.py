@@ -12,7 +12,7 @@ from peer.cli.main import main
 from peer.profiling.metrics_reader import validate_line
 from peer.profiling.phases import PHASES
 from peer.run.runner import PeerRun
-from tests.peer.test_join import config
+from tests.peer.run.test_join import config
 
 pytestmark = pytest.mark.timeout(60)
 PEER_A, PEER_B = "a" * 64, "b" * 64
