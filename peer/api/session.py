@@ -94,7 +94,7 @@ class Session:
             dht.attach_metrics(self.reports.exporter)
         try:
             self.services = self.loop_thread.run(
-                open_services(config, tensors=contribution.buffers, node=dht.kademlia.node),
+                open_services(config, tensors=contribution.buffers, node=dht.node),
                 timeout_s=CALL_TIMEOUT_S,
             )
         except BaseException:
