@@ -8,7 +8,6 @@ passes ``host_maddrs=[...]`` or ``get_visible_maddrs()`` around keeps working.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -26,13 +25,17 @@ from dht.net.config import ReachabilityConfig, TransportConfig
 from dht.options import read_swarm_key
 from dht.reach.reachability import Reachability
 from peer.api.dht_args import (
-    MAPPED,
     as_url,
+    check_identity,
     hivemind_settings,
     initial_urls,
     listen_address,
+    note_node_kwargs,
     parse_multiaddr,
+    relay_cap,
+    with_hivemind_names,
 )
+from peer.api.futures import DHTFuture, chain
 from peer.api.maddr import visible_maddrs
 from peer.api.values import dht_key, dht_subkey, stored_value, user_result
 from peer.profiling.prometheus import METRICS_PATH, PrometheusExporter
@@ -41,36 +44,6 @@ __all__ = ["DHT", "DHTFuture", "as_url", "parse_multiaddr"]
 logger = logging.getLogger(__name__)
 # Starting: bind, then reach the initial peers (their own timeouts bound each request).
 START_TIMEOUT_S = 60.0
-_NOTED: set[str] = set()  # hivemind's per-call keyword arguments already explained at INFO
-
-
-class DHTFuture(concurrent.futures.Future):
-    """What ``return_future=True`` returns, as hivemind's ``MPFuture``: ``result(timeout)``,
-    ``cancel()`` (which cancels the request), ``done()``, and ``await`` inside an event loop."""
-
-    def __await__(self):
-        return asyncio.wrap_future(self).__await__()
-
-
-def _chain(inner: concurrent.futures.Future) -> DHTFuture:
-    outer = DHTFuture()
-
-    def copy(done: concurrent.futures.Future) -> None:
-        if outer.done():
-            return
-        try:
-            if done.cancelled():
-                outer.cancel()
-            elif done.exception() is not None:
-                outer.set_exception(done.exception())
-            else:
-                outer.set_result(done.result())
-        except concurrent.futures.InvalidStateError:  # cancelled by its owner meanwhile
-            pass
-
-    inner.add_done_callback(copy)
-    outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
-    return outer
 
 
 class DHT:
@@ -168,7 +141,7 @@ class DHT:
         if swarm_key is not None and not isinstance(swarm_key, bytes | str):
             raise ValueError(f"swarm_key: bytes or str, got {type(swarm_key).__name__}")
         key = swarm_key.encode() if isinstance(swarm_key, str) else swarm_key
-        _check_identity(identity, identity_path)
+        check_identity(identity, identity_path)
         if not isinstance(serve_metrics, bool):
             raise ValueError(f"serve_metrics: True or False, got {serve_metrics!r}")
         try:
@@ -179,7 +152,7 @@ class DHT:
                 client_mode=client_mode,
                 swarm_key=key if key is not None else read_swarm_key(None),
                 relay_enabled=bool(relay),
-                **_relay_cap(max_relayed_bytes_per_s),
+                **relay_cap(max_relayed_bytes_per_s),
                 reachability=ReachabilityConfig(try_port_mapping=bool(port_mapping)),
             )
             dht_config = DHTConfig(initial_peers=tuple(urls), **dht_fields)
@@ -190,7 +163,7 @@ class DHT:
                     else PeerIdentity.generate()
                 )
         except ConfigError as e:  # a ValueError too; peer join's one-line errors catch this type
-            raise ConfigError(_with_hivemind_names(str(e), hivemind_kwargs)) from None
+            raise ConfigError(with_hivemind_names(str(e), hivemind_kwargs)) from None
         # what GET /metrics shows: the attached optimizer's exporter (see attach_metrics)
         self._idle_exporter = PrometheusExporter(lambda: None, peer_id=identity.peer_id, run_id="")
         self._exporter = self._idle_exporter
@@ -343,7 +316,7 @@ class DHT:
             return_future: return a :class:`DHTFuture` at once instead of the result.
             **kwargs: hivemind's ``DHTNode.store_many`` options (one INFO line; no effect).
         """
-        _note_node_kwargs("store", kwargs)
+        note_node_kwargs("store", kwargs)
         coro = self.node.store(
             dht_key(key), stored_value(value), expiration_time, subkey=dht_subkey(subkey)
         )
@@ -361,7 +334,7 @@ class DHT:
             return_future: return a :class:`DHTFuture` at once instead of the result.
             **kwargs: hivemind's ``DHTNode.get_many`` options (one INFO line; no effect).
         """
-        _note_node_kwargs("get", kwargs)
+        note_node_kwargs("get", kwargs)
 
         async def get() -> ValueWithExpiration | None:
             return user_result(await self.node.get(dht_key(key), latest=latest))
@@ -377,7 +350,7 @@ class DHT:
     def _call(self, coro, return_future: bool) -> Any:
         facade = self._joined()
         if return_future:
-            return _chain(facade.loop_thread.submit(coro))
+            return chain(facade.loop_thread.submit(coro))
         return facade.loop_thread.run(coro, timeout_s=facade.call_timeout_s)
 
     def add_validators(self, record_validators: Sequence[Any]) -> None:
@@ -429,36 +402,3 @@ class DHT:
         if not self._ready.done() or self._ready.exception() is not None:
             return "peer.DHT(not running)"
         return f"peer.DHT(peer_id={self.peer_id[:8]!r}, address={self.address!r})"
-
-
-def _note_node_kwargs(method: str, kwargs: dict[str, Any]) -> None:
-    for name in kwargs:
-        if f"{method}.{name}" not in _NOTED:
-            _NOTED.add(f"{method}.{name}")
-            logger.info(
-                "peer.DHT.%s: hivemind's %s= has no effect here (one lookup per call)", method, name
-            )
-
-
-def _with_hivemind_names(message: str, given: dict[str, Any]) -> str:
-    """A config error naming hivemind's argument beside our field it set."""
-    for name, (_, ours) in MAPPED.items():
-        if name in given and ours in message:
-            return f"{name} ({ours}): {message}"
-    return message
-
-
-def _relay_cap(max_relayed_bytes_per_s: float | None) -> dict[str, float]:
-    """The transport's keyword for the relay cap (none: the transport's default)."""
-    if max_relayed_bytes_per_s is None:
-        return {}
-    return {"max_relayed_bytes_per_s": max_relayed_bytes_per_s}
-
-
-def _check_identity(identity: Any, identity_path: Any) -> None:
-    if identity is None:
-        return
-    if not isinstance(identity, PeerIdentity):
-        raise ValueError(f"identity: a dht.identity.PeerIdentity, got {type(identity).__name__}")
-    if identity_path is not None:
-        raise ValueError("identity: give identity or identity_path, not both")

@@ -10,10 +10,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from dht.identity import PeerIdentity
 from dht.options import peer_url
 from peer.api.errors import DHT_OPTIONS, check_hivemind_options
 
 logger = logging.getLogger(__name__)
+_NOTED: set[str] = set()  # hivemind's per-call keyword arguments already explained at INFO
 _MULTIADDR = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?$")
 
 # hivemind's argument -> (where: "dht" DHTConfig, "transport" TransportConfig, "own" a
@@ -133,3 +135,36 @@ def hivemind_settings(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
             own[ours] = bool(value)
     check_hivemind_options("peer.DHT", kwargs, DHT_OPTIONS)
     return dht_fields, own
+
+
+def note_node_kwargs(method: str, kwargs: dict[str, Any]) -> None:
+    for name in kwargs:
+        if f"{method}.{name}" not in _NOTED:
+            _NOTED.add(f"{method}.{name}")
+            logger.info(
+                "peer.DHT.%s: hivemind's %s= has no effect here (one lookup per call)", method, name
+            )
+
+
+def with_hivemind_names(message: str, given: dict[str, Any]) -> str:
+    """A config error naming hivemind's argument beside our field it set."""
+    for name, (_, ours) in MAPPED.items():
+        if name in given and ours in message:
+            return f"{name} ({ours}): {message}"
+    return message
+
+
+def relay_cap(max_relayed_bytes_per_s: float | None) -> dict[str, float]:
+    """The transport's keyword for the relay cap (none: the transport's default)."""
+    if max_relayed_bytes_per_s is None:
+        return {}
+    return {"max_relayed_bytes_per_s": max_relayed_bytes_per_s}
+
+
+def check_identity(identity: Any, identity_path: Any) -> None:
+    if identity is None:
+        return
+    if not isinstance(identity, PeerIdentity):
+        raise ValueError(f"identity: a dht.identity.PeerIdentity, got {type(identity).__name__}")
+    if identity_path is not None:
+        raise ValueError("identity: give identity or identity_path, not both")
