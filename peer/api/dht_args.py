@@ -6,17 +6,15 @@ our setting where one means the same (:data:`MAPPED`) and otherwise accepted or 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from dht.identity import PeerIdentity
-from dht.options import peer_url
+from dht.options import MULTIADDR_PATTERN, peer_url
 from peer.api.errors import DHT_OPTIONS, check_hivemind_options
 
 logger = logging.getLogger(__name__)
 _NOTED: set[str] = set()  # hivemind's per-call keyword arguments already explained at INFO
-_MULTIADDR = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?$")
 
 # hivemind's argument -> (where: "dht" DHTConfig, "transport" TransportConfig, "own" a
 # peer.DHT argument; our name); a value None means hivemind's default
@@ -35,7 +33,7 @@ MAPPED: dict[str, tuple[str, str]] = {
 def parse_multiaddr(addr: Any) -> tuple[str, int, str] | None:
     """``(host, port, scheme)`` of ``/ip4/HOST/tcp/PORT[/...]`` (ip6, dns too; ``https`` when
     it goes on with ``/https`` or ``/tls``), or None if not one."""
-    match = _MULTIADDR.match(str(addr))
+    match = MULTIADDR_PATTERN.match(str(addr))
     if not match:
         return None
     rest = match.group(4) or ""
@@ -54,10 +52,6 @@ def as_url(addr: Any, *, argument: str) -> str:
     Raises:
         ValueError: naming ``argument``, when it is neither.
     """
-    parsed = parse_multiaddr(addr)
-    if parsed is not None:
-        host, port, scheme = parsed
-        return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
     try:
         return peer_url(str(addr))
     except ValueError as e:

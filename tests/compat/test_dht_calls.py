@@ -161,3 +161,14 @@ def test_start_later_node_arguments_and_shutdown(caplog):
     assert not dht.is_alive()
     lines = [r.getMessage() for r in caplog.records if r.name == "peer.api.errors"]
     assert len(lines) == 1 and "blacklist_time" in lines[0], lines  # the others are defaults
+
+
+def test_printed_multiaddrs_work_for_peer_join_and_peer_monitor(swarm):
+    """A switched script prints ``[str(a) for a in dht.get_visible_maddrs()]``; ``peer join
+    --initial-peers`` and ``peer monitor --initial-peers`` take those lines."""
+    from dht.options import peer_url
+    from peer.run.config import PeerConfig
+
+    printed = [str(a) for a in swarm[0].get_visible_maddrs()]
+    assert PeerConfig(initial_peers=printed).initial_peers == [swarm[0].address]
+    assert [peer_url(line + "/p2p/QmPeer") for line in printed] == [swarm[0].address]
