@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,13 +42,30 @@ def positive_float(text: str) -> float:
     return value
 
 
+# a hivemind multiaddr with a TCP port (what hivemind scripts print): /ip4/HOST/tcp/PORT[/...]
+MULTIADDR_PATTERN = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?$")
+
+
+def multiaddr_url(text: object) -> str | None:
+    """``http://host:port`` of a multiaddr ``/ip4/HOST/tcp/PORT[/...]`` (``ip6``, ``dns`` too;
+    ``https`` when it goes on with ``/https`` or ``/tls``; the rest is ignored), or None."""
+    match = MULTIADDR_PATTERN.match(str(text))
+    if not match:
+        return None
+    host, port, rest = match.group(2), match.group(3), match.group(4) or ""
+    scheme = "https" if rest.startswith(("/https", "/tls")) else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
 def peer_url(url: str) -> str:
     """``url`` without a trailing slash, if it is ``http(s)://host:port`` (the rule every address
-    from the network is held to, :func:`dht.net.schema.parse_address`).
+    from the network is held to, :func:`dht.net.schema.parse_address`); a multiaddr a hivemind
+    script printed (:func:`multiaddr_url`) is taken as its URL.
 
     Raises:
-        ValueError: it is not.
+        ValueError: it is neither.
     """
+    url = multiaddr_url(url) or url
     try:
         return parse_address(url.rstrip("/") if isinstance(url, str) else url)
     except BadMessageError as e:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DHT", "Optimizer", "profile"]
+__all__ = ["DHT", "Optimizer", "get_dht_time", "profile"]
 _EXPORTS = {
     "DHT": "peer.api.dht",
     "Optimizer": "peer.api.optimizer",
     "profile": "peer.api.profile",
+    "get_dht_time": "dht.config",  # the clock of expiration times (hivemind.get_dht_time's)
 }
 
 

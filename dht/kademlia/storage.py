@@ -26,7 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from dht.errors import BadMessageError, ConfigError
 from dht.kademlia.config import Clock
@@ -41,9 +41,9 @@ RECORD_OVERHEAD_BYTES = 128
 ANONYMOUS = ""  # the "owner" of records anyone may write
 
 
-@dataclass(frozen=True)
-class ValueWithExpiration(Generic[T]):
-    """A value read from the DHT and the wall-clock unix time (seconds) at which it expires."""
+class ValueWithExpiration(NamedTuple, Generic[T]):
+    """A value read from the DHT and the wall-clock unix time (seconds) at which it expires;
+    a named pair, so ``value, expiration_time = dht.get(key)`` works as in hivemind."""
 
     value: T
     expiration_time: float
@@ -117,7 +117,8 @@ def _unpack(
     if record.expiration_time <= now:
         return None
     try:
-        return ValueWithExpiration(unpack(record.value_bytes, limits), record.expiration_time)
+        value = unpack(record.value_bytes, limits, tuples=True)  # stored tuples stay tuples
+        return ValueWithExpiration(value, record.expiration_time)
     except BadMessageError as e:
         logger.warning("undecodable value under %r ignored: %s", key, e)
         return None

@@ -303,6 +303,16 @@ class Optimizer(OptimizerState, torch.optim.Optimizer):
         raise ValueError("add_param_group: give every parameter group at construction")
 
     @property
+    def use_local_updates(self) -> bool:
+        """Whether the optimizer steps on every local batch (``mode="params"``), as hivemind's."""
+        return self.config.mode == "params"
+
+    @property
+    def use_gradient_averaging(self) -> bool:
+        """Whether gradients are averaged (``mode="grad"``), as hivemind's."""
+        return self.config.mode == "grad"
+
+    @property
     def stats(self):
         """Counters of finished rounds (:class:`peer.swarm.round.EpochStats`)."""
         return self._hook.stats

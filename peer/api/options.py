@@ -14,7 +14,12 @@ from pydantic import Field, ValidationError
 
 from averaging.config import check_prefix
 from peer.api.dht import DHT
-from peer.api.errors import UNSUPPORTED_OPTIMIZER, reject_unsupported
+from peer.api.errors import (
+    AVERAGER_OPTIONS,
+    OPTIMIZER_OPTIONS,
+    TRACKER_OPTIONS,
+    check_hivemind_options,
+)
 from peer.run.config import PeerConfig
 from peer.swarm.state_sync import StateSyncConfig
 
@@ -142,7 +147,13 @@ def check_arguments(
     """
     summary = options.pop("summary", True)
     ours = {name: options.pop(name) for name in _OURS if name in options}
-    reject_unsupported("peer.Optimizer", options, UNSUPPORTED_OPTIMIZER)
+    _take_hivemind_dicts(options, ours)
+    delay_grad_averaging = options.pop("delay_grad_averaging", False)
+    check_hivemind_options("peer.Optimizer", options, OPTIMIZER_OPTIONS)
+    if delay_optimizer_step is None:  # hivemind's default: delayed when the averaging is
+        delay_optimizer_step = bool(delay_grad_averaging)
+    if delay_grad_averaging and not delay_optimizer_step:
+        raise ValueError("delay_grad_averaging: True needs delay_optimizer_step=True (as hivemind)")
     _check_dht(dht, client_mode)
     positive("batch_size_per_step", batch_size_per_step, allow_none=True, integer=True)
     positive("shutdown_timeout", shutdown_timeout)
@@ -157,8 +168,8 @@ def check_arguments(
     compression = _compressions(grad_compression, state_averaging_compression)
     if delay_optimizer_step and mode != "grad":
         raise ValueError(f"delay_optimizer_step: needs mode='grad', not {mode!r}")
-    if reuse_grad_buffers and (mode != "grad" or delay_optimizer_step):
-        raise ValueError("reuse_grad_buffers: only with mode='grad' and no delayed step")
+    if reuse_grad_buffers and mode != "grad":
+        raise ValueError(f"reuse_grad_buffers: needs mode='grad', not {mode!r}")
     config = make_config(
         run_id=run_id,
         target_batch_size=target_batch_size,
@@ -199,6 +210,34 @@ _OURS = (
     "profile_interval",
     "profile_window",
 )
+
+
+def _take_hivemind_dicts(options: dict[str, Any], ours: dict[str, Any]) -> None:
+    """hivemind's ``averager_opts`` and ``tracker_opts``: the group sizes become ours, the rest
+    is checked as hivemind's (:mod:`peer.api.errors`).
+
+    Raises:
+        TypeError: a key neither hivemind's averager (tracker) nor ours takes, or a refused value.
+        ValueError: a dict that is not one, or a group size given twice.
+    """
+    for name, table, owner in (
+        ("averager_opts", AVERAGER_OPTIONS, "averager_opts"),
+        ("tracker_opts", TRACKER_OPTIONS, "tracker_opts"),
+    ):
+        given = options.pop(name, None)
+        if given is None:
+            continue
+        if not isinstance(given, dict):
+            raise ValueError(f"{name}: a dict of keyword arguments, got {type(given).__name__}")
+        given = dict(given)
+        if name == "averager_opts":
+            for size in ("target_group_size", "min_group_size"):
+                if size in given and size in ours:
+                    raise ValueError(f"{size}: given both here and in averager_opts")
+                if size in given and given[size] is not None:
+                    ours[size] = given.pop(size)
+                given.pop(size, None)
+        check_hivemind_options(owner, given, table)
 
 
 def _check_dht(dht: Any, client_mode: bool | None) -> None:

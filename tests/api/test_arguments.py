@@ -1,8 +1,12 @@
-"""Every argument error of ``peer.DHT`` and ``peer.Optimizer``: a hivemind argument we do not
-support is a TypeError naming it and what to use instead; a bad value is a ValueError naming the
-argument. Nothing is left running after an error (the DHT stays usable)."""
+"""Every argument error of ``peer.DHT`` and ``peer.Optimizer``: a hivemind argument with no
+equivalent is accepted with one INFO line saying what is done instead, unless ignoring it would
+change the result (then a TypeError naming it and what to use instead); an argument hivemind does
+not have either is a TypeError; a bad value is a ValueError naming the argument. Nothing is left
+running after an error (the DHT stays usable)."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -37,29 +41,80 @@ def make(node, model, **changes):
     return peer.Optimizer(**{**kwargs, **changes})
 
 
-UNSUPPORTED = [
-    ("allreduce_timeout", 5.0, "averaging_timeout"),
-    ("next_chunk_timeout", 3.0, "transport"),
-    ("offload_optimizer", True, "parameters are"),
-    ("delay_grad_averaging", True, "delay_optimizer_step=True"),
+REFUSED = [  # ignoring these would change the result
     ("average_state_every", 2, "every epoch"),
     ("auxiliary", True, "client_mode=True"),
     ("grad_averager_factory", object(), "mode="),
     ("average_opt_statistics", ("exp_avg",), "stay local"),
     ("extra_tensors", (torch.zeros(1),), "only parameters"),
-    ("averager_opts", {"bandwidth": 1}, "target_group_size="),
-    ("tracker_opts", {"min_refresh_period": 1}, "publish_interval="),
-    ("performance_ema_alpha", 0.5, "between progress records"),
+    ("averager_opts", {"averaging_alpha": 0.5}, "average replaces"),
+    ("averager_opts", {"auxiliary": True}, "client_mode=True"),
 ]
 
 
-@pytest.mark.parametrize(("name", "value", "instead"), UNSUPPORTED)
-def test_an_unsupported_hivemind_argument_is_a_type_error_saying_what_instead(
+@pytest.mark.parametrize(("name", "value", "instead"), REFUSED)
+def test_a_hivemind_argument_whose_effect_we_lack_is_a_type_error_saying_what_instead(
     dht, model, name, value, instead
 ):
     with pytest.raises(TypeError, match=name) as error:
         make(dht, model, **{name: value})
     assert instead in str(error.value)
+
+
+ACCEPTED = [  # no effect here; one INFO line names the argument and what is done instead
+    ({"allreduce_timeout": 5.0}, "allreduce_timeout", "averaging_timeout"),
+    ({"next_chunk_timeout": 3.0}, "next_chunk_timeout", "transport"),
+    ({"offload_optimizer": True}, "offload_optimizer", "parameters are"),
+    ({"delay_state_averaging": False}, "delay_state_averaging", "within step()"),
+    ({"performance_ema_alpha": 0.5}, "performance_ema_alpha", "between progress records"),
+    ({"averager_opts": {"bandwidth": 1e8}}, "bandwidth", "split evenly"),
+    ({"averager_opts": {"request_timeout": 0.5}}, "request_timeout", "transport"),
+    ({"tracker_opts": {"min_refresh_period": 1}}, "min_refresh_period", "publish_interval="),
+    ({"tracker_opts": {"max_refresh_period": 1.0}}, "max_refresh_period", "publish_interval="),
+]
+
+
+@pytest.mark.parametrize(("changes", "name", "instead"), ACCEPTED)
+def test_a_hivemind_argument_without_effect_here_is_accepted_with_one_info_line(
+    dht, model, caplog, changes, name, instead
+):
+    caplog.set_level(logging.INFO, logger="peer.api.errors")
+    with make(dht, model, **changes) as opt:
+        assert opt.local_epoch == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "peer.api.errors"]
+    assert len(lines) == 1, lines
+    assert name in lines[0] and instead in lines[0]
+
+
+def test_averager_opts_group_sizes_are_ours(dht, model):
+    with make(dht, model, averager_opts={"target_group_size": 3, "min_group_size": 2}) as opt:
+        assert (opt.config.target_group_size, opt.config.min_group_size) == (3, 2)
+    with pytest.raises(ValueError, match="target_group_size"):
+        make(dht, model, target_group_size=4, averager_opts={"target_group_size": 3})
+
+
+def test_keys_neither_hivemind_nor_we_have_are_type_errors(dht, model):
+    with pytest.raises(TypeError, match="'no_such_option'"):
+        make(dht, model, averager_opts={"no_such_option": 1})
+    with pytest.raises(TypeError, match="'refresh'"):
+        make(dht, model, tracker_opts={"refresh": 1})
+    with pytest.raises(ValueError, match="tracker_opts"):
+        make(dht, model, tracker_opts=[("max_refresh_period", 1)])
+
+
+def test_delay_grad_averaging_is_hiveminds(dht, model):
+    """hivemind: delay_grad_averaging needs delay_optimizer_step, which defaults to it."""
+    with make(dht, model, delay_grad_averaging=True) as opt:
+        assert opt.config.delay_update
+    with make(dht, model, delay_grad_averaging=True, delay_optimizer_step=True) as opt:
+        assert opt.config.delay_update
+    with pytest.raises(ValueError, match="delay_grad_averaging"):
+        make(dht, model, delay_grad_averaging=True, delay_optimizer_step=False)
+
+
+def test_reuse_grad_buffers_takes_a_delayed_step(dht, model):
+    with make(dht, model, reuse_grad_buffers=True, delay_optimizer_step=True) as opt:
+        assert opt.config.delay_update
 
 
 def test_an_unknown_argument_is_a_type_error(dht, model):
@@ -178,13 +233,11 @@ def test_hivemind_defaults_passed_explicitly_are_accepted(dht, model):
         assert opt.local_epoch == 0
 
 
-DHT_UNSUPPORTED = [
-    ({"p2p": object()}, "p2p"),
+DHT_UNSUPPORTED = [  # ignoring these would change the result, or hivemind has no such argument
     ({"use_ipfs": True}, "use_ipfs"),
     ({"record_validators": [object()]}, "record_validators"),
-    ({"await_ready": False}, "await_ready"),
-    ({"start": False}, "start"),
-    ({"bucket_size": 20}, "bucket_size"),
+    ({"authorizer": object()}, "authorizer"),
+    ({"no_such_option": 1}, "no_such_option"),
 ]
 
 
@@ -201,6 +254,8 @@ DHT_BAD_VALUES = [
     ({"initial_peers": "http://127.0.0.1:1"}, "initial_peers"),
     ({"initial_peers": ["localhost"]}, "initial_peers"),
     ({"host_maddrs": ["/ip4/127.0.0.1/udp/1"]}, "host_maddrs"),
+    ({"initial_peers": ["/ip4/127.0.0.1/udp/1/quic"]}, "initial_peers"),
+    ({"wait_timeout": 0}, "wait_timeout"),
     ({"announce_maddrs": ["nowhere"]}, "announce_maddrs"),
     ({"swarm_key": 3}, "swarm_key"),
     ({"swarm_key": "short"}, "swarm_key"),

@@ -44,8 +44,10 @@ def train_steps(opt, model, num_steps: int, batches=None) -> None:
 def test_dht_addresses_multiaddrs_and_shutdown():
     first = peer.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     with first:
-        assert first.urls == [first.address] == first.get_visible_maddrs()
+        assert first.urls == [first.address]
         port = first.address.rsplit(":", 1)[1]
+        # multiaddr objects, as hivemind's (tests/compat checks what scripts do with them)
+        assert [str(m) for m in first.get_visible_maddrs()] == [f"/ip4/127.0.0.1/tcp/{port}"]
         with peer.DHT(initial_peers=[f"/ip4/127.0.0.1/tcp/{port}/p2p/QmWhatever"]) as second:
             assert second.peer_id != first.peer_id
             assert second.store("key", "value", get_dht_time() + 30)

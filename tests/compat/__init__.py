@@ -1,0 +1,1 @@
+"""hivemind users switch by changing an import: hivemind-style calls and checks against peer."""
