@@ -23,13 +23,21 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from dht.errors import AuthError, BadMessageError, BusyError, DHTError, ValidationError
+from dht.errors import (
+    AuthError,
+    BadMessageError,
+    BusyError,
+    DHTError,
+    RemoteError,
+    TransportError,
+    ValidationError,
+)
 from dht.identity import PeerIdentity
 from dht.net.auth import FrameTagger, SwarmAuth
 from dht.net.client import API_VERSION, MAX_HELLO_BYTES, MSGPACK, RENEW_HEADER, TUNNEL_HEADER
 from dht.net.config import TransportConfig
 from dht.net.frames import FrameReader
-from dht.net.limits import BytesBudget, OverBudget, RateLimiter, StreamSlots, peer_host
+from dht.net.limits import OverBudget, RateLimiter, StreamSlots, peer_host
 from dht.net.replay import ReplayGuard
 from dht.net.session import (
     HelloRequest,
@@ -39,6 +47,7 @@ from dht.net.session import (
     request_mac,
     response_mac,
 )
+from dht.net.shares import Account, FairBudget, OverShare
 from dht.net.streams import ServerStream
 from dht.net.transport import ByteCounters, RequestContext, RpcHandler, StreamHandler
 from dht.net.wire import pack, unpack
@@ -79,6 +88,11 @@ class _MalformedHttpFilter(logging.Filter):
 # The logger aiohttp's request handlers report malformed requests to (see HttpTransport.start).
 HTTP_PARSER_LOGGER = logging.getLogger("dht.net.server.parser")
 HTTP_PARSER_LOGGER.addFilter(_MalformedHttpFilter())
+
+
+class ClientGone(Exception):
+    """The caller hung up (or cut its body short) while its request was read: nobody is left
+    to answer, so it is a DEBUG line, not a refusal."""
 
 
 class Refused(Exception):
@@ -161,7 +175,11 @@ class HttpServer:
         self.hellos = RateLimiter(
             rate_per_s=config.max_handshakes_per_s_per_address, burst=config.handshake_burst
         )
-        self.budget = BytesBudget(config.max_body_bytes_in_flight)
+        self.budget = FairBudget(
+            max_total=config.max_body_bytes_in_flight,
+            max_per_peer=config.max_body_bytes_in_flight_per_peer,
+            max_per_address=config.max_body_bytes_in_flight_per_address,
+        )
         self.slots = StreamSlots(
             max_per_peer=config.max_streams_per_peer,
             max_per_address=config.max_streams_per_address,
@@ -209,6 +227,9 @@ class HttpServer:
     async def _refusals(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except ClientGone as e:
+            logger.debug("caller of %s went away: %s", request.path[:80], e)
+            return web.Response(status=400, text="request cut short")
         except Refused as e:
             status, reason, renew = e.status, e.reason, e.renew
         except web.HTTPException as e:
@@ -263,17 +284,22 @@ class HttpServer:
             raise Refused(401, str(e)) from None
         return Proven(caller.peer_id, caller.key, nonce, body_digest, self.source_host(request))
 
-    async def _read_body(self, request: web.Request, max_bytes: int) -> bytes:
-        """The whole body: 413 at once if it announces more than ``max_bytes``, 503 if the
-        budget of bytes in flight is spent, 408 if it does not arrive in time."""
+    async def _read_body(
+        self, request: web.Request, max_bytes: int, *, peer: str = "", host: str = ""
+    ) -> bytes:
+        """The whole body: 413 at once if it announces more than ``max_bytes``; 503 if what
+        arrived does not fit in the share of ``peer`` (a proven id; "" before a handshake) or of
+        ``host``; 408 if it stalls or does not arrive in time. Charged as it arrives."""
         length = request.content_length
         if length is not None and length > max_bytes:
             raise Refused(413, f"body of {length} bytes exceeds the limit of {max_bytes}")
         try:
-            with self.budget.reserve(max_bytes if length is None else length):
+            with self.budget.account(peer, host) as account:
                 async with asyncio.timeout(self.config.request_timeout_s):
-                    return await _read_at_most(request, max_bytes)
-        except OverBudget as e:
+                    return await read_charged(
+                        request.content, max_bytes, account, self.config.body_stall_timeout_s
+                    )
+        except OverShare as e:
             raise Refused(503, f"busy: {e}") from None
         except TimeoutError:
             raise Refused(408, "request body not received in time") from None
@@ -289,7 +315,7 @@ class HttpServer:
         host = self.source_host(request)
         if host and not self.hellos.allow(host):
             raise Refused(429, "too many handshakes from this address; slow down")
-        body = await self._read_body(request, MAX_HELLO_BYTES)
+        body = await self._read_body(request, MAX_HELLO_BYTES, host=host)
         try:
             if self.swarm is not None:
                 self.swarm.check_hello(body, request.headers.get("x-vp-mac", ""))
@@ -309,7 +335,9 @@ class HttpServer:
         if handler is None:
             raise Refused(404, f"no RPC named {request.match_info['name']!r}")
         proven = self.authenticate(request)
-        body = await self._read_body(request, self.limits.max_body_bytes)
+        body = await self._read_body(
+            request, self.limits.max_body_bytes, peer=proven.peer_id, host=proven.host
+        )
         if digest(body) != proven.body_digest:
             raise Refused(401, "body does not match the digest its MAC covers")
         self.counters.add_recv(proven.peer_id, len(body))
@@ -347,14 +375,22 @@ class HttpServer:
             direction=b"up",
         )
         try:
-            header_payload = await reader.read_message_raw(reserve=self.budget.reserve)
+            with self.budget.account(proven.peer_id, proven.host) as account:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    header_payload = await reader.read_message_raw(
+                        charge=account.charge, stall_timeout_s=self.config.body_stall_timeout_s
+                    )
             if digest(header_payload) != proven.body_digest:
                 raise Refused(401, "stream header does not match the digest its MAC covers")
             header = unpack(header_payload, self.limits)
         except TimeoutError:
             raise Refused(408, "stream header not received in time") from None
-        except OverBudget as e:
+        except OverShare as e:
             raise Refused(503, f"busy: {e}") from None
+        except RemoteError:
+            raise Refused(400, "a stream's first frame must be its header, not an error") from None
+        except TransportError as e:  # the caller's connection broke while it sent the header
+            raise ClientGone(str(e)) from None
         except DHTError as e:
             raise Refused(status_of(e), str(e)) from None
         stream = ServerStream(
@@ -384,16 +420,26 @@ class HttpServer:
             stream.close()
 
 
-async def _read_at_most(request: web.Request, max_bytes: int) -> bytes:
+async def read_charged(source, max_bytes: int, account: Account, stall_timeout_s: float) -> bytes:
+    """Read ``source`` (aiohttp's StreamReader) to its end, charging ``account`` for each block
+    as it arrives; a body past ``max_bytes`` is a 413, a wait of ``stall_timeout_s`` for the
+    next block a TimeoutError, a caller that hung up :class:`ClientGone`."""
     chunks, num_bytes = [], 0
     while True:
-        chunk = await request.content.read(max_bytes + 1 - num_bytes)
+        try:
+            async with asyncio.timeout(stall_timeout_s):
+                chunk = await source.read(max_bytes + 1 - num_bytes)
+        except TimeoutError:
+            raise
+        except Exception as e:  # aiohttp's payload errors: the caller hung up or cut its body
+            raise ClientGone(f"{type(e).__name__}: {e}") from None
         if not chunk:
             return b"".join(chunks)
-        chunks.append(chunk)
         num_bytes += len(chunk)
         if num_bytes > max_bytes:
             raise Refused(413, f"body exceeds the limit of {max_bytes} bytes")
+        account.charge(len(chunk))
+        chunks.append(chunk)
 
 
 def _plain_get(handler: HttpGetHandler):
