@@ -21,23 +21,26 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from dht.errors import (
     AuthError,
-    BadMessageError,
-    BusyError,
     DHTError,
     RemoteError,
     TransportError,
-    ValidationError,
 )
 from dht.identity import PeerIdentity
 from dht.net.auth import FrameTagger, SwarmAuth
-from dht.net.client import API_VERSION, MAX_HELLO_BYTES, MSGPACK, RENEW_HEADER, TUNNEL_HEADER
+from dht.net.client import API_VERSION, MAX_HELLO_BYTES, MSGPACK, TUNNEL_HEADER
 from dht.net.config import TransportConfig
 from dht.net.frames import FrameReader
 from dht.net.limits import OverBudget, RateLimiter, StreamSlots, peer_host
+from dht.net.refusals import (
+    ClientGone,
+    Refused,
+    error_response,
+    read_charged,
+    status_of,
+)
 from dht.net.replay import ReplayGuard
 from dht.net.session import (
     HelloRequest,
@@ -47,77 +50,17 @@ from dht.net.session import (
     request_mac,
     response_mac,
 )
-from dht.net.shares import Account, FairBudget, OverShare
+from dht.net.shares import FairBudget, OverShare
 from dht.net.streams import ServerStream
 from dht.net.transport import ByteCounters, RequestContext, RpcHandler, StreamHandler
 from dht.net.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
 
-_STATUS_OF = {BadMessageError: 400, AuthError: 401, ValidationError: 422, BusyError: 429}
 _HEX = re.compile(r"[0-9a-f]+")
 MAX_REMEMBERED_HELLOS = 4096  # peers whose last hello time is kept (for dial-back proofs)
 # A plain GET route: returns (content type, body), directly or awaited.
 HttpGetHandler = Callable[[], tuple[str, bytes] | Awaitable[tuple[str, bytes]]]
-
-
-class _MalformedHttpFilter(logging.Filter):
-    """Malformed HTTP from a stranger (too many headers, a line too long) is a WARNING without
-    a traceback, at most one line per second; other errors pass untouched (they are bugs)."""
-
-    def __init__(self):
-        super().__init__()
-        self._last_s = -float("inf")
-        self.num_dropped = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, HttpProcessingError):
-            return True
-        now = time.monotonic()
-        if now - self._last_s < 1.0:
-            self.num_dropped += 1
-            return False
-        self._last_s = now
-        record.msg = f"{record.msg}: {exc.code} {exc.message}"[:300]
-        record.exc_info, record.exc_text = None, None
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
-# The logger aiohttp's request handlers report malformed requests to (see HttpTransport.start).
-HTTP_PARSER_LOGGER = logging.getLogger("dht.net.server.parser")
-HTTP_PARSER_LOGGER.addFilter(_MalformedHttpFilter())
-
-
-class ClientGone(Exception):
-    """The caller hung up (or cut its body short) while its request was read: nobody is left
-    to answer, so it is a DEBUG line, not a refusal."""
-
-
-class Refused(Exception):
-    """A request refused with an HTTP status and a one-line reason."""
-
-    def __init__(self, status: int, reason: str, *, renew: bool = False):
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.renew = renew
-
-
-def status_of(error: DHTError) -> int:
-    for kind, status in _STATUS_OF.items():
-        if isinstance(error, kind):
-            return status
-    return 500
-
-
-def error_response(status: int, reason: str, *, renew: bool = False) -> web.Response:
-    safe = reason.encode("ascii", "replace").decode()[:300]
-    headers = {"x-vp-error": safe}
-    if renew:
-        headers[RENEW_HEADER] = "renew"
-    return web.Response(status=status, text=safe, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -129,6 +72,14 @@ class Proven:
     nonce: str
     body_digest: bytes
     host: str
+
+
+def _caller_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+def _printable_ascii(text: str) -> bool:
+    return text.isascii() and text.isprintable()
 
 
 def _hex_header(request: web.Request, name: str, length: int) -> str:
@@ -246,10 +197,13 @@ class HttpServer:
             return  # one line per second per status: a flood must not flood the log
         self._last_log_s[status] = now
         sender = request.headers.get("x-vp-peer", "?")[:16]
+        sender = sender if _printable_ascii(sender) else "?"
         host = peer_host(request.transport)
         logger.warning(
             "refused %s %s from %s (%s): %d %s (%d refusals so far)",
-            request.method, request.path[:80], sender, host, status, reason, self.num_refused,
+            request.method, request.path[:80].encode("ascii", "backslashreplace").decode(),
+            sender, host, status, reason,
+            self.num_refused,
         )  # fmt: skip
 
     async def _handle_old_version(self, request: web.Request) -> web.Response:
@@ -260,7 +214,7 @@ class HttpServer:
     def authenticate(self, request: web.Request) -> Proven:
         """Check a request's session ticket, MAC, timestamp and nonce (headers only)."""
         ticket = request.headers.get("x-vp-ticket", "")
-        if not ticket or len(ticket) > 512:
+        if not ticket or len(ticket) > 512 or not _printable_ascii(ticket):
             raise Refused(
                 401, f"no session: make one first (POST /{API_VERSION}/hello)", renew=True
             )
@@ -275,6 +229,8 @@ class HttpServer:
         body_digest = bytes.fromhex(_hex_header(request, "x-vp-digest", 64))
         mac = _hex_header(request, "x-vp-mac", 64)
         ts = request.headers.get("x-vp-ts", "")[:32]
+        if not _printable_ascii(ts):  # (headers are decoded leniently: anything may be here)
+            raise Refused(401, "malformed x-vp-ts header")
         expected = request_mac(caller.key, request.method, request.path, body_digest, ts, nonce)
         if not macs_equal(expected, mac):
             raise Refused(401, "wrong request MAC")
@@ -410,6 +366,8 @@ class HttpServer:
             try:
                 await handler(stream)
             except (DHTError, TimeoutError) as e:
+                if isinstance(e, TransportError) and _caller_gone(request):
+                    raise ClientGone(str(e)) from None
                 status = status_of(e) if isinstance(e, DHTError) else 408
                 if not stream.reply_started:
                     raise Refused(status, str(e) or "timed out") from None
@@ -418,28 +376,6 @@ class HttpServer:
             return await stream.finish()
         finally:
             stream.close()
-
-
-async def read_charged(source, max_bytes: int, account: Account, stall_timeout_s: float) -> bytes:
-    """Read ``source`` (aiohttp's StreamReader) to its end, charging ``account`` for each block
-    as it arrives; a body past ``max_bytes`` is a 413, a wait of ``stall_timeout_s`` for the
-    next block a TimeoutError, a caller that hung up :class:`ClientGone`."""
-    chunks, num_bytes = [], 0
-    while True:
-        try:
-            async with asyncio.timeout(stall_timeout_s):
-                chunk = await source.read(max_bytes + 1 - num_bytes)
-        except TimeoutError:
-            raise
-        except Exception as e:  # aiohttp's payload errors: the caller hung up or cut its body
-            raise ClientGone(f"{type(e).__name__}: {e}") from None
-        if not chunk:
-            return b"".join(chunks)
-        num_bytes += len(chunk)
-        if num_bytes > max_bytes:
-            raise Refused(413, f"body exceeds the limit of {max_bytes} bytes")
-        account.charge(len(chunk))
-        chunks.append(chunk)
 
 
 def _plain_get(handler: HttpGetHandler):
