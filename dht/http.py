@@ -31,7 +31,8 @@ from dht.net.client import (
 from dht.net.config import TransportConfig
 from dht.net.frames import FrameReader, FrameWriter
 from dht.net.limits import ConnectionGate
-from dht.net.server import HTTP_PARSER_LOGGER, HttpGetHandler, HttpServer, Refused, status_of
+from dht.net.refusals import HTTP_PARSER_LOGGER, Refused, status_of
+from dht.net.server import HttpGetHandler, HttpServer
 from dht.net.session import digest
 from dht.net.streams import ClientStream
 from dht.net.transport import SMALL_RPC_BYTES, ByteCounters, RpcHandler, StreamHandler

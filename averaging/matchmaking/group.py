@@ -11,9 +11,11 @@ and weights every member uses are the bounded ones.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ipaddress
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from averaging.bounds import (
     DEFAULT_CHUNK_NUMEL,
@@ -32,9 +34,14 @@ from averaging.errors import ProtocolViolation
 from averaging.matchmaking.partition import Part, make_parts, split_streams
 from averaging.rules.compression import UINT8_BLOCK, Compression
 from averaging.rules.robust import Aggregation
+from dht.errors import DHTError
 from dht.identity import is_peer_id
 
 MAX_GROUP_SIZE = 256
+# A member accepts a leader's chunk size down to its own or this, whichever is smaller: tiny
+# chunks would make it spend its CPU on frames (a frame header, a write, a tag each).
+MIN_ACCEPTED_CHUNK_NUMEL = 64 * 1024
+RELAY_PATH = "/v2/relay/"
 
 
 @dataclass(frozen=True)
@@ -235,12 +242,14 @@ def check_offered(
     max_weight_ratio: float,
     numel: int,
     max_streams: int = MAX_STREAMS_PER_PAIR,
+    chunk_numel: int = MIN_ACCEPTED_CHUNK_NUMEL,
 ) -> None:
     """Refuse a group a follower cannot take part in honestly: it must list the follower ``me``
     exactly as it sent itself, and the leader (``(peer id, address)``) as it answered; be no
     larger than ``max_size``; use the follower's aggregation rule and weight bound; open at
-    most ``max_streams`` streams per reducer; and partition ``numel`` values (by fair
-    bandwidths). Its structure (sorted unique ids, distinct addresses, bounded entries) was
+    most ``max_streams`` streams per reducer; cut chunks no smaller than the follower's own
+    ``chunk_numel`` or :data:`MIN_ACCEPTED_CHUNK_NUMEL`; and partition ``numel`` values (by
+    fair bandwidths). Its structure (sorted unique ids, distinct addresses, bounded entries) was
     checked by :meth:`GroupInfo.from_wire`.
 
     Raises:
@@ -259,4 +268,78 @@ def check_offered(
         raise ProtocolViolation(f"the group bounds weights at {group.max_weight_ratio:g}x")
     if group.num_streams > max_streams:
         raise ProtocolViolation(f"the group asks for {group.num_streams} streams per pair")
+    if group.chunk_numel < min(chunk_numel, MIN_ACCEPTED_CHUNK_NUMEL):
+        raise ProtocolViolation(f"the group cuts chunks of {group.chunk_numel} values")
     group.parts(numel)
+
+
+def membership_refusal(
+    member: GroupMember, *, sender: str, remote_host: str, taken: Iterable[str | None]
+) -> str | None:
+    """Why a leader refuses ``member`` as a follower, or None to seat it.
+
+    Its id must be the proven ``sender``; its address (client-mode peers have none) must be
+    one no other member of the group has (``taken``: the leader's and the seated followers'),
+    a relayed address must name its own peer id, and a direct one whose host is an IP must be
+    the host the request came from (``remote_host``; "" when not known, as through a relay).
+    """
+    if member.peer_id != sender:
+        return "the member is not the peer that sent the request"
+    address = member.address
+    if address is None:
+        return None
+    if address in taken:
+        return "another member of the group has this address"
+    parts = urlsplit(address)
+    if parts.path.startswith(RELAY_PATH):
+        if parts.path.rstrip("/") != RELAY_PATH + member.peer_id:
+            return "a relayed address must name the member's own peer id"
+    elif remote_host and not _same_ip(parts.hostname or "", remote_host):
+        return "the address is not on the host the request came from"
+    return None
+
+
+async def serves_at(transport: Any, address: str, peer_id: str, *, timeout_s: float) -> bool:
+    """Whether ``peer_id`` proves itself at ``address``: by the transport's current session
+    there if it has one (free), else by a fresh handshake (one round trip). Settles which of
+    two followers claiming one address owns it."""
+    known = transport.peer_at(address)
+    if known is not None:
+        return known == peer_id
+    dial = getattr(transport, "dial", None)
+    if dial is None:  # a test double that cannot dial: the all-reduce's proven calls decide
+        return True
+    try:
+        await dial(address, expected_peer=peer_id, timeout_s=timeout_s)
+    except DHTError:
+        return False
+    return True
+
+
+def _same_ip(claimed: str, source: str) -> bool:
+    try:
+        claimed_ip, source_ip = ipaddress.ip_address(claimed), ipaddress.ip_address(source)
+    except ValueError:
+        return True  # a DNS name (or an unknown source): the all-reduce's proven calls decide
+    claimed_ip = getattr(claimed_ip, "ipv4_mapped", None) or claimed_ip
+    source_ip = getattr(source_ip, "ipv4_mapped", None) or source_ip
+    return claimed_ip == source_ip
+
+
+def distinct_members(members: Iterable[GroupMember]) -> tuple[list[GroupMember], list[str]]:
+    """``members`` in peer id order, without a second member of the same id or address (the
+    first listed keeps it: put the leader first): (those kept, the ids left out)."""
+    kept: list[GroupMember] = []
+    left_out: list[str] = []
+    ids: set[str] = set()
+    addresses: set[str] = set()
+    for member in members:
+        if member.peer_id in ids or (member.address is not None and member.address in addresses):
+            left_out.append(member.peer_id)
+            continue
+        ids.add(member.peer_id)
+        if member.address is not None:
+            addresses.add(member.address)
+        kept.append(member)
+    kept.sort(key=lambda m: m.peer_id)
+    return kept, left_out

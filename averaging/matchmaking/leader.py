@@ -16,13 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from averaging.bounds import is_number
 from averaging.config import AveragerConfig
 from averaging.errors import ProtocolViolation
-from averaging.matchmaking.group import GroupInfo, GroupMember
+from averaging.matchmaking.group import (
+    GroupInfo,
+    GroupMember,
+    distinct_members,
+    membership_refusal,
+)
 from averaging.matchmaking.search import Candidate, Follower, Search, Term
 
 logger = logging.getLogger(__name__)
@@ -38,6 +43,9 @@ class Leader:
         on_arrival: told how long after the search began each follower's ``wait`` came.
         num_streams: how many streams per pair a group this peer forms uses
             (:mod:`averaging.allreduce.streams`).
+        serves_at: ``(address, peer id) -> bool``, whether that peer proves itself there
+            (:func:`averaging.matchmaking.group.serves_at`): of two followers claiming one
+            address, the one that proves it keeps the seat. None: the later one is refused.
     """
 
     def __init__(
@@ -47,12 +55,14 @@ class Leader:
         partners: Callable[[], frozenset[str]] = frozenset,
         on_arrival: Callable[[float], None] = lambda offset_s: None,
         num_streams: Callable[[], int] = lambda: 1,
+        serves_at: Callable[[str, str], Awaitable[bool]] | None = None,
     ):
         self._config = config
         self._current = current
         self._partners = partners
         self._on_arrival = on_arrival
         self._num_streams = num_streams
+        self._serves_at = serves_at
 
     async def on_join(self, ctx, request: Any) -> dict[str, Any]:
         search = self._current()
@@ -69,8 +79,14 @@ class Leader:
         except ProtocolViolation:
             return {"status": "malformed"}
         remaining_s = request.get("remaining_s")
-        if member.peer_id != ctx.sender or not is_number(remaining_s):
+        if not is_number(remaining_s):
             return {"status": "malformed"}
+        refusal = await self._check_member(search, term, member, ctx)
+        if refusal is not None:  # a typed refusal of this member; the others go on
+            logger.debug("refused %s as a follower: %s", ctx.sender[:8], refusal)
+            return {"status": "malformed", "reason": refusal}
+        if term.outcome.done():
+            return {"status": "full", "members": [search.me.peer_id]}
         # a seat is held no longer than this leader would wait itself, whatever is asked
         remaining_s = min(max(0.0, remaining_s), self._config.matchmaking_time_s)
         if request.get("numel") != search.numel:
@@ -91,6 +107,30 @@ class Leader:
         else:  # the same follower again (its answer was lost): refresh the seat
             follower.member, follower.deadline, follower.reserved_at = member, deadline, now
         return {"status": "accepted"}
+
+    async def _check_member(self, search: Search, term: Term, member: GroupMember, ctx):
+        """Why ``member`` cannot be seated (None: it can): it must prove itself at its address
+        (free with a current session, else one handshake). A follower seated under the same
+        address before (it could not have proven it) loses its seat."""
+        others = {p: f for p, f in term.followers.items() if p != member.peer_id}
+        holder = next((p for p, f in others.items() if f.member.address == member.address), None)
+        taken = [search.me.address] + [
+            f.member.address for p, f in others.items() if p != holder or member.address is None
+        ]
+        refusal = membership_refusal(
+            member, sender=ctx.sender, remote_host=ctx.remote_host, taken=taken
+        )
+        if refusal is not None or member.address is None:
+            return refusal
+        if self._serves_at is None:
+            return None if holder is None else "another member of the group has this address"
+        if not await self._serves_at(member.address, member.peer_id):
+            return "the member does not prove itself at its address"
+        if holder is not None:  # it claimed an address it does not serve at
+            term.followers.pop(holder, None)
+            logger.info("follower %s claimed %s's address: seat taken back", holder[:8],
+                        ctx.sender[:8])  # fmt: skip
+        return None
 
     def _purge_reservations(self, term: Term, now: float) -> None:
         lapse_s = self._config.request_timeout_s
@@ -150,17 +190,27 @@ class Leader:
     def finalize(self, search: Search) -> None:
         """Form the group: this peer and every follower whose ``wait`` is in progress."""
         term = search.term
-        members = [search.me] + [f.member for f in term.followers.values() if f.waiting]
-        members.sort(key=lambda m: m.peer_id)
-        group = GroupInfo(
-            secrets.token_hex(16),
-            tuple(members),
-            search.compression,
-            self._config.chunk_numel,
-            self._config.aggregation,
-            self._config.max_weight_ratio,
-            self._num_streams(),
-        )
+        waiting = [f.member for f in term.followers.values() if f.waiting]
+        # join refuses duplicates; this keeps a group formable whatever got past it (the
+        # leader first, so nobody can take its place), and the followers left out are
+        # answered "full" like any peer not in the group
+        members, left_out = distinct_members([search.me, *waiting])
+        if left_out:
+            logger.warning("left %d followers out of the group: id or address taken", len(left_out))
+        try:
+            group = GroupInfo(
+                secrets.token_hex(16),
+                tuple(members),
+                search.compression,
+                self._config.chunk_numel,
+                self._config.aggregation,
+                self._config.max_weight_ratio,
+                self._num_streams(),
+            )
+        except ProtocolViolation as e:  # a bug here must not fail the followers' waits
+            term.outcome.set_result(f"the group could not be formed: {e}")
+            search.wakeup.set()
+            return
         term.outcome.set_result(group)
         search.wakeup.set()
         logger.debug("formed group %s of %d under %s", group.group_id[:8], len(members), search.key)

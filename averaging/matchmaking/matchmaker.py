@@ -35,6 +35,7 @@ peer that found nobody gets an "alone" result.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -42,7 +43,13 @@ from typing import Any, TypeVar
 
 from averaging.config import AveragerConfig, reducing_address
 from averaging.errors import ProtocolViolation
-from averaging.matchmaking.group import MAX_GROUP_SIZE, GroupInfo, GroupMember, check_offered
+from averaging.matchmaking.group import (
+    MAX_GROUP_SIZE,
+    GroupInfo,
+    GroupMember,
+    check_offered,
+    serves_at,
+)
 from averaging.matchmaking.leader import Leader
 from averaging.matchmaking.search import (
     CLIENT_RANK,
@@ -110,6 +117,7 @@ class Matchmaker:
             lambda: self.partners,
             deadlines.observe_arrival,
             num_streams,
+            functools.partial(serves_at, transport, timeout_s=config.request_timeout_s),
         )
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
@@ -393,6 +401,7 @@ class Matchmaker:
             max_weight_ratio=self._config.max_weight_ratio,
             numel=search.numel,
             max_streams=self._config.max_streams_per_pair,
+            chunk_numel=self._config.chunk_numel,
         )
 
     def _join_request(self, search: Search) -> dict[str, Any]:

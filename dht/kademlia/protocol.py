@@ -34,10 +34,10 @@ from dht.errors import (
     DHTError,
     RemoteError,
     TransportError,
-    ValidationError,
     WrongPeerError,
 )
 from dht.identity import is_peer_id, short_id
+from dht.kademlia.record_checks import RecordChecker
 from dht.kademlia.routing import DHTID, PeerInfo, RoutingTable
 from dht.kademlia.storage import DHTStorage, Entry, Record, Subkey
 from dht.kademlia.validation import RecordValidator
@@ -146,6 +146,7 @@ class DHTProtocol:
         max_nodes_per_answer: answers naming more nodes than this are refused whole.
         max_pending_verifications: claimed sender addresses being pinged back at once, at
             most (a flood of strangers must not make this node flood others).
+        max_records_per_answer: answers carrying more records than this are refused whole.
     """
 
     def __init__(
@@ -161,12 +162,14 @@ class DHTProtocol:
         rpc_timeout_s: float,
         max_nodes_per_answer: int = 40,
         max_pending_verifications: int = 1024,
+        max_records_per_answer: int = 8192,
     ):
         self.transport = transport
         self.own_id = own_id
         self.routing = routing
         self.storage = storage
         self.validator = validator
+        self.checker = RecordChecker(validator, max_records_per_answer=max_records_per_answer)
         self.bucket_size = bucket_size
         self.max_value_bytes = max_value_bytes
         self.rpc_timeout_s = rpc_timeout_s
@@ -256,7 +259,12 @@ class DHTProtocol:
             raw = await self.transport.call(
                 address, name, payload, timeout_s=self.rpc_timeout_s, expected_peer=expected
             )
-            answer = schema.parse(model, raw, max_nodes=self.max_nodes_per_answer)
+            answer = schema.parse(
+                model,
+                raw,
+                max_nodes=self.max_nodes_per_answer,
+                max_entry_records=self.checker.max_records_per_answer,
+            )
             if answer.peer_id != (expected or self.transport.peer_at(address)):
                 raise BadMessageError("the answer names another peer than the one that sent it")
         except WrongPeerError as e:
@@ -302,21 +310,20 @@ class DHTProtocol:
             logger.debug("find answer of %s malformed: %s", short_id(peer.peer_id), e)
             self._note_failure(peer, TransportError(str(e)))
             return None
-        return FindAnswer(peers, self._drop_invalid(key_id, entry, peer))
+        return FindAnswer(peers, await self._drop_invalid(key_id, entry, peer))
 
-    def _drop_invalid(self, key_id: int, entry: Entry | None, source: PeerInfo) -> Entry | None:
-        """A reader trusts no replica: re-validate what came back, keep only what passes."""
+    async def _drop_invalid(
+        self, key_id: int, entry: Entry | None, source: PeerInfo
+    ) -> Entry | None:
+        """A reader trusts no replica: re-validate what came back, keep only what passes
+        (bounded work per answer: :mod:`dht.kademlia.record_checks`)."""
         if entry is None:
             return None
         items = [(None, entry)] if isinstance(entry, Record) else list(entry.items())
-        valid: dict[Subkey | None, Record] = {}
-        for subkey, record in items:
-            try:
-                self.validator.validate(key_id, subkey, record)
-            except ValidationError as e:
-                logger.warning("invalid record from %s ignored: %s", short_id(source.peer_id), e)
-                continue
-            valid[subkey] = record
+        if self.checker.too_many(len(items)):
+            self.num_bad_answers += 1
+            return None
+        valid = await self.checker.valid_records(key_id, items, short_id(source.peer_id))
         if isinstance(entry, Record):
             return valid.get(None)
         return valid or None  # type: ignore[return-value]

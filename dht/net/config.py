@@ -125,7 +125,14 @@ class TransportConfig:
         max_header_field_bytes: the longest HTTP header line accepted, in bytes.
         max_body_bytes_in_flight: request bytes (bodies, stream header frames) being received
             at once across all requests before their digest is checked, in bytes; a request
-            that does not fit is refused (503) instead of buffered.
+            that does not fit is refused (503) instead of buffered. Bytes are charged as they
+            arrive, never for the announced length.
+        max_body_bytes_in_flight_per_peer: the share of ``max_body_bytes_in_flight`` one proven
+            peer id may hold, in bytes (beyond it, its request is refused: 503).
+        max_body_bytes_in_flight_per_address: the share one source address (an IPv6 /64) may
+            hold, in bytes.
+        body_stall_timeout_s: a request body (or stream header frame) from which no byte arrived
+            for this long is refused (408) and what it held given back, in seconds.
         relay_enabled: relay for peers that others cannot reach (when this node serves: not in
             client mode): they attach over a WebSocket and are reached at
             ``{this node's URL}/v2/relay/{peer id}``.
@@ -136,6 +143,14 @@ class TransportConfig:
             (503) while it is spent.
         max_relayed_requests_per_peer: requests forwarded to one relayed peer at once (503
             beyond).
+        max_relayed_bytes_per_s_per_address: the share of ``max_relayed_bytes_per_s`` of one
+            caller address (an IPv6 /64), in bytes per second: its transfers slow down to it,
+            and its new requests (only its) are refused (503) while its bucket is spent; None
+            is a quarter of ``max_relayed_bytes_per_s``.
+        max_relayed_peers_per_address: peers attached to this relay at once from one source
+            address (503 beyond).
+        max_relayed_requests_per_address: requests forwarded at once to one relayed peer from
+            one caller address (503 beyond).
         relay_heartbeat_s: a relay tunnel is pinged every this many seconds, in seconds, at both
             ends; a tunnel without an answer for half of it more is closed (so a dead relay is
             noticed within 1.5 times it).
@@ -171,10 +186,16 @@ class TransportConfig:
     max_header_fields: int = 32
     max_header_field_bytes: int = 4096
     max_body_bytes_in_flight: int = 64 * 1024 * 1024
+    max_body_bytes_in_flight_per_peer: int = 8 * 1024 * 1024
+    max_body_bytes_in_flight_per_address: int = 16 * 1024 * 1024
+    body_stall_timeout_s: float = 5.0
     relay_enabled: bool = True
     max_relayed_peers: int = 32
     max_relayed_bytes_per_s: float = 12.5e6
     max_relayed_requests_per_peer: int = 16
+    max_relayed_bytes_per_s_per_address: float | None = None
+    max_relayed_peers_per_address: int = 4
+    max_relayed_requests_per_address: int = 8
     relay_heartbeat_s: float = 10.0
     relay_attach_timeout_s: float = 10.0
     relay_retry_s: float = 2.0
@@ -196,6 +217,7 @@ class TransportConfig:
             "relay_heartbeat_s",
             "relay_attach_timeout_s",
             "relay_retry_s",
+            "body_stall_timeout_s",
         ):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} must be positive and finite, got {getattr(self, name)}")
@@ -211,13 +233,26 @@ class TransportConfig:
             "max_body_bytes_in_flight",
             "max_relayed_peers",
             "max_relayed_requests_per_peer",
+            "max_relayed_peers_per_address",
+            "max_relayed_requests_per_address",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_body_bytes_in_flight < self.limits.max_body_bytes:
+        for name in (
+            "max_body_bytes_in_flight",
+            "max_body_bytes_in_flight_per_peer",
+            "max_body_bytes_in_flight_per_address",
+        ):
+            if getattr(self, name) < self.limits.max_body_bytes:
+                raise ConfigError(
+                    f"{name} ({getattr(self, name)}) must be at least "
+                    f"limits.max_body_bytes ({self.limits.max_body_bytes})"
+                )
+        per_address = self.max_relayed_bytes_per_s_per_address
+        if per_address is not None and not 0 < per_address < float("inf"):
             raise ConfigError(
-                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be at least "
-                f"limits.max_body_bytes ({self.limits.max_body_bytes})"
+                "max_relayed_bytes_per_s_per_address must be positive and finite, "
+                f"got {per_address}"
             )
         if self.swarm_key is not None and len(self.swarm_key) < 16:
             raise ConfigError("swarm_key must be at least 16 bytes")
@@ -227,6 +262,12 @@ class TransportConfig:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path}")
+
+    def relayed_bytes_per_s_per_address(self) -> float:
+        """One caller address's share of the relayed bytes per second."""
+        if self.max_relayed_bytes_per_s_per_address is None:
+            return self.max_relayed_bytes_per_s / 4
+        return self.max_relayed_bytes_per_s_per_address
 
     def announced_host(self) -> str:
         """The host part of this node's URL."""

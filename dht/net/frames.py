@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 from dht.errors import AuthError, BadMessageError, RemoteError, TransportError
@@ -97,13 +96,17 @@ class FrameReader:
         return unpack(await self.read_message_raw(), self._limits)
 
     async def read_message_raw(
-        self, reserve: Callable[[int], AbstractContextManager] | None = None
+        self,
+        charge: Callable[[int], None] | None = None,
+        *,
+        stall_timeout_s: float | None = None,
     ) -> bytes:
         """The payload of the next frame, which must be a msgpack message frame.
 
         Args:
-            reserve: called with the frame's announced length before its payload is read
-                (a context manager held while reading; it may raise to refuse the frame).
+            charge: called with the size of each block of the payload as it arrives (never
+                with the announced length; it may raise to refuse the frame).
+            stall_timeout_s: bound on each wait for the next block (default: the idle timeout).
         """
         header = await self._next_header()
         if header is None:
@@ -111,12 +114,33 @@ class FrameReader:
         kind, length, raw = header
         if kind == FRAME_BIN:
             raise BadMessageError("expected a header frame, got a binary frame")
-        with reserve(length) if reserve is not None else nullcontext():
+        if charge is None:
             payload = await self._read_payload(length)
-            await self._check_tag(raw, payload)
+        else:
+            payload = await self._read_charged(length, charge, stall_timeout_s)
+        await self._check_tag(raw, payload)
         if kind == FRAME_ERROR:
-            raise RemoteError(409, _reason(unpack(payload, self._limits)))
+            raise RemoteError(409, _reason(_unpack_error(payload, self._limits)))
         return payload
+
+    async def _read_charged(
+        self, length: int, charge: Callable[[int], None], stall_timeout_s: float | None
+    ) -> bytes:
+        blocks, filled = [], 0
+        while filled < length:
+            try:
+                async with asyncio.timeout(stall_timeout_s or self._idle_timeout_s):
+                    block = await self._source.read(length - filled)
+            except TimeoutError:
+                raise
+            except Exception as e:  # the HTTP layer's payload errors: a broken connection
+                raise TransportError(f"stream broken: {e}") from e
+            if not block:
+                raise BadMessageError("stream ended inside a frame")
+            charge(len(block))
+            blocks.append(block)
+            filled += len(block)
+        return b"".join(blocks)
 
     async def read_chunk(self) -> bytes | None:
         """The next binary chunk, or None at the end of the stream."""
@@ -166,8 +190,15 @@ class FrameReader:
         if kind == FRAME_BIN:
             return payload
         if kind == FRAME_ERROR:
-            raise RemoteError(409, _reason(unpack(payload, self._limits)))
+            raise RemoteError(409, _reason(_unpack_error(payload, self._limits)))
         raise BadMessageError("unexpected header frame in the middle of a stream")
+
+
+def _unpack_error(payload: bytes, limits: MessageLimits) -> Any:
+    try:
+        return unpack(payload, limits)
+    except BadMessageError:
+        return None  # an error frame that does not parse is still an error: its reason unknown
 
 
 def _reason(message: Any) -> str:

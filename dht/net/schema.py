@@ -238,18 +238,24 @@ class DialBackAnswer(_Message):
     observed_host: HostIp
 
 
-def parse(model: type[_Message], obj: Any, *, max_nodes: int = 40):
+def parse(model: type[_Message], obj: Any, *, max_nodes: int = 40, max_entry_records: int = 8192):
     """``obj`` (an unpacked msgpack message) as ``model``, or BadMessageError naming the fault.
 
     Args:
         max_nodes: the most nodes an answer may name (records and accepted flags are bounded
             by :data:`MAX_RECORDS_PER_STORE`).
+        max_entry_records: the most records a find answer's entry may carry (counted before
+            any is parsed: a flood costs nothing more than its unpacking).
     """
     limits = {"records": MAX_RECORDS_PER_STORE, "accepted": MAX_RECORDS_PER_STORE}
     for name, limit in (*limits.items(), ("nodes", max_nodes)):
         items = obj.get(name) if isinstance(obj, dict) else None
         if isinstance(items, list | dict) and len(items) > limit:
             raise BadMessageError(f"{name}: more than {limit}")
+    entry = obj.get("entry") if isinstance(obj, dict) else None
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list):
+        if len(entry[1]) > max_entry_records:
+            raise BadMessageError(f"entry: more than {max_entry_records} records")
     try:
         return model.model_validate(obj)
     except PydanticError as e:

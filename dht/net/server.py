@@ -21,15 +21,26 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
-from dht.errors import AuthError, BadMessageError, BusyError, DHTError, ValidationError
+from dht.errors import (
+    AuthError,
+    DHTError,
+    RemoteError,
+    TransportError,
+)
 from dht.identity import PeerIdentity
 from dht.net.auth import FrameTagger, SwarmAuth
-from dht.net.client import API_VERSION, MAX_HELLO_BYTES, MSGPACK, RENEW_HEADER, TUNNEL_HEADER
+from dht.net.client import API_VERSION, MAX_HELLO_BYTES, MSGPACK, TUNNEL_HEADER
 from dht.net.config import TransportConfig
 from dht.net.frames import FrameReader
-from dht.net.limits import BytesBudget, OverBudget, RateLimiter, StreamSlots, peer_host
+from dht.net.limits import OverBudget, RateLimiter, StreamSlots, peer_host
+from dht.net.refusals import (
+    ClientGone,
+    Refused,
+    error_response,
+    read_charged,
+    status_of,
+)
 from dht.net.replay import ReplayGuard
 from dht.net.session import (
     HelloRequest,
@@ -39,71 +50,17 @@ from dht.net.session import (
     request_mac,
     response_mac,
 )
+from dht.net.shares import FairBudget, OverShare
 from dht.net.streams import ServerStream
 from dht.net.transport import ByteCounters, RequestContext, RpcHandler, StreamHandler
 from dht.net.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
 
-_STATUS_OF = {BadMessageError: 400, AuthError: 401, ValidationError: 422, BusyError: 429}
 _HEX = re.compile(r"[0-9a-f]+")
 MAX_REMEMBERED_HELLOS = 4096  # peers whose last hello time is kept (for dial-back proofs)
 # A plain GET route: returns (content type, body), directly or awaited.
 HttpGetHandler = Callable[[], tuple[str, bytes] | Awaitable[tuple[str, bytes]]]
-
-
-class _MalformedHttpFilter(logging.Filter):
-    """Malformed HTTP from a stranger (too many headers, a line too long) is a WARNING without
-    a traceback, at most one line per second; other errors pass untouched (they are bugs)."""
-
-    def __init__(self):
-        super().__init__()
-        self._last_s = -float("inf")
-        self.num_dropped = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, HttpProcessingError):
-            return True
-        now = time.monotonic()
-        if now - self._last_s < 1.0:
-            self.num_dropped += 1
-            return False
-        self._last_s = now
-        record.msg = f"{record.msg}: {exc.code} {exc.message}"[:300]
-        record.exc_info, record.exc_text = None, None
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
-# The logger aiohttp's request handlers report malformed requests to (see HttpTransport.start).
-HTTP_PARSER_LOGGER = logging.getLogger("dht.net.server.parser")
-HTTP_PARSER_LOGGER.addFilter(_MalformedHttpFilter())
-
-
-class Refused(Exception):
-    """A request refused with an HTTP status and a one-line reason."""
-
-    def __init__(self, status: int, reason: str, *, renew: bool = False):
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.renew = renew
-
-
-def status_of(error: DHTError) -> int:
-    for kind, status in _STATUS_OF.items():
-        if isinstance(error, kind):
-            return status
-    return 500
-
-
-def error_response(status: int, reason: str, *, renew: bool = False) -> web.Response:
-    safe = reason.encode("ascii", "replace").decode()[:300]
-    headers = {"x-vp-error": safe}
-    if renew:
-        headers[RENEW_HEADER] = "renew"
-    return web.Response(status=status, text=safe, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -115,6 +72,14 @@ class Proven:
     nonce: str
     body_digest: bytes
     host: str
+
+
+def _caller_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+def _printable_ascii(text: str) -> bool:
+    return text.isascii() and text.isprintable()
 
 
 def _hex_header(request: web.Request, name: str, length: int) -> str:
@@ -161,7 +126,11 @@ class HttpServer:
         self.hellos = RateLimiter(
             rate_per_s=config.max_handshakes_per_s_per_address, burst=config.handshake_burst
         )
-        self.budget = BytesBudget(config.max_body_bytes_in_flight)
+        self.budget = FairBudget(
+            max_total=config.max_body_bytes_in_flight,
+            max_per_peer=config.max_body_bytes_in_flight_per_peer,
+            max_per_address=config.max_body_bytes_in_flight_per_address,
+        )
         self.slots = StreamSlots(
             max_per_peer=config.max_streams_per_peer,
             max_per_address=config.max_streams_per_address,
@@ -209,6 +178,9 @@ class HttpServer:
     async def _refusals(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except ClientGone as e:
+            logger.debug("caller of %s went away: %s", request.path[:80], e)
+            return web.Response(status=400, text="request cut short")
         except Refused as e:
             status, reason, renew = e.status, e.reason, e.renew
         except web.HTTPException as e:
@@ -225,10 +197,13 @@ class HttpServer:
             return  # one line per second per status: a flood must not flood the log
         self._last_log_s[status] = now
         sender = request.headers.get("x-vp-peer", "?")[:16]
+        sender = sender if _printable_ascii(sender) else "?"
         host = peer_host(request.transport)
         logger.warning(
             "refused %s %s from %s (%s): %d %s (%d refusals so far)",
-            request.method, request.path[:80], sender, host, status, reason, self.num_refused,
+            request.method, request.path[:80].encode("ascii", "backslashreplace").decode(),
+            sender, host, status, reason,
+            self.num_refused,
         )  # fmt: skip
 
     async def _handle_old_version(self, request: web.Request) -> web.Response:
@@ -239,7 +214,7 @@ class HttpServer:
     def authenticate(self, request: web.Request) -> Proven:
         """Check a request's session ticket, MAC, timestamp and nonce (headers only)."""
         ticket = request.headers.get("x-vp-ticket", "")
-        if not ticket or len(ticket) > 512:
+        if not ticket or len(ticket) > 512 or not _printable_ascii(ticket):
             raise Refused(
                 401, f"no session: make one first (POST /{API_VERSION}/hello)", renew=True
             )
@@ -254,6 +229,8 @@ class HttpServer:
         body_digest = bytes.fromhex(_hex_header(request, "x-vp-digest", 64))
         mac = _hex_header(request, "x-vp-mac", 64)
         ts = request.headers.get("x-vp-ts", "")[:32]
+        if not _printable_ascii(ts):  # (headers are decoded leniently: anything may be here)
+            raise Refused(401, "malformed x-vp-ts header")
         expected = request_mac(caller.key, request.method, request.path, body_digest, ts, nonce)
         if not macs_equal(expected, mac):
             raise Refused(401, "wrong request MAC")
@@ -263,17 +240,22 @@ class HttpServer:
             raise Refused(401, str(e)) from None
         return Proven(caller.peer_id, caller.key, nonce, body_digest, self.source_host(request))
 
-    async def _read_body(self, request: web.Request, max_bytes: int) -> bytes:
-        """The whole body: 413 at once if it announces more than ``max_bytes``, 503 if the
-        budget of bytes in flight is spent, 408 if it does not arrive in time."""
+    async def _read_body(
+        self, request: web.Request, max_bytes: int, *, peer: str = "", host: str = ""
+    ) -> bytes:
+        """The whole body: 413 at once if it announces more than ``max_bytes``; 503 if what
+        arrived does not fit in the share of ``peer`` (a proven id; "" before a handshake) or of
+        ``host``; 408 if it stalls or does not arrive in time. Charged as it arrives."""
         length = request.content_length
         if length is not None and length > max_bytes:
             raise Refused(413, f"body of {length} bytes exceeds the limit of {max_bytes}")
         try:
-            with self.budget.reserve(max_bytes if length is None else length):
+            with self.budget.account(peer, host) as account:
                 async with asyncio.timeout(self.config.request_timeout_s):
-                    return await _read_at_most(request, max_bytes)
-        except OverBudget as e:
+                    return await read_charged(
+                        request.content, max_bytes, account, self.config.body_stall_timeout_s
+                    )
+        except OverShare as e:
             raise Refused(503, f"busy: {e}") from None
         except TimeoutError:
             raise Refused(408, "request body not received in time") from None
@@ -289,7 +271,7 @@ class HttpServer:
         host = self.source_host(request)
         if host and not self.hellos.allow(host):
             raise Refused(429, "too many handshakes from this address; slow down")
-        body = await self._read_body(request, MAX_HELLO_BYTES)
+        body = await self._read_body(request, MAX_HELLO_BYTES, host=host)
         try:
             if self.swarm is not None:
                 self.swarm.check_hello(body, request.headers.get("x-vp-mac", ""))
@@ -309,7 +291,9 @@ class HttpServer:
         if handler is None:
             raise Refused(404, f"no RPC named {request.match_info['name']!r}")
         proven = self.authenticate(request)
-        body = await self._read_body(request, self.limits.max_body_bytes)
+        body = await self._read_body(
+            request, self.limits.max_body_bytes, peer=proven.peer_id, host=proven.host
+        )
         if digest(body) != proven.body_digest:
             raise Refused(401, "body does not match the digest its MAC covers")
         self.counters.add_recv(proven.peer_id, len(body))
@@ -347,14 +331,22 @@ class HttpServer:
             direction=b"up",
         )
         try:
-            header_payload = await reader.read_message_raw(reserve=self.budget.reserve)
+            with self.budget.account(proven.peer_id, proven.host) as account:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    header_payload = await reader.read_message_raw(
+                        charge=account.charge, stall_timeout_s=self.config.body_stall_timeout_s
+                    )
             if digest(header_payload) != proven.body_digest:
                 raise Refused(401, "stream header does not match the digest its MAC covers")
             header = unpack(header_payload, self.limits)
         except TimeoutError:
             raise Refused(408, "stream header not received in time") from None
-        except OverBudget as e:
+        except OverShare as e:
             raise Refused(503, f"busy: {e}") from None
+        except RemoteError:
+            raise Refused(400, "a stream's first frame must be its header, not an error") from None
+        except TransportError as e:  # the caller's connection broke while it sent the header
+            raise ClientGone(str(e)) from None
         except DHTError as e:
             raise Refused(status_of(e), str(e)) from None
         stream = ServerStream(
@@ -374,6 +366,8 @@ class HttpServer:
             try:
                 await handler(stream)
             except (DHTError, TimeoutError) as e:
+                if isinstance(e, TransportError) and _caller_gone(request):
+                    raise ClientGone(str(e)) from None
                 status = status_of(e) if isinstance(e, DHTError) else 408
                 if not stream.reply_started:
                     raise Refused(status, str(e) or "timed out") from None
@@ -382,18 +376,6 @@ class HttpServer:
             return await stream.finish()
         finally:
             stream.close()
-
-
-async def _read_at_most(request: web.Request, max_bytes: int) -> bytes:
-    chunks, num_bytes = [], 0
-    while True:
-        chunk = await request.content.read(max_bytes + 1 - num_bytes)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-        num_bytes += len(chunk)
-        if num_bytes > max_bytes:
-            raise Refused(413, f"body exceeds the limit of {max_bytes} bytes")
 
 
 def _plain_get(handler: HttpGetHandler):

@@ -198,8 +198,11 @@ class RelayTunnel:
             url = self._local_url + path
             async with asyncio.timeout(max(self._config.request_timeout_s,
                                            self._config.stream_idle_timeout_s)):  # fmt: skip
+                # expect100: the headers go out at once (aiohttp would hold them back until the
+                # body's first byte), so the server refuses or times out a body that never
+                # comes itself, and answers
                 response = await self._http.request(
-                    method, url, data=body, headers=headers, ssl=False
+                    method, url, data=body, headers=headers, ssl=False, expect100=body is not None
                 )
             async with response:
                 head = {"s": response.status, "h": forwarded_headers(response.headers)}

@@ -273,9 +273,11 @@ class Mux:
         elif kind == CREDIT and len(payload) == _CREDIT.size:
             stream._grant(_CREDIT.unpack(payload)[0])
         elif kind == RESET:
+            # The stream fails whatever the payload holds: a reason that does not parse must
+            # not leave its owner waiting for the idle timeout.
             self.forget(stream)
             stream._was_reset = True
-            reason = _control(payload).get("reason", "")
+            reason = _reset_reason(payload)
             stream._fail(_ResetError(f"relayed stream reset by the other end: {reason}"[:300]))
         else:
             raise BadMessageError(f"unknown message kind {kind}")
@@ -320,6 +322,14 @@ class Mux:
         except (TimeoutError, ConnectionError, aiohttp.ClientError, RuntimeError):
             pass  # the other end is gone: there is no one to say goodbye to
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _reset_reason(payload: bytes) -> str:
+    try:
+        reason = _control(payload).get("reason", "")
+    except BadMessageError:
+        return "(malformed reason)"
+    return reason if isinstance(reason, str) else "(malformed reason)"
 
 
 def _control(payload: bytes) -> dict:

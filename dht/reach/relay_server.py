@@ -15,18 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 
 from aiohttp import web
 
-from dht.errors import TransportError
+from dht.errors import DHTError, TransportError
 from dht.identity import is_peer_id
 from dht.net.client import API_VERSION, TUNNEL_HEADER
 from dht.net.config import TransportConfig
 from dht.net.limits import peer_host
-from dht.net.server import HttpServer, Refused
+from dht.net.server import HttpServer, Proven, Refused
 from dht.net.session import digest, response_mac
 from dht.reach.relay_mux import MAX_MESSAGE_BYTES, OPEN, Mux, MuxStream
+from dht.reach.relay_shares import ByteRate, OverShareError, RelayShares
 
 logger = logging.getLogger(__name__)
 
@@ -49,41 +49,6 @@ def forwarded_headers(headers) -> dict[str, str]:
     }
 
 
-class ByteRate:
-    """A token bucket of bytes that may go into debt: a large transfer is taken at once, and the
-    bucket is spent (new requests refused) until the rate has paid it back.
-
-    Args:
-        rate_per_s: bytes per second; the bucket holds one second of them.
-    """
-
-    def __init__(self, rate_per_s: float):
-        self.rate_per_s = rate_per_s
-        self._tokens = rate_per_s
-        self._last_s = time.monotonic()
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self._tokens = min(self.rate_per_s, self._tokens + (now - self._last_s) * self.rate_per_s)
-        self._last_s = now
-
-    def spent(self) -> bool:
-        self._refill()
-        return self._tokens < 0
-
-    def take(self, num_bytes: int) -> float:
-        """Take ``num_bytes``; the seconds until the bucket is out of debt again."""
-        self._refill()
-        self._tokens -= num_bytes
-        return max(0.0, -self._tokens / self.rate_per_s)
-
-    async def pay(self, num_bytes: int) -> None:
-        """Take ``num_bytes`` and wait until the bucket is out of debt."""
-        wait_s = self.take(num_bytes)
-        if wait_s > 0:
-            await asyncio.sleep(wait_s)
-
-
 class RelayService:
     """The tunnels of the peers relayed here, and the forwarding of requests to them.
 
@@ -95,7 +60,13 @@ class RelayService:
     def __init__(self, server: HttpServer, config: TransportConfig):
         self.server = server
         self.config = config
-        self.rate = ByteRate(config.max_relayed_bytes_per_s)
+        self.shares = RelayShares(
+            rate_per_s=config.max_relayed_bytes_per_s,
+            rate_per_address_per_s=config.relayed_bytes_per_s_per_address(),
+            max_seats_per_address=config.max_relayed_peers_per_address,
+            max_requests_per_address=config.max_relayed_requests_per_address,
+        )
+        self.rate = self.shares.rate
         self._tunnels: dict[str, Mux] = {}
         self.num_relayed_bytes = 0
         self.num_attaches = 0
@@ -129,6 +100,16 @@ class RelayService:
             raise Refused(503, self._closed_reason)
         if peer_id not in self._tunnels and len(self._tunnels) >= self.config.max_relayed_peers:
             raise Refused(503, f"relay full: {self.config.max_relayed_peers} peers attached")
+        host = peer_host(request.transport)
+        if not self.shares.seat_free(host):
+            raise Refused(
+                503, f"relay full for this address: {self.shares.max_seats_per_address} attached"
+            )
+        with self.shares.seat(host):
+            return await self._serve_tunnel(request, proven)
+
+    async def _serve_tunnel(self, request: web.Request, proven: Proven) -> web.StreamResponse:
+        peer_id = proven.peer_id
         ws = web.WebSocketResponse(
             heartbeat=self.config.relay_heartbeat_s, compress=False, max_msg_size=MAX_MESSAGE_BYTES
         )
@@ -166,53 +147,57 @@ class RelayService:
         mux = self._tunnels.get(peer_id)
         if mux is None:
             raise Refused(404, f"peer {peer_id[:16]} is not relayed here (not attached)")
-        hello = path == f"/{API_VERSION}/hello"
-        if hello and not self.server.hellos.allow(peer_host(request.transport)):
+        host = peer_host(request.transport)
+        if path == f"/{API_VERSION}/hello" and not self.server.hellos.allow(host):
             # the relayed node cannot tell its callers apart by address: the relay does
             raise Refused(429, "too many handshakes from this address; slow down")
         length = request.content_length
         if length is not None and length > self.server.limits.max_body_bytes:
             raise Refused(413, f"body of {length} bytes exceeds the limit")
-        if self.rate.spent():
+        rate = self.shares.address_rate(host)
+        if rate.spent():  # only this address's own bucket: nobody else's requests are refused
             raise Refused(
-                503, f"relay over its cap of {self.config.max_relayed_bytes_per_s:.0f} bytes/s"
+                503, f"this address is over its share of {rate.rate_per_s:.0f} relayed bytes/s"
             )
         if mux.num_streams >= mux.max_streams:
             raise Refused(503, f"more than {mux.max_streams} relayed requests to this peer")
-        # A body of known length is paid at once (the bucket goes into debt and refuses others
-        # until it is paid back); streams pay chunk by chunk.
-        wait_s = self.rate.take(length) if length else 0.0
-        if wait_s > 0:
-            await asyncio.sleep(wait_s)
         try:
-            stream = mux.open()
-        except TransportError as e:
-            raise Refused(502, f"relayed peer went away: {e}") from None
-        try:
-            return await self._relay(request, stream, path, pay_up=length is None)
-        finally:
-            await stream.close("the caller's request ended")
+            with self.shares.request_slot(peer_id, host):
+                try:
+                    stream = mux.open()
+                except TransportError as e:
+                    raise Refused(502, f"relayed peer went away: {e}") from None
+                try:
+                    return await self._relay(request, stream, path, rate)
+                finally:
+                    await stream.close("the caller's request ended")
+        except OverShareError as e:
+            raise Refused(503, str(e)) from None
 
     async def _relay(
-        self, request: web.Request, stream: MuxStream, path: str, *, pay_up: bool
+        self, request: web.Request, stream: MuxStream, path: str, rate: ByteRate
     ) -> web.StreamResponse:
+        """Forward the request and stream its answer back; every byte that crosses, either
+        way, is paid as it crosses into the caller's bucket and the relay's."""
         opening = {"m": request.method, "p": path, "h": forwarded_headers(request.headers)}
         up: asyncio.Task | None = None
         response: web.StreamResponse | None = None
         try:
             await stream.write_message(OPEN, opening)  # before any DATA of the body
-            up = asyncio.create_task(self._pump_up(request, stream, pay_up))
+            up = asyncio.create_task(self._pump_up(request, stream, rate))
             head = await stream.read_message()
             response = web.StreamResponse(status=_status(head), headers=_headers(head))
             await response.prepare(request)
             while (chunk := await stream.read()) is not None:
                 self.num_relayed_bytes += len(chunk)
-                await self.rate.pay(len(chunk))
+                await self.shares.pay(rate, len(chunk))
                 async with asyncio.timeout(self.config.stream_write_timeout_s):
                     await response.write(chunk)
             await response.write_eof()
             return response
-        except (TransportError, TimeoutError, ConnectionError) as e:
+        except (DHTError, TimeoutError, ConnectionError) as e:
+            # DHTError: the relayed peer broke the tunnel's protocol (a DATA before its HEAD, a
+            # second HEAD): its caller gets a 502 like for any other failure of the peer
             if response is None:
                 raise Refused(502, f"relayed peer did not answer: {e}") from None
             if request.transport is not None:
@@ -223,16 +208,17 @@ class RelayService:
                 up.cancel()
                 await asyncio.gather(up, return_exceptions=True)
 
-    async def _pump_up(self, request: web.Request, stream: MuxStream, pay: bool) -> None:
+    async def _pump_up(self, request: web.Request, stream: MuxStream, rate: ByteRate) -> None:
+        # No stall timeout here: the relayed peer's server times the body out itself (an RPC's
+        # within body_stall_timeout_s, a stream's per frame) and answers, which ends this.
         try:
             async for chunk in request.content.iter_any():
                 self.num_relayed_bytes += len(chunk)
-                if pay:
-                    await self.rate.pay(len(chunk))
+                await self.shares.pay(rate, len(chunk))
                 await stream.write(chunk)
             await stream.end()
         except Exception as e:  # whatever cut the caller's body, the relayed peer must hear it
-            await stream.reset(f"caller's request failed: {e}")
+            await stream.reset(f"caller's request failed: {type(e).__name__} {e}"[:200])
 
 
 def _status(head: dict) -> int:

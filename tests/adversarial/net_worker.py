@@ -4,7 +4,8 @@ Protocol (one JSON object a line): the test writes the spec (``initial_peers``, 
 and ``dht`` config overrides); the worker answers ``{"peer_id", "address"}`` once it serves, then
 answers each command: ``info`` (memory, routing table, storage, server counters), ``store``
 (``key``, ``value``, ``ttl_s``, ``signed``), ``get`` (``key``, ``latest``), ``ping``
-(``address``), ``lookup`` (``key``: the lookup's outcome). With ``serve_streams`` the node
+(``address``), ``pings`` (``address``, ``count``: each latency), ``lookup`` (``key``: the
+lookup's outcome). With ``serve_streams`` the node
 also serves two test streams: ``test.blob`` (a reply of n MiB) and ``test.sink`` (reads all).
 Exceptions that escape a task reach the loop's exception handler, which writes ``UNHANDLED``
 to the log (the tests look for it).
@@ -65,6 +66,8 @@ async def _command(node: DHTNode, transport: HttpTransport, cmd: dict[str, Any])
     if kind == "ping":
         peer = await node.protocol.ping(cmd["address"])
         return {"peer_id": peer.peer_id if peer else None}
+    if kind == "pings":  # honest RPC latency, measured in this process
+        return await _pings(node, cmd["address"], cmd.get("count", 20))
     if kind == "lookup":
         start = time.monotonic()
         found = await node.lookup(DHTID.from_key(cmd["key"]), want_value=True)
@@ -75,6 +78,17 @@ async def _command(node: DHTNode, transport: HttpTransport, cmd: dict[str, Any])
             "timed_out": found.timed_out,
         }
     raise ValueError(f"unknown command {kind!r}")
+
+
+async def _pings(node: DHTNode, address: str, count: int) -> dict[str, Any]:
+    """``count`` pings to ``address`` one after another: each latency in seconds (None for a
+    ping that failed)."""
+    latencies = []
+    for _ in range(count):
+        start = time.monotonic()
+        peer = await node.protocol.ping(address)
+        latencies.append(time.monotonic() - start if peer is not None else None)
+    return {"latencies_s": latencies}
 
 
 BLOB_CHUNK_BYTES = 1 << 20

@@ -24,7 +24,7 @@ from dht.net.client import signed_headers
 from dht.net.config import TransportConfig
 from dht.net.session import digest
 from dht.net.wire import pack
-from dht.reach.relay_mux import DATA, END, HEAD, MAX_MESSAGE_BYTES, OPEN
+from dht.reach.relay_mux import DATA, END, HEAD, MAX_MESSAGE_BYTES, OPEN, RESET
 from dht.reach.relay_server import ATTACH_PATH
 from tests.dht.net.test_transport import echo, halve, roundtrip
 from tests.dht.reach.test_relay import Reached
@@ -126,3 +126,36 @@ async def test_a_lying_tunnel_is_dropped_and_the_relay_keeps_serving_the_honest(
         # the relay process lives on and still relays the honest peer exactly
         assert process.poll() is None
         await honest_call_is_exact(caller, honest)
+
+
+async def test_a_relayed_end_out_of_order_is_a_502_at_once(relay):
+    """The relayed end sends DATA or END before its HEAD, HEAD twice, or a RESET whose reason
+    is not a map: the caller gets a 502 (or a cut answer) at once, never a 500 or a wait for
+    the idle timeout (30 s), and the relay's log shows no traceback."""
+    process, relay_url = relay
+    config = TransportConfig(host="127.0.0.1", port=0)
+    attacker = HttpTransport(PeerIdentity.generate(), config)
+    caller = HttpTransport(PeerIdentity.generate(), TransportConfig(client_mode=True))
+    head = pack({"s": 200, "h": {}})
+    cases = {
+        "data before head": lambda sid: [PREFIX.pack(DATA, sid) + b"x"],
+        "end before head": lambda sid: [PREFIX.pack(END, sid)],
+        "head twice": lambda sid: [PREFIX.pack(HEAD, sid) + head, PREFIX.pack(HEAD, sid) + head],
+        "reset not a map": lambda sid: [PREFIX.pack(RESET, sid) + pack([1, 2])],
+        "reset not msgpack": lambda sid: [PREFIX.pack(RESET, sid) + b"\xc1"],
+    }
+    async with attacker, caller:
+        attacker_address = f"{relay_url}/v2/relay/{attacker.peer_id}"
+        for name, messages in cases.items():
+            ws = await attach_raw(attacker, relay_url)
+            start = asyncio.get_running_loop().time()
+            call = asyncio.create_task(caller.call(attacker_address, "echo", 1, timeout_s=20))
+            stream_id = await next_open(ws)
+            for message in messages(stream_id):
+                await ws.send_bytes(message)
+            with pytest.raises(DHTError) as info:
+                await call
+            assert "500" not in str(info.value), (name, info.value)
+            assert asyncio.get_running_loop().time() - start < 10, name
+            await ws.close()
+    assert process.poll() is None

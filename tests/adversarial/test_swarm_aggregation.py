@@ -279,7 +279,7 @@ async def test_a_leader_keeps_its_partners_seats_from_strangers():
     async def join(peer_id: str, port: int) -> str:
         member = GroupMember(peer_id, f"http://127.0.0.1:{port}", 1.0, 1.0)
         request = {"key": "k", "member": member.to_wire(), "numel": 10, "remaining_s": 1.0}
-        answer = await leader.on_join(SimpleNamespace(sender=peer_id), request)
+        answer = await leader.on_join(SimpleNamespace(sender=peer_id, remote_host=""), request)
         return answer["status"]
 
     assert await join(strangers[0], 5001) == "accepted"

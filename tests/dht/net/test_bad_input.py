@@ -6,6 +6,7 @@ session, then a body that is malformed in one way.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -14,8 +15,14 @@ import pytest
 
 from dht.errors import RemoteError
 from dht.net.config import TransportConfig
-from dht.net.wire import FRAME_BIN, FRAME_HEADER, MessageLimits, pack
-from tests.adversarial.harness_net import WireClient
+from dht.net.wire import FRAME_BIN, FRAME_ERROR, FRAME_HEADER, MessageLimits, pack
+from tests.adversarial.harness_net import (
+    WireClient,
+    host_port,
+    http_request,
+    raw_http,
+    status_line,
+)
 
 pytestmark = pytest.mark.timeout(60)
 KEY = b"swarm-key-for-tests-0123456789"
@@ -148,3 +155,55 @@ async def test_keyed_transports_talk_and_unkeyed_ones_are_refused(make_transport
     with pytest.raises(RemoteError) as info:
         await outsider.call(server.address, "echo", 5)
     assert info.value.status == 401
+
+
+async def test_an_error_frame_first_is_a_400(node, client):
+    error_first = FRAME_HEADER.pack(FRAME_ERROR, len(pack({"reason": "x"}))) + pack({"reason": "x"})
+    answer = await client.stream(node.address, "ok", error_first, header={"reason": "x"})
+    assert answer.status == 400 and "first frame" in answer.reason
+    not_a_map = FRAME_HEADER.pack(FRAME_ERROR, 2) + b"\xc1\xc1"
+    answer = await client.stream(node.address, "ok", not_a_map, header={"reason": "x"})
+    assert answer.status == 400
+    await still_serves(client, node)
+
+
+@pytest.mark.parametrize(
+    "ts", [b"\xff\xfe1700000000", b"1e10\x0b", b"1700000000\x01"], ids=["not utf-8", "vt", "soh"]
+)
+async def test_malformed_timestamps_are_a_4xx_with_a_printable_reason(node, client, ts, caplog):
+    """Raw headers (a client library would refuse these bytes): never a 500 or a dropped
+    connection, and the reason header is printable."""
+    session = await client.hello(node.address)
+    headers = client.sign(session, "/v2/rpc/echo", pack(1))
+    headers.pop("x-vp-ts")
+    host, port = host_port(node.address)
+    request = http_request("/v2/rpc/echo", headers, pack(1)).replace(
+        b"\r\n\r\n", b"\r\nx-vp-ts: " + ts + b"\r\n\r\n", 1
+    )
+    answer = await raw_http(host, port, request, read_timeout_s=5)
+    assert status_line(answer) in (400, 401), answer[:300]  # the parser refuses some itself
+    head = answer.split(b"\r\n\r\n", 1)[0]
+    assert all(32 <= byte < 127 for line in head.split(b"\r\n") for byte in line), head
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    await still_serves(client, node)
+
+
+async def test_a_caller_that_hangs_up_mid_body_is_a_debug_line(node, client, caplog):
+    caplog.set_level(logging.DEBUG, logger="dht.net.server")
+    session = await client.hello(node.address)
+    body = pack(b"x" * 1000)
+    host, port = host_port(node.address)
+    for _ in range(3):
+        headers = client.sign(session, "/v2/rpc/echo", body)
+        _, writer = await asyncio.open_connection(host, port)
+        writer.write(http_request("/v2/rpc/echo", headers, body[:100], content_length=len(body)))
+        await writer.drain()
+        writer.close()
+    for _ in range(100):  # the node notices the hang-ups
+        if sum("went away" in r.getMessage() for r in caplog.records) >= 3:
+            break
+        await asyncio.sleep(0.02)
+    assert sum("went away" in r.getMessage() for r in caplog.records) == 3
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert noisy == [], [r.getMessage() for r in noisy]
+    await still_serves(client, node)

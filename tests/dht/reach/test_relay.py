@@ -127,15 +127,17 @@ async def test_a_peer_attaches_only_under_its_own_proven_id(make_transport):
 async def test_relayed_bytes_over_the_cap_are_refused_with_503(make_transport):
     cap = 256 * 1024
     relay, _hidden, caller, address = await relayed_pair(
-        make_transport, TransportConfig(max_relayed_bytes_per_s=cap), rpc={"echo": echo}
+        make_transport,
+        TransportConfig(max_relayed_bytes_per_s=cap, max_relayed_bytes_per_s_per_address=cap),
+        rpc={"echo": echo},
     )
     await caller.call(address, "echo", 0)
     blob = np.random.default_rng(2).bytes(8 * cap)  # pays the bucket back in about 7 s
     big = asyncio.create_task(caller.call(address, "echo", blob, timeout_s=50))
-    await wait_until(relay.relay.rate.spent, timeout_s=30)
-    with pytest.raises(RemoteError) as info:
+    await wait_until(relay.relay.shares.address_rate("127.0.0.1").spent, timeout_s=30)
+    with pytest.raises(RemoteError) as info:  # the same address: its own share is spent
         await caller.call(address, "echo", 1)
-    assert info.value.status == 503 and "cap of 262144 bytes/s" in info.value.reason
+    assert info.value.status == 503 and "share of 262144 relayed bytes/s" in info.value.reason
     assert (await big)["payload"] == blob  # slowed to the cap, never cut
 
 
