@@ -81,7 +81,8 @@ class LinkSpec(_Strict):
 
 
 class NetworkGroup(LinkSpec):
-    """``[[network.groups]]``: a link for the peers with these indices."""
+    """``[[network.groups]]``: a link for the peers with these indices; every link field it
+    does not set is ``[network]``'s (``nat = true`` alone keeps the swarm's shaping)."""
 
     peers: list[int] = Field(min_length=1, description="peer indices (0-based)")
     nat: bool = Field(
@@ -106,10 +107,18 @@ class NetworkSpec(LinkSpec):
     )
 
     def link_for(self, index: int) -> LinkSpec:
+        """Peer ``index``'s link: its group's, or ``[network]``'s."""
         for group in self.groups:
             if index in group.peers:
-                return LinkSpec(**group.model_dump(exclude={"peers", "nat"}))
-        return LinkSpec(**self.model_dump(exclude={"groups", "emulator", "tcp_congestion"}))
+                return self.group_link(group)
+        return LinkSpec(**self.model_dump(include=set(LinkSpec.model_fields)))
+
+    def group_link(self, group: NetworkGroup) -> LinkSpec:
+        """``group``'s link: the fields it sets over ``[network]``'s."""
+        link_fields = set(LinkSpec.model_fields)
+        inherited = self.model_dump(include=link_fields)
+        own = group.model_dump(include=group.model_fields_set & link_fields)
+        return LinkSpec(**inherited | own)
 
     def behind_nat(self, index: int) -> bool:
         """Whether peer ``index`` sits behind a NAT router."""
@@ -117,11 +126,11 @@ class NetworkSpec(LinkSpec):
 
     @property
     def shaped(self) -> bool:
-        return super().shaped or any(g.shaped or g.nat for g in self.groups)
+        return super().shaped or any(self.group_link(g).shaped or g.nat for g in self.groups)
 
     @property
     def needs_netem(self) -> bool:
-        return super().needs_netem or any(g.needs_netem for g in self.groups)
+        return super().needs_netem or any(self.group_link(g).needs_netem for g in self.groups)
 
 
 class ResourcesSpec(_Strict):
