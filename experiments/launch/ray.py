@@ -114,15 +114,13 @@ class RayHandle:
         """Append what is new in the node's ``<name>.<kind>`` to the run directory's copy."""
         if self.lost:
             return
-        offset = self._offsets.get(kind, 0)
         try:
-            with (self.run_dir / f"{self.name}.{kind}").open("ab") as copy:
-                while chunk := self._call("read", kind, offset):
+            while chunk := self._call("read", kind, self._offsets.get(kind, 0)):
+                with (self.run_dir / f"{self.name}.{kind}").open("ab") as copy:
                     copy.write(chunk)
-                    offset += len(chunk)
+                self._offsets[kind] = self._offsets.get(kind, 0) + len(chunk)
         except (self._ray.exceptions.RayError, TimeoutError) as e:
             self._lose(e)
-        self._offsets[kind] = offset
 
     def release(self) -> None:
         """Delete the process's files on its node and end its actor (and so the process)."""

@@ -8,8 +8,9 @@ are files in a node-local directory that the driver reads back by offset (:meth:
 
 Nothing outlives its owner: the process stays in the worker's process group (Ray kills that
 group when the worker ends: a normal end, ``ray.kill``, the driver's death; a child in a session
-of its own would escape), and ``setpriv --pdeathsig KILL`` makes the kernel kill it when the
-worker dies any other way (SIGKILL, its node's raylet lost).
+of its own would escape), ``setpriv --pdeathsig KILL`` makes the kernel kill it when the worker
+dies any other way (SIGKILL), and a watchdog thread ends both when the node's raylet is gone
+(the worker's parent changes: Ray leaves such a worker running).
 
 This module imports no Ray at import time: the driver names the class, Ray runs it.
 """
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from experiments.launch.base import pinned
@@ -30,6 +32,8 @@ from experiments.launch.base import pinned
 # The most bytes one read() hands back (a driver reads again until a short answer).
 READ_CHUNK_BYTES = 4 * 1024 * 1024
 KINDS = ("out", "log", "jsonl")
+# How often the watchdog checks that the raylet (the worker's parent) is still there.
+WATCHDOG_INTERVAL_S = 1.0
 
 
 class ProcessOwner:
@@ -47,9 +51,23 @@ class ProcessOwner:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen | None = None
         self._terminated = False
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(
+            target=self._watch_raylet, args=(os.getppid(),), name="raylet-watchdog", daemon=True
+        )
+        self._watchdog.start()
+
+    def _watch_raylet(self, raylet_pid: int) -> None:
+        """SIGKILL the process and end this worker once the raylet that started it is gone."""
+        while not self._stop.wait(WATCHDOG_INTERVAL_S):
+            if os.getppid() != raylet_pid:
+                if self.process is not None and self.process.poll() is None:
+                    self.process.kill()
+                os._exit(1)  # a worker without its raylet: nothing else would end it
 
     def where(self) -> dict[str, object]:
-        """This node: Ray's node id, its address, host name and the CPU ids a process may use."""
+        """This node: Ray's node id, its address, host name, the CPU ids a process may use, and
+        the directory of the process's files."""
         import ray
 
         return {
@@ -58,6 +76,7 @@ class ProcessOwner:
             "hostname": socket.gethostname(),
             "node_cpus": sorted(os.sched_getaffinity(0)),
             "python": sys.executable,
+            "files": str(self.dir),
         }
 
     def start(
@@ -131,6 +150,7 @@ class ProcessOwner:
     def remove_files(self) -> None:
         """Stop the process if it still runs, then delete this process's files on the node."""
         self.kill()
+        self._stop.set()
         for kind in KINDS:
             (self.dir / f"{self.name}.{kind}").unlink(missing_ok=True)
         for directory in (self.dir, self.dir.parent):  # once the last process's files are gone
