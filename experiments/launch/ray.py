@@ -278,7 +278,8 @@ class RayLauncher(Launcher):
             ray.init(address=self.spec.address, logging_level=logging.WARNING, log_to_driver=False)
         except Exception as e:  # ray raises ConnectionError, RuntimeError, ValueError, ...
             raise LaunchError(
-                f"ray.address: no Ray cluster at {self.spec.address!r}: {_first_line(e)}"
+                f"ray.address: cannot join the Ray cluster at {self.spec.address!r}: "
+                f"{_first_line(e)} (is Ray running there, with this machine's auth token?)"
             ) from None
         self.ray, self.owner_class = ray, ray.remote(ProcessOwner)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
