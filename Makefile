@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,hivemind]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,hivemind,ray]"
 	touch $@
 
 demo: $(BIN)/.installed

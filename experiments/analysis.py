@@ -21,6 +21,9 @@ from peer.profiling.summary import StretchSummary
 
 LOSS_WINDOW = 3
 STATUS_FILE = "status.json"
+# Where each process of a configuration ran (the ray launcher): a list of {name, node_id,
+# address, ...}.
+PLACEMENT_FILE = "placement.json"
 
 
 @dataclasses.dataclass(frozen=True)

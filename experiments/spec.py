@@ -81,7 +81,8 @@ class LinkSpec(_Strict):
 
 
 class NetworkGroup(LinkSpec):
-    """``[[network.groups]]``: a link for the peers with these indices."""
+    """``[[network.groups]]``: a link for the peers with these indices; every link field it
+    does not set is ``[network]``'s (``nat = true`` alone keeps the swarm's shaping)."""
 
     peers: list[int] = Field(min_length=1, description="peer indices (0-based)")
     nat: bool = Field(
@@ -106,10 +107,18 @@ class NetworkSpec(LinkSpec):
     )
 
     def link_for(self, index: int) -> LinkSpec:
+        """Peer ``index``'s link: its group's, or ``[network]``'s."""
         for group in self.groups:
             if index in group.peers:
-                return LinkSpec(**group.model_dump(exclude={"peers", "nat"}))
-        return LinkSpec(**self.model_dump(exclude={"groups", "emulator", "tcp_congestion"}))
+                return self.group_link(group)
+        return LinkSpec(**self.model_dump(include=set(LinkSpec.model_fields)))
+
+    def group_link(self, group: NetworkGroup) -> LinkSpec:
+        """``group``'s link: the fields it sets over ``[network]``'s."""
+        link_fields = set(LinkSpec.model_fields)
+        inherited = self.model_dump(include=link_fields)
+        own = group.model_dump(include=group.model_fields_set & link_fields)
+        return LinkSpec(**inherited | own)
 
     def behind_nat(self, index: int) -> bool:
         """Whether peer ``index`` sits behind a NAT router."""
@@ -117,11 +126,11 @@ class NetworkSpec(LinkSpec):
 
     @property
     def shaped(self) -> bool:
-        return super().shaped or any(g.shaped or g.nat for g in self.groups)
+        return super().shaped or any(self.group_link(g).shaped or g.nat for g in self.groups)
 
     @property
     def needs_netem(self) -> bool:
-        return super().needs_netem or any(g.needs_netem for g in self.groups)
+        return super().needs_netem or any(self.group_link(g).needs_netem for g in self.groups)
 
 
 class ResourcesSpec(_Strict):
@@ -179,6 +188,37 @@ class SshSpec(_Strict):
     connect_timeout_s: float = Field(10.0, gt=0)
 
 
+class RaySpec(_Strict):
+    """``[ray]``: the Ray cluster the ``ray`` launcher runs a sweep on."""
+
+    address: str = Field(
+        "auto",
+        description='"auto" (the cluster this machine is a node of, or $RAY_ADDRESS), '
+        '"HOST:PORT" (the head\'s GCS port, 6379) or "ray://HOST:10001" (Ray Client)',
+    )
+    placement: Literal["spread", "pack"] = Field(
+        "spread",
+        description="spread: one peer per node where the cluster has the nodes (else as few "
+        "on a node as Ray can); pack: as few nodes as hold the peers",
+    )
+    ready_timeout_s: float = Field(
+        120.0, gt=0, description="seconds a configuration may wait for its CPUs on the cluster"
+    )
+    listen_host: str = Field(
+        "0.0.0.0",
+        min_length=1,
+        description="interface peers listen on (they announce their node's address)",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, address: str) -> str:
+        match = re.fullmatch(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})", address)
+        if address != "auto" and (match is None or not 0 < int(match[3]) < 65536):
+            raise ValueError(f'{address!r}: give "auto", "HOST:PORT" or "ray://HOST:10001"')
+        return address
+
+
 class CalibrationSpec(_Strict):
     """``[calibration]``: before the sweep, find the fastest setting of the baseline for all
     the CPUs and of a peer for its share (see :mod:`experiments.calibration`)."""
@@ -200,7 +240,7 @@ class ExperimentSpec(_Strict):
     """The whole experiment file."""
 
     name: str = Field("experiment", min_length=1)
-    launcher: Literal["local", "netns", "ssh"] = "local"
+    launcher: Literal["local", "netns", "ssh", "ray"] = "local"
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     baseline: bool = Field(True, description="also run the single-node baseline")
     metrics_interval_s: float = Field(2.0, gt=0, description="seconds between metrics lines")
@@ -211,6 +251,7 @@ class ExperimentSpec(_Strict):
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     stop: StopSpec
     ssh: SshSpec = Field(default_factory=SshSpec)
+    ray: RaySpec = Field(default_factory=RaySpec)
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
 
 
@@ -390,6 +431,10 @@ def _check_launcher(spec: ExperimentSpec) -> None:
         raise SpecError("ssh.hosts: the ssh launcher needs an inventory ([[ssh.hosts]])")
     if spec.launcher != "ssh" and spec.ssh.hosts:
         raise SpecError(f"ssh: an inventory is given but launcher = '{spec.launcher}'")
+    if spec.launcher != "ray" and "ray" in spec.model_fields_set:
+        raise SpecError(f"ray: a [ray] table is given but launcher = '{spec.launcher}'")
+    if spec.launcher == "ray" and spec.resources.gpus:
+        raise SpecError("resources.gpus: the ray launcher places CPUs only (no GPUs yet)")
 
 
 def _value_text(value: Any) -> str:

@@ -35,6 +35,10 @@ def make_launcher(spec: ExperimentSpec) -> Launcher:
         from experiments.launch.ssh import SshLauncher
 
         return SshLauncher(spec.ssh)
+    if spec.launcher == "ray":
+        from experiments.launch.ray import RayLauncher
+
+        return RayLauncher(spec.ray, spec.resources.total_cpus, baseline=spec.baseline)
     from experiments.launch.local import LocalLauncher
 
     return LocalLauncher()

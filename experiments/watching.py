@@ -33,7 +33,7 @@ class WatchTarget:
         num_peers: peers it runs.
         target_batch_size: samples per swarm epoch.
         backend: ``native`` or ``hivemind``.
-        launcher: ``local``, ``netns`` or ``ssh``.
+        launcher: ``local``, ``netns``, ``ssh`` or ``ray``.
         enter_network: moves the calling thread into the network the peers live in (netns: the
             hub namespace), so that the sockets it opens afterwards reach them; None when the
             host's own network reaches them.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from experiments.analysis import ConfigResult, load_result
+from experiments.analysis import PLACEMENT_FILE, ConfigResult, load_result, read_json
 from experiments.spec import SpecError, load_spec
 from peer.records.profile import PROFILE_PHASES
 
@@ -119,6 +119,30 @@ def study_sections(
     ]
 
 
+def placement_lines(out_dir: Path, results: list[ConfigResult]) -> list[str]:
+    """Where each process ran (node id and address), for launchers that place processes on a
+    cluster (``placement.json``: the ray launcher); nothing for the others."""
+    rows = []
+    for result in results:
+        placed = read_json(out_dir / result.name / PLACEMENT_FILE)
+        for process in placed if isinstance(placed, list) else []:
+            cpus = process.get("cpus")
+            rows.append(
+                [
+                    result.name,
+                    str(process.get("name", "?")),
+                    str(process.get("node_id", "?")),
+                    str(process.get("address", "?")),
+                    str(process.get("hostname", "?")),
+                    "-" if cpus is None else ",".join(map(str, cpus)),
+                ]
+            )
+    if not rows:
+        return []
+    header = ["config", "process", "node_id", "address", "hostname", "pinned_cpus"]
+    return ["", "## Where each process ran", "", *_markdown_table(header, rows)]
+
+
 def write_report(out_dir: Path, *, target_loss: float | None = None) -> Path:
     """Write ``report.md``, ``plots/*.png`` and ``tables/*.csv`` into ``out_dir``.
 
@@ -172,6 +196,7 @@ def write_report(out_dir: Path, *, target_loss: float | None = None) -> Path:
             for r in results
         ],
     )
+    lines += placement_lines(out_dir, results)
     failed = [r for r in results if r.status != "done"]
     if failed:
         lines += ["", "## Failed or unfinished configurations", ""]

@@ -42,7 +42,12 @@ def test_invalid_specs_name_the_key(extra: str, message: str):
     ("launcher", "extra", "message"),
     [
         ("ssh", "", "ssh.hosts: the ssh launcher needs an inventory"),
-        ("pigeon", "", "launcher: Input should be 'local', 'netns' or 'ssh'"),
+        ("pigeon", "", "launcher: Input should be 'local', 'netns', 'ssh' or 'ray'"),
+        ("ray", '[ray]\naddress = "head"', 'ray.address: \'head\': give "auto", "HOST:PORT"'),
+        ("ray", '[ray]\naddress = "ray://h:99999"', "ray.address: 'ray://h:99999': give"),
+        ("ray", '[ray]\nplacement = "scatter"', "ray.placement: Input should be 'spread' or"),
+        ("ray", "[ray]\nready_timeout_s = 0", "ray.ready_timeout_s: Input should be greater"),
+        ("local", "[ray]\naddress = 'auto'", "ray: a [ray] table is given but launcher = 'local'"),
         (
             "netns",
             "[[network.groups]]\npeers = [5]\nlatency_ms = 10",
@@ -143,3 +148,35 @@ def test_presets_are_valid(name: str, tmp_path: Path):
         assert spec.launcher == "local"
     if name == "vms":
         assert len(spec.ssh.hosts) == 2 and spec.ssh.hosts[0].key.is_absolute()
+
+
+def test_a_network_group_inherits_what_it_does_not_set():
+    """``nat = true`` alone keeps the swarm's shaping (it used to leave those peers unshaped)."""
+    extra = (
+        "[network]\nbandwidth_mbit = 100\nlatency_ms = 20\njitter_ms = 1\n"
+        "[[network.groups]]\npeers = [1]\nnat = true\n"
+        "[[network.groups]]\npeers = [2]\nlatency_ms = 5\njitter_ms = 0\n"
+    )
+    data = spec_dict(extra, launcher="netns")
+    data["train"]["peers"] = 3
+    data["resources"]["total_cpus"] = 3
+    network = parse_spec(data).network
+    swarm = network.link_for(0)
+    assert (swarm.bandwidth_mbit, swarm.latency_ms, swarm.jitter_ms) == (100, 20, 1)
+    assert network.link_for(1) == swarm
+    assert network.behind_nat(1) and not network.behind_nat(0)
+    own = network.link_for(2)
+    assert (own.bandwidth_mbit, own.latency_ms, own.jitter_ms) == (100, 5, 0)
+    # a group's own setting wins, even when it turns shaping off for its peers
+    data["network"] = {"latency_ms": 20, "groups": [{"peers": [2], "latency_ms": 0}]}
+    assert not parse_spec(data).network.link_for(2).needs_netem
+
+
+@pytest.mark.parametrize("address", ["auto", "10.0.0.1:6379", "head.lan:6379", "ray://[::1]:10001"])
+def test_ray_addresses(address: str):
+    spec = parse_spec(spec_dict(f"[ray]\naddress = {address!r}", launcher="ray"))
+    assert spec.ray.address == address
+    data = spec_dict(launcher="ray")
+    data["resources"]["gpus"] = [0]
+    with pytest.raises(SpecError, match=r"^resources\.gpus: the ray launcher places CPUs only"):
+        parse_spec(data)
