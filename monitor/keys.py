@@ -78,7 +78,7 @@ class PeerScroll:
     def press(self, key: str, *, num_peers: int, rows: int) -> bool:
         """Move for ``key`` on a table of ``num_peers`` with ``rows`` a page; True if it moved.
 
-        A scrolling key on the overview opens the table at its top.
+        A scrolling key on the overview opens the table at its top (End: at its bottom).
         """
         before = self.offset
         if key in ("toggle", "escape"):
@@ -87,7 +87,7 @@ class PeerScroll:
         if key not in ("up", "down", "page_up", "page_down", "home", "end"):
             return False
         if self.offset is None:
-            self.offset = 0
+            self.offset = clamp_offset(num_peers, num_peers, rows) if key == "end" else 0
             return True
         step = {"up": -1, "down": 1, "page_up": -rows, "page_down": rows}
         if key == "home":
