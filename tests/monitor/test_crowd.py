@@ -23,7 +23,8 @@ from monitor.app import LiveApp
 from monitor.config import MonitorConfig
 from monitor.crowd import epoch_histogram
 from monitor.keys import parse_keys
-from monitor.render import Dashboard
+from monitor.render import Dashboard, render_dashboard
+from monitor.state import ViewBuilder
 from tests.monitor import sample
 from tests.monitor.test_render import row_of, screen
 
@@ -235,3 +236,28 @@ def test_the_histogram_puts_old_epochs_together_past_its_rows():
     assert epoch_histogram(peers, 6) == [
         (e, False, peers_at) for e, peers_at in [(6, 1), (5, 3), (4, 1), (3, 1), (2, 2), (1, 1)]
     ]
+
+
+@pytest.mark.parametrize("offset", [None, 0, 10_000])
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 30), (220, 60)])
+def test_every_size_fits_with_a_local_peer_on_the_overview_and_the_table(peers, size, offset):
+    width, height = size
+    local = sorted(peers)[50]
+    view = ViewBuilder(MonitorConfig(run_id="crowd"), local_peer_id=local).build(
+        progress=sample.progress(peers=peers),
+        profiles=sample.profiles(peers=peers),
+        rounds=sample.crowd_round_logs(peers),
+        states=sample.crowd_states(peers),
+        now=sample.NOW,
+    )
+    console = Console(
+        width=width, height=height, record=True, color_system=None, file=io.StringIO()
+    )
+    console.print(
+        render_dashboard(view, width=width, height=height, footer="q quits", peers_offset=offset)
+    )
+    lines = console.export_text().splitlines()
+    assert len(lines) <= height and max(map(len, lines)) <= width
+    assert f"{NUM_PEERS} peers" in lines[0]
+    if offset is not None:  # past the end: the last page
+        assert (peer_rows(lines)[-1] == max(peers)[:8]) == (offset > 0)
