@@ -5,7 +5,8 @@ coroutine submitted to whichever event loop owns the DHT node), so ``peer monito
 main thread, ``peer join --dashboard`` in a thread beside the training loop, and ``peer demo``
 beside its asyncio loop. Terminal manners: the alternate screen (the shell's scrollback stays
 clean), at most :data:`monitor.config.MAX_REFRESH_PER_S` redraws a second, keys read in cbreak
-mode (``q`` quits; Ctrl-C quits too), and the terminal restored on every way out. Log records are
+mode (``q`` quits; Ctrl-C quits too; in a big swarm the arrows and pages scroll the whole peer
+table, see :mod:`monitor.keys`), and the terminal restored on every way out. Log records are
 held back while the screen is live (they would tear it) and the warnings are printed after.
 """
 
@@ -27,6 +28,8 @@ from rich.console import Console
 from rich.live import Live
 
 from monitor.config import MonitorConfig
+from monitor.crowd import is_crowd, page_rows
+from monitor.keys import PeerScroll, parse_keys
 from monitor.render import Dashboard, plain_line, render_dashboard
 from monitor.state import SwarmView
 
@@ -36,7 +39,6 @@ ViewReader = Callable[[], "concurrent.futures.Future[SwarmView] | None"]
 KEY_POLL_S = 0.1
 # Without news the screen is redrawn this often, in seconds (the footer's clock).
 FOOTER_TICK_S = 1.0
-QUIT_KEYS = frozenset("qQ")
 # How long closing a dashboard that runs in a thread waits for it to restore the terminal.
 JOIN_TIMEOUT_S = 10.0
 MAX_HELD_LOG_RECORDS = 200
@@ -147,6 +149,7 @@ class LiveApp:
         self._read_at_s: float | None = None
         self._held: _HeldLogs | None = None
         self.num_frames = 0  # live redraws so far
+        self.scroll = PeerScroll()  # the whole peer table of a big swarm (keys, this thread)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -226,7 +229,7 @@ class LiveApp:
         return " · ".join(parts)
 
     def _run_live(self) -> None:
-        dashboard = Dashboard(lambda: self.view, self._footer)
+        dashboard = Dashboard(lambda: self.view, self._footer, lambda: self.scroll.offset)
         min_gap_s = 1.0 / self.config.refresh_per_s
         with (
             hold_logs() as held,
@@ -251,9 +254,22 @@ class LiveApp:
                     live.refresh()
                     self.num_frames += 1
                     drawn_s, drawn_size, dirty = now, size, False
-                if set(keyboard.read(KEY_POLL_S)) & QUIT_KEYS:
+                keys = parse_keys(keyboard.read(KEY_POLL_S))
+                if "quit" in keys:
                     self._quit()
                     return
+                for key in keys:
+                    dirty = self.press(key) or dirty
+
+    def press(self, key: str) -> bool:
+        """Act on a key of the live view (by :func:`monitor.keys.parse_keys`' name); True when
+        the screen changes. Scrolling applies to a big swarm only: a small one shows every
+        peer already."""
+        view, (width, height) = self.view, self.console.size
+        if view is None or not is_crowd(view, width, height):
+            return False
+        rows = page_rows(view, width, height)
+        return self.scroll.press(key, num_peers=view.num_peers, rows=rows)
 
     def _run_plain(self) -> None:
         while not self.stop_event.is_set():

@@ -36,7 +36,9 @@ def add_monitor_command(sub, *, backends: Mapping[str, OpenRecords] | None = Non
         help="watch a swarm live in the terminal (q quits)",
         description="Join the swarm's DHT as a client (no server, no training) and show its "
         "peers, progress toward the target batch size, rounds, loss and bottleneck live. "
-        "Without a terminal, one plain line per interval.",
+        "With more peers than the terminal has rows: a summary, peers per epoch, the peers most "
+        "behind or slowest and groups per round; arrows, PgUp/PgDn, Home/End (or a) scroll "
+        "every peer, Esc goes back. Without a terminal, one plain line per interval.",
     )
     add_network_args(
         parser,

@@ -49,16 +49,18 @@ def plan(
     num_peers: int,
     num_rounds: int,
     num_alerts: int,
+    extra_lines: int = 0,
 ) -> Budget:
-    """The rows of each section for a ``width`` x ``height`` screen (see the module doc)."""
+    """The rows of each section for a ``width`` x ``height`` screen (see the module doc);
+    ``extra_lines``: lines taken by sections of a big swarm (:mod:`monitor.crowd`)."""
     wide = is_wide(width, height)
     if height is None:
         return Budget(wide, None, None, None)
     peers_wanted = max(1, num_peers)
     if wide:
-        return _plan_wide(height, local, peers_wanted, num_rounds, num_alerts)
+        return _plan_wide(height - extra_lines, local, peers_wanted, num_rounds, num_alerts)
     # header 2, peers header 1, rounds (header or "none yet") 1, loss 1, verdict 1, footer 1
-    fixed = 7 + (2 if local else 0)
+    fixed = 7 + (2 if local else 0) + extra_lines
     available = max(1, height - fixed)
     rounds_min, alerts_min = min(num_rounds, MIN_ROUNDS), min(num_alerts, MIN_ALERTS)
     peers = min(peers_wanted, max(1, available - rounds_min - alerts_min))

@@ -1,15 +1,28 @@
-"""The dashboard's panels that draw over time or about one peer: the loss (a one-line sparkline
-or a multi-row chart) and the local peer's phases (``peer join --dashboard``)."""
+"""The dashboard's panels that draw over time or about one peer: the rounds, the loss (a
+one-line sparkline or a multi-row chart) and the local peer's phases (``peer join
+--dashboard``)."""
 
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
+from rich.table import Table
 from rich.text import Text
 
-from monitor.state import SwarmView
-from monitor.widgets import column_chart, fit_line, fmt_count, fmt_seconds, resample, sparkline
+from monitor.crowd import MAX_GROUP_CLASSES, fmt_groups
+from monitor.state import RoundRow, SwarmView
+from monitor.widgets import (
+    column_chart,
+    fit_line,
+    fmt_bytes,
+    fmt_count,
+    fmt_seconds,
+    resample,
+    sparkline,
+)
 from peer.records.profile import PROFILE_PHASES
 
+HEAD = "bold reverse"
+_STATUS_STYLE = {"ok": "green", "partial": "yellow", "alone": "cyan", "failed": "bold red"}
 _PHASE_ABBREV = {
     "data": "data",
     "h2d": "h2d",
@@ -22,6 +35,51 @@ _PHASE_ABBREV = {
     "idle": "idle",
     "other": "other",
 }
+
+
+# ---- rounds ------------------------------------------------------------------------------------
+
+
+def render_rounds(view: SwarmView, max_rows: int | None, *, wide: bool) -> RenderableType:
+    """The last rounds, newest first: one header line and at most ``max_rows`` lines."""
+    if not view.rounds:
+        return Text("rounds: none reported yet", style="dim")
+    table = Table(box=None, header_style=HEAD, pad_edge=False, padding=(0, 1))
+    columns = ["round", "group", "time", "bytes", "drop", "avg", "local", "status"]
+    columns += ["loss", "ended"] if wide else []
+    for name in columns:
+        table.add_column(
+            name, no_wrap=True, justify="left" if name in ("status", "group") else "right"
+        )
+    rows = view.rounds if max_rows is None else view.rounds[:max_rows]
+    for row in rows:
+        table.add_row(*_round_cells(row, view, wide))
+    return table
+
+
+def _round_cells(row: RoundRow, view: SwarmView, wide: bool) -> list:
+    if not row.group_sizes:  # nobody averaged in this epoch
+        group = "alone"
+    else:
+        group = fmt_groups(row.group_sizes, row.num_swarm_peers)
+    if wide and 0 < len(row.group_sizes) <= MAX_GROUP_CLASSES:  # of many, the largest says little
+        group += f" {row.swarm_share:.0%}"
+    cells = [
+        str(row.epoch),
+        group,
+        fmt_seconds(row.duration_s),
+        fmt_bytes(row.sent_bytes),
+        Text(str(row.num_dropped), style="yellow" if row.num_dropped else ""),
+        f"{row.averaged_fraction:.0%}",
+        Text(str(row.num_local), style="yellow" if row.num_local else ""),
+        Text(row.status, style=_STATUS_STYLE.get(row.status, "")),
+    ]
+    if wide:
+        cells += [
+            "-" if row.loss is None else f"{row.loss:.3f}",
+            fmt_seconds(max(0.0, view.time - row.end_time)) + " ago",
+        ]
+    return cells
 
 
 def _loss_range(view: SwarmView) -> tuple[list[float | None], float, float, float] | None:

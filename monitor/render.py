@@ -4,31 +4,45 @@
 120 columns (fits 80x24), two side by side above (peers with more columns, rounds beside the loss
 chart, alerts beside the local peer's phases). Rows that do not fit are counted in a "+N more"
 line instead of scrolling off. Without a height (``--once`` into a pipe) everything is shown.
+A swarm with more peers than rows gets the overview of :mod:`monitor.crowd` (a summary, peers per
+epoch, the peers needing attention first) and, live, the whole peer table a page at a time.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from monitor.layout import plan
+from monitor.crowd import (
+    attention_caption,
+    attention_order,
+    clamp_offset,
+    histogram_rows,
+    is_crowd,
+    page_caption,
+    page_rows,
+    render_histogram,
+    render_summary,
+    table_order,
+)
+from monitor.layout import is_wide, plan
 from monitor.panels import (
     render_local_lines,
     render_local_panel,
     render_loss_chart,
     render_loss_line,
+    render_rounds,
 )
-from monitor.state import Alert, PeerView, RoundRow, SwarmView
+from monitor.state import Alert, PeerView, SwarmView
 from monitor.widgets import bar_legend, fit_line, fmt_bytes, fmt_count, fmt_seconds, phase_bar
 
 HEAD = "bold reverse"
-_STATUS_STYLE = {"ok": "green", "partial": "yellow", "alone": "cyan", "failed": "bold red"}
 _ALERT_STYLE = {"info": ("•", "cyan"), "warning": ("▲", "yellow"), "error": ("✖", "bold red")}
 
 
@@ -46,8 +60,11 @@ _PATH_STYLE = {"direct": "", "relayed": "yellow", "client": "cyan"}
 # ---- header ------------------------------------------------------------------------------------
 
 
-def render_header(view: SwarmView, width: int, *, wide: bool) -> RenderableType:
-    """Two lines: the run at a glance, and the epoch's progress toward the target batch size."""
+def render_header(
+    view: SwarmView, width: int, *, wide: bool, summary: list[Text] | None = None
+) -> RenderableType:
+    """The run at a glance (one line, or ``summary``'s lines for a big swarm), and a line with
+    the epoch's progress toward the target batch size."""
     title = Text("Volunteer Peer · " if wide else "", style="bold")
     kinds = [f"{view.num_clients} client{'s' * (view.num_clients != 1)}"] * bool(view.num_clients)
     kinds += [f"{view.num_relayed} relayed"] * bool(view.num_relayed)
@@ -60,13 +77,14 @@ def render_header(view: SwarmView, width: int, *, wide: bool) -> RenderableType:
     )
     if wide and view.loss is not None:
         title.append(f" · loss {view.loss:.3f}")
+    heads = summary if summary is not None else [fit_line(title, width)]
     fraction = view.progress_fraction
     if fraction is None:
         progress = fit_line(
             f"epoch {view.epoch}: {view.samples_accumulated:,} samples (target not published yet)",
             width,
         )
-        return Group(fit_line(title, width), progress)
+        return Group(*heads, progress)
     target = view.target_batch_size or 0
     status = (
         f" {view.samples_accumulated:,}/{target:,} samples {fraction:.0%} · "
@@ -80,15 +98,22 @@ def render_header(view: SwarmView, width: int, *, wide: bool) -> RenderableType:
         ProgressBar(total=target, completed=view.samples_accumulated, width=bar_width),
         Text(status),
     )
-    return Group(fit_line(title, width), grid)
+    return Group(*heads, grid)
 
 
 # ---- peers -------------------------------------------------------------------------------------
 
 
-def render_peers(view: SwarmView, max_rows: int | None, *, wide: bool) -> Table:
+def render_peers(
+    view: SwarmView,
+    max_rows: int | None,
+    *,
+    wide: bool,
+    peers: Sequence[PeerView] | None = None,
+) -> Table:
     """The peers table: one header line and at most ``max_rows`` lines (more columns when
-    ``wide``)."""
+    ``wide``), the last one "+N more peers" when they do not fit; ``peers`` in the order shown
+    (default: the local peer, then by id)."""
     table = Table(box=None, header_style=HEAD, pad_edge=False, padding=(0, 1), expand=wide)
     bar_width = 20 if wide else 10
     # narrow: the address says the path (an address, "via RELAY" or "client")
@@ -106,7 +131,7 @@ def render_peers(view: SwarmView, max_rows: int | None, *, wide: bool) -> Table:
             max_width={"address": 21 if not wide else 28}.get(name),
             ratio=1 if name == "notes" else None,
         )
-    peers = sorted(view.peers, key=lambda p: (not p.local, p.peer_id))
+    peers = table_order(view) if peers is None else list(peers)
     shown = peers if max_rows is None or len(peers) <= max_rows else peers[: max(0, max_rows - 1)]
     for peer in shown:
         table.add_row(*_peer_cells(peer, view, wide, bar_width), style=_peer_style(peer))
@@ -164,52 +189,6 @@ def _peer_cells(peer: PeerView, view: SwarmView, wide: bool, bar_width: int) -> 
     return cells
 
 
-# ---- rounds ------------------------------------------------------------------------------------
-
-
-def render_rounds(view: SwarmView, max_rows: int | None, *, wide: bool) -> RenderableType:
-    """The last rounds, newest first: one header line and at most ``max_rows`` lines."""
-    if not view.rounds:
-        return Text("rounds: none reported yet", style="dim")
-    table = Table(box=None, header_style=HEAD, pad_edge=False, padding=(0, 1))
-    columns = ["round", "group", "time", "bytes", "drop", "avg", "local", "status"]
-    columns += ["loss", "ended"] if wide else []
-    for name in columns:
-        table.add_column(
-            name, no_wrap=True, justify="left" if name in ("status", "group") else "right"
-        )
-    rows = view.rounds if max_rows is None else view.rounds[:max_rows]
-    for row in rows:
-        table.add_row(*_round_cells(row, view, wide))
-    return table
-
-
-def _round_cells(row: RoundRow, view: SwarmView, wide: bool) -> list:
-    if not row.group_sizes:  # nobody averaged in this epoch
-        group = "alone"
-    else:
-        sizes = "+".join(str(size) for size in row.group_sizes)
-        group = f"{sizes}/{row.num_swarm_peers}"
-    if wide and row.group_sizes:
-        group += f" {row.swarm_share:.0%}"
-    cells = [
-        str(row.epoch),
-        group,
-        fmt_seconds(row.duration_s),
-        fmt_bytes(row.sent_bytes),
-        Text(str(row.num_dropped), style="yellow" if row.num_dropped else ""),
-        f"{row.averaged_fraction:.0%}",
-        Text(str(row.num_local), style="yellow" if row.num_local else ""),
-        Text(row.status, style=_STATUS_STYLE.get(row.status, "")),
-    ]
-    if wide:
-        cells += [
-            "-" if row.loss is None else f"{row.loss:.3f}",
-            fmt_seconds(max(0.0, view.time - row.end_time)) + " ago",
-        ]
-    return cells
-
-
 # ---- loss, verdict, alerts ---------------------------------------------------------------------
 
 
@@ -245,10 +224,26 @@ def render_alerts(alerts: tuple[Alert, ...], width: int, max_rows: int | None) -
 
 
 def render_dashboard(
-    view: SwarmView, *, width: int, height: int | None = None, footer: str = ""
+    view: SwarmView,
+    *,
+    width: int,
+    height: int | None = None,
+    footer: str = "",
+    peers_offset: int | None = None,
 ) -> RenderableType:
-    """The dashboard for a ``width`` x ``height`` terminal (no height: show every row)."""
+    """The dashboard for a ``width`` x ``height`` terminal (no height: show every row).
+
+    A swarm with more peers than rows gets the big swarm's overview (:mod:`monitor.crowd`);
+    there, ``peers_offset`` (the live view's scrolling) shows a page of the whole peer table
+    from that row instead.
+    """
+    crowd = is_crowd(view, width, height)
+    if crowd and height is not None and peers_offset is not None:
+        return _render_page(view, width, height, footer, peers_offset)
     local = view.local_peer_id is not None
+    summary = render_summary(view, width) if crowd else None
+    num_histogram = histogram_rows(view, height) if crowd else 0
+    caption = crowd and height is not None  # without a height every peer is listed
     budget = plan(
         width=width,
         height=height,
@@ -256,12 +251,21 @@ def render_dashboard(
         num_peers=len(view.peers),
         num_rounds=len(view.rounds),
         num_alerts=len(view.alerts),
+        extra_lines=(len(summary) - 1 + num_histogram + caption) if summary else 0,
     )
     wide = budget.wide
-    parts: list[RenderableType] = [render_header(view, width, wide=wide)]
+    parts: list[RenderableType] = [render_header(view, width, wide=wide, summary=summary)]
+    if crowd:
+        parts.append(render_histogram(view, width, num_histogram))
     if local and not wide:
         parts.append(render_local_lines(view, width))
-    parts.append(render_peers(view, budget.peers, wide=wide))
+    if caption:  # the peers that need a look first; the keys page through all of them
+        rows = budget.peers or 1
+        shown = view.num_peers if view.num_peers <= rows else rows - 1
+        parts.append(attention_caption(shown, view.num_peers, width))
+        parts.append(render_peers(view, rows, wide=wide, peers=attention_order(view)))
+    else:
+        parts.append(render_peers(view, budget.peers, wide=wide))
     if wide:
         left = max(60, width * 11 // 20)
         parts.append(
@@ -283,6 +287,21 @@ def render_dashboard(
         ]
     parts.append(_footer(view, width, footer))
     return Group(*parts)
+
+
+def _render_page(view: SwarmView, width: int, height: int, footer: str, offset: int) -> Group:
+    """The summary, then one page of the whole peer table from row ``offset``."""
+    rows = page_rows(view, width, height)
+    peers = table_order(view)
+    first = clamp_offset(offset, len(peers), rows)
+    page = peers[first : first + rows]
+    wide = is_wide(width, height)
+    return Group(
+        render_header(view, width, wide=wide, summary=render_summary(view, width)),
+        page_caption(first + 1, first + len(page), len(peers), width),
+        render_peers(view, rows, wide=wide, peers=page),
+        _footer(view, width, footer),
+    )
 
 
 def _side_by_side(left: RenderableType, right: RenderableType, left_width: int) -> Table:
@@ -307,11 +326,19 @@ class Dashboard:
     Args:
         get_view: the newest view (None until the first read).
         footer: text for the last line (key help, when the view was read).
+        get_offset: the first row of the whole peer table shown (a big swarm's live view);
+            None shows the overview.
     """
 
-    def __init__(self, get_view: Callable[[], SwarmView | None], footer: Callable[[], str]):
+    def __init__(
+        self,
+        get_view: Callable[[], SwarmView | None],
+        footer: Callable[[], str],
+        get_offset: Callable[[], int | None] = lambda: None,
+    ):
         self._get_view = get_view
         self._footer = footer
+        self._get_offset = get_offset
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         view = self._get_view()
@@ -319,7 +346,13 @@ class Dashboard:
             yield Text(f"reading the swarm's records... {self._footer()}", style="dim")
             return
         height = options.height or console.height
-        yield render_dashboard(view, width=options.max_width, height=height, footer=self._footer())
+        yield render_dashboard(
+            view,
+            width=options.max_width,
+            height=height,
+            footer=self._footer(),
+            peers_offset=self._get_offset(),
+        )
 
 
 def plain_line(view: SwarmView) -> str:

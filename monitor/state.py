@@ -71,6 +71,7 @@ def merge_rounds(
                 averaged_fraction=statistics.fmean(averaged) if averaged else 0.0,
                 num_local=sum(e.local_fallback for e in entries),
                 num_failed=sum(e.status == "failed" for e in entries),
+                num_partial=sum(e.status == "partial" for e in entries),
                 status=min((e.status for e in entries), key=lambda s: _STATUS_RANK.get(s, 0)),
                 loss=statistics.fmean(losses) if losses else None,
             )

@@ -76,6 +76,7 @@ class RoundRow:
         averaged_fraction: mean fraction truly averaged over the reporters.
         num_local: reporters that stepped on local data only (alone or failed).
         num_failed: reporters whose round failed.
+        num_partial: reporters whose round was partial.
         status: the worst status reported (``failed`` > ``partial`` > ``alone`` > ``ok``).
         loss: mean loss the reporters had when the round ended, or None.
     """
@@ -93,6 +94,12 @@ class RoundRow:
     num_failed: int
     status: str
     loss: float | None = None
+    num_partial: int = 0
+
+    @property
+    def num_ok(self) -> int:
+        """Reporters whose round was ``ok``."""
+        return self.num_reporting - self.num_partial - self.num_local
 
     @property
     def swarm_share(self) -> float:

@@ -8,6 +8,7 @@ from monitor.state import SwarmView, ViewBuilder
 from peer.records.profile import ProfileRecord
 from peer.records.progress import PeerProgress
 from peer.records.rounds import RoundEntry, RoundLogRecord, group_name
+from peer.records.state import EpochDigest, StateAnnouncement
 
 NOW = 1_700_000_000.0
 TARGET = 4096
@@ -109,3 +110,108 @@ def sample_view(*, local_peer_id: str | None = None, previous_peers=None) -> Swa
             now=NOW - 2,
         )
     return builder.build(progress=progress(), profiles=profiles(), rounds=round_logs(), now=NOW)
+
+
+# ---- a big swarm (the dashboard's overview) ----------------------------------------------------
+
+CROWD_EPOCH = 10
+CROWD_GROUP_SIZE = 4
+CROWD_ROUND_EPOCHS = (7, 8, 9)
+GOOD_DIGEST = "ab" * 32
+
+
+def crowd_index(peer_id: str) -> int:
+    return int(peer_id[:4], 16)
+
+
+def crowd_peers(num_peers: int = 200) -> dict:
+    """``num_peers`` peers (ids ``0000...`` up): every 17th from 5 on is 1-3 epochs behind,
+    every 50th from 7 on is out of date, rates spread over 100-499 samples/s."""
+    peers = {}
+    for i in range(num_peers):
+        lag = 1 + i % 3 if i % 17 == 5 else 0
+        address = f"http://10.0.{i // 250}.{i % 250 + 1}:4000"
+        age_s = 30.0 if i % 50 == 7 else 1.0
+        rate = 100.0 + (i * 37) % 400
+        peers[f"{i:04x}" * 16] = (
+            address,
+            CROWD_EPOCH - lag,
+            10 * i,
+            rate,
+            age_s,
+            (0.1, 0.6, 0.2, 0.1),
+        )
+    return peers
+
+
+def crowd_differs(peers: dict) -> set[str]:
+    """Peers at the swarm's epoch whose replica differs (every 15th from 3 on)."""
+    return {p for p, v in peers.items() if v[1] == CROWD_EPOCH and crowd_index(p) % 15 == 3}
+
+
+def crowd_failed(peers: dict, epoch: int) -> set[str]:
+    """Peers whose round of ``epoch`` failed (in epoch 9's: every 40th from 19 on)."""
+    return {p for p in peers if epoch == 9 and crowd_index(p) % 40 == 19}
+
+
+def crowd_groups(peers: dict, epoch: int) -> list[list[str]]:
+    """The groups of ``epoch``'s round: the peers past it (but the failed), in fours by id."""
+    members = sorted(p for p, v in peers.items() if v[1] > epoch)
+    members = [p for p in members if p not in crowd_failed(peers, epoch)]
+    size = CROWD_GROUP_SIZE
+    return [members[start : start + size] for start in range(0, len(members), size)]
+
+
+def crowd_states(peers: dict) -> list[StateAnnouncement]:
+    states = []
+    for peer_id, (address, epoch, *_) in peers.items():
+        digest = f"{crowd_index(peer_id):064x}" if peer_id in crowd_differs(peers) else None
+        digest = digest or (GOOD_DIGEST if epoch == CROWD_EPOCH else f"{epoch:064x}")
+        states.append(StateAnnouncement(peer_id, epoch, address, (EpochDigest(epoch, digest),)))
+    return states
+
+
+def crowd_round_logs(peers: dict, now: float = NOW) -> list[RoundLogRecord]:
+    """Rounds of epochs 7-9: groups of four; epoch 9's first group partial, some peers failed."""
+    entries: dict[str, list[RoundEntry]] = {peer_id: [] for peer_id in peers}
+    for epoch in CROWD_ROUND_EPOCHS:
+        end = now - (CROWD_EPOCH - epoch) * 5.0
+        for peer_id in crowd_failed(peers, epoch):
+            entries[peer_id].append(RoundEntry(epoch=epoch, end_time=end, status="failed"))
+        for index, group in enumerate(crowd_groups(peers, epoch)):
+            partial = epoch == 9 and index == 0
+            status = "alone" if len(group) == 1 else "partial" if partial else "ok"
+            for peer_id in group:
+                entry = RoundEntry(
+                    epoch=epoch,
+                    end_time=end,
+                    status=status,
+                    group_size=len(group),
+                    group_id=group_name(group) if len(group) > 1 else "",
+                    duration_s=1.0,
+                    averaged_fraction=0.5 if partial else 1.0,
+                )
+                entries[peer_id].append(entry)
+    return [
+        RoundLogRecord(
+            peer_id=peer_id,
+            time=now - 1,
+            epoch=peers[peer_id][1],
+            target_batch_size=TARGET,
+            num_rounds=len(found),
+            rounds=tuple(sorted(found, key=lambda e: e.epoch)),
+        )
+        for peer_id, found in entries.items()
+    ]
+
+
+def crowd_view(num_peers: int = 200) -> SwarmView:
+    """A view of the big sample swarm."""
+    peers = crowd_peers(num_peers)
+    return ViewBuilder(MonitorConfig(run_id="crowd")).build(
+        progress=progress(peers=peers),
+        profiles=profiles(peers=peers),
+        rounds=crowd_round_logs(peers),
+        states=crowd_states(peers),
+        now=NOW,
+    )
