@@ -3,7 +3,10 @@
 ``make test`` runs the suite on several pytest-xdist workers (``--dist loadgroup``). Tests that
 share a machine-wide resource run one after another on one worker: every test that makes
 network namespaces (they list and clean up namespaces by a shared prefix, and a sweep's netns
-launcher owns the host's ``vpx-`` names while it runs) is in the group ``netns``.
+launcher owns the host's ``vpx-`` names while it runs) is in the group ``netns``. The heaviest
+tests that start many processes (several peers, a hivemind daemon each, a Ray cluster) are in
+the group ``processes``, so that at most one of them competes with the netns group for the
+cores: two of them at once on a 2-core machine would read as slow peers, not as a busy host.
 """
 
 from __future__ import annotations
@@ -32,13 +35,27 @@ NETNS_FILES = {
     "experiments/test_wan_rtt.py",
     "verdicts/test_verdicts.py",
 }
+# The heaviest tests that start many processes (see the module docstring).
+PROCESS_HEAVY_FILES = {
+    "adversarial/test_swarm_e2e.py",
+    "api/test_examples.py",
+    "experiments/test_local_sweep.py",
+    "experiments/test_ray.py",
+    "peer/cli/test_cli.py",
+    "peer/hivemind/test_hivemind_backend.py",
+    "peer/hivemind/test_hivemind_dashboard.py",
+    "peer/run/test_kill_mid_round.py",
+}
 _TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.path.relative_to(_TESTS).as_posix() in NETNS_FILES:
+        path = item.path.relative_to(_TESTS).as_posix()
+        if path in NETNS_FILES:
             item.add_marker(pytest.mark.xdist_group("netns"))
+        elif path in PROCESS_HEAVY_FILES:
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 @pytest.fixture
