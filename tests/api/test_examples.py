@@ -139,7 +139,9 @@ def test_the_converted_hivemind_script_trains_two_processes_that_average(tmp_pat
     first = spawn([script, "--seconds", "20", "--seed", "1", *slow])
     line = first_line(first)
     initial = re.findall(r"'([^']+)'", line)
-    assert initial and initial[0].startswith("http://"), line  # our backend's address
+    # our backend's address, as hivemind's scripts print theirs (a multiaddr; hivemind's end in
+    # /p2p/<its peer id>, ours name the HTTP port the peer serves on)
+    assert initial and re.fullmatch(r"/ip4/[0-9.]+/tcp/[0-9]+", initial[0]), line
     second = spawn([script, "--seconds", "14", "--seed", "2", *slow, "--initial-peers", *initial])
     errs, results = [], []
     for process in (first, second):
