@@ -49,6 +49,7 @@ PROCESS_HEAVY_FILES = {
 _TESTS = Path(__file__).resolve().parent
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = item.path.relative_to(_TESTS).as_posix()

@@ -5,7 +5,11 @@ host would see each other's ``vpx-`` names)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import NETNS_FILES, PROCESS_HEAVY_FILES
 
@@ -38,3 +42,24 @@ def test_every_file_that_makes_namespaces_is_in_the_netns_group():
         if MAKES_NAMESPACES.search(path.read_text())
     }
     assert found - NETNS_FILES - MAKES_NONE == set()
+
+
+@pytest.mark.timeout(150)
+def test_the_installed_xdist_keeps_a_group_on_one_worker(tmp_path: Path):
+    """pytest-xdist's ``--dist loadgroup`` groups by rewriting node ids, which pytest 9 ignores:
+    with it, the netns tests would run side by side and delete each other's namespaces."""
+    (tmp_path / "test_grouped.py").write_text(
+        "import os, pathlib, pytest\n"
+        "pytestmark = pytest.mark.xdist_group('g')\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_worker(i):\n"
+        "    pathlib.Path(f'worker-{i}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "3", "--dist", "loadgroup",
+         "-p", "no:cacheprovider", "test_grouped.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    workers = {(tmp_path / f"worker-{i}").read_text() for i in range(6)}
+    assert len(workers) == 1, workers
