@@ -31,16 +31,25 @@ logger = logging.getLogger(__name__)
 class NewcomerHoldConfig:
     """Attributes:
     wait_s: the longest a lone peer holds its epoch boundary for a peer catching up, in
-        seconds; also how fresh (DHT time) that peer's progress record must be. 0 disables.
-        Longer than a round's matchmaking wait by default: a newcomer that took a stale
-        record for a partner at its epoch spends that wait in a round of its own first.
+        seconds; also how fresh (DHT time) that peer's progress record must be, plus
+        ``round_s``. 0 disables. Longer than a round's matchmaking wait by default: a
+        newcomer that took a stale record for a partner at its epoch spends that wait in a
+        round of its own first.
+    round_s: the longest a peer spends in a round that finds no group (the matchmaking
+        wait). Its record stays dated from its last report before the round, so a record
+        that much older still counts as fresh: measured from that date alone, the hold ran
+        out just as such a round ended, the lone peer stepped on, and the newcomer arrived
+        behind it again, every epoch (issue 24).
     """
 
     wait_s: float = 10.0
+    round_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.wait_s >= 0:
             raise ConfigError(f"newcomer wait must be >= 0 seconds, got {self.wait_s}")
+        if not self.round_s >= 0:
+            raise ConfigError(f"round_s must be >= 0 seconds, got {self.round_s}")
 
 
 class NewcomerHold:
@@ -73,7 +82,7 @@ class NewcomerHold:
         """
         if self.config.wait_s <= 0:
             return False
-        oldest_s = self._dht_time() - self.config.wait_s
+        oldest_s = self._dht_time() - self.config.wait_s - self.config.round_s
         behind = [
             peer.peer_id
             for peer in swarm.peers[1:]
