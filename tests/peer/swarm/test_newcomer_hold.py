@@ -87,9 +87,11 @@ def test_holds_through_a_round_in_which_the_peer_behind_reports_nothing():
     assert hold.should_hold(swarm(("new", 6, NOW)), epoch=7)
     clocks.advance(9.5)  # the round is about to end: the record is 10.5 s old
     assert hold.should_hold(swarm(("new", 6, NOW)), epoch=7)
-    # the hold itself stays bounded by wait_s
-    clocks.advance(0.6)
-    assert not hold.should_hold(swarm(("new", 6, NOW)), epoch=7)
+    # then it downloads: the hold lasts a round and the wait, and no longer
+    clocks.advance(8.0)
+    assert hold.should_hold(swarm(("new", 6, NOW + 10.2)), epoch=7)
+    clocks.advance(2.6)  # 20.1 s since the hold began
+    assert not hold.should_hold(swarm(("new", 6, NOW + 10.2)), epoch=7)
     # a record older than a round and the wait is a peer gone
     fresh, _ = make(wait_s=10.0)
     assert not fresh.should_hold(swarm(("gone", 6, NOW - 10.5)), epoch=7)
