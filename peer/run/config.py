@@ -263,7 +263,8 @@ class PeerConfig(BaseModel):
     def newcomer_hold_config(self) -> NewcomerHoldConfig:
         from peer.swarm.newcomer_hold import NewcomerHoldConfig
 
-        return NewcomerHoldConfig(wait_s=self.newcomer_wait)
+        # a peer behind may spend a whole matchmaking wait in a round that reports nothing
+        return NewcomerHoldConfig(wait_s=self.newcomer_wait, round_s=self.matchmaking_time)
 
     def collaborative_config(self) -> CollaborativeConfig:
         from peer.swarm.optimizer import CollaborativeConfig

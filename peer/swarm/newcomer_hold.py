@@ -5,7 +5,8 @@ state download (a demo's sub-second epochs), a newcomer can never catch it: by t
 state of epoch E has arrived, the lone peer is at E+3, the newcomer is behind again, downloads
 again, and so on. So a peer alone at its epoch that has reached its target, and sees a fresh
 progress record of a peer behind it (a newcomer, or a peer whose round failed, both of which
-download the state next), keeps accumulating instead of stepping, for at most ``wait_s``: the
+download the state next), keeps accumulating instead of stepping, for at most ``wait_s`` (plus
+``round_s``: the peer behind may first wait out a round of its own): the
 state it serves stays at its epoch, the other peer arrives there, and the epoch ends with a
 round of two. The lone peer loses no work (its epoch just gathers a larger batch). A peer that
 does not arrive within ``wait_s`` is not waited for again, so a peer that keeps failing costs
@@ -31,16 +32,26 @@ logger = logging.getLogger(__name__)
 class NewcomerHoldConfig:
     """Attributes:
     wait_s: the longest a lone peer holds its epoch boundary for a peer catching up, in
-        seconds; also how fresh (DHT time) that peer's progress record must be. 0 disables.
-        Longer than a round's matchmaking wait by default: a newcomer that took a stale
-        record for a partner at its epoch spends that wait in a round of its own first.
+        seconds; also how fresh (DHT time) that peer's progress record must be, plus
+        ``round_s``. 0 disables. Longer than a round's matchmaking wait by default: a
+        newcomer that took a stale record for a partner at its epoch spends that wait in a
+        round of its own first.
+    round_s: the longest a peer spends in a round that finds no group (the matchmaking
+        wait). A peer behind may wait out such a round before it downloads, reporting
+        nothing: the hold and the freshness of its record both get ``round_s`` more. With
+        ``wait_s`` alone, the hold ran out just as that round ended (matchmaking wait ==
+        newcomer wait), the lone peer stepped on, and the newcomer arrived behind it again,
+        every epoch (issue 24).
     """
 
     wait_s: float = 10.0
+    round_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.wait_s >= 0:
             raise ConfigError(f"newcomer wait must be >= 0 seconds, got {self.wait_s}")
+        if not self.round_s >= 0:
+            raise ConfigError(f"round_s must be >= 0 seconds, got {self.round_s}")
 
 
 class NewcomerHold:
@@ -73,7 +84,9 @@ class NewcomerHold:
         """
         if self.config.wait_s <= 0:
             return False
-        oldest_s = self._dht_time() - self.config.wait_s
+        # a peer behind may first wait out a round of its own (round_s), reporting nothing
+        hold_s = self.config.wait_s + self.config.round_s
+        oldest_s = self._dht_time() - hold_s
         behind = [
             peer.peer_id
             for peer in swarm.peers[1:]
@@ -89,11 +102,11 @@ class NewcomerHold:
             logger.info(
                 "epoch %d: holding the epoch up to %.1f s for %d peer(s) catching up",
                 epoch,
-                self.config.wait_s,
+                hold_s,
                 len(behind),
             )
             return True
-        if now_s - self._since_s < self.config.wait_s:
+        if now_s - self._since_s < hold_s:
             return True
         logger.info("epoch %d: no longer waiting for %d peer(s) behind", epoch, len(behind))
         self._given_up.update(behind)

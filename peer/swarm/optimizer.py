@@ -250,6 +250,7 @@ class CollaborativeOptimizer:
             self._pending_epoch = self.epoch
             self._next_epoch()
             return None
+        looked = not self._alone
         if self._alone:  # nobody else in the swarm: no matchmaking wait for a group of one
             result = alone(self.epoch)
         else:
@@ -259,6 +260,8 @@ class CollaborativeOptimizer:
                     break
                 result = self.averager.average(tensors, **round_args)
         self._record(result)
+        if looked and self._caught_up_after(result):
+            return result
         self.stats.epoch_samples = [*self.stats.epoch_samples[-999:], self.samples]
         with context.clock.phase("optimizer"):
             self.contribution.apply()
@@ -275,14 +278,38 @@ class CollaborativeOptimizer:
         counts everyone's; stepping alone now would put the newcomer an epoch ahead of them,
         round after round. It looks for their group once more instead (the tensors are
         untouched: a round that found no group averaged nothing). Others that moved on (a
-        record that was stale) are caught up with as usual instead."""
+        record that was stale) are caught up with instead (``_caught_up_after``)."""
         if result.status != "alone" or result.members or self.progress.partners:
             return False
-        swarm = self.progress.current()
+        swarm = self._estimate_after_round()
         if swarm.epoch > self.epoch:
             return False
         self._count_at_epoch(swarm)
         return self._num_at_epoch > 1
+
+    def _caught_up_after(self, result: RoundResult) -> bool:
+        """Whether a round that found no group was late instead, and this peer caught up: the
+        swarm moved on meanwhile (a record that lagged showed a peer at this epoch that had
+        already stepped on alone, so nobody else looked for a group). Stepping alone into the
+        swarm's epoch would put this peer there with parameters of its own (in ``grad`` mode,
+        apart for good), and just after the lone peer ahead stopped holding for it (its hold
+        ran out with this round): then the lone peer steps on alone, its record lags again,
+        and the two never meet. The state download (``_behind``) puts it where the swarm is,
+        the averaged tensors dropped; a download that reached nothing steps alone as before."""
+        if self.state is None or result.status != "alone" or result.members:
+            return False
+        swarm = self._estimate_after_round()
+        if not self._behind(swarm):
+            return False
+        epoch = self.epoch
+        self._catch_up(swarm.epoch)
+        return self.epoch > epoch
+
+    def _estimate_after_round(self) -> GlobalProgress:
+        # A fresh record first: the round reported nothing, and a lone peer ahead holds its
+        # boundary only for a peer behind whose record is fresh (peer.swarm.newcomer_hold).
+        self.progress.report_local_progress(self.epoch, self.samples)
+        return self.progress.current()
 
     def _next_epoch(self) -> None:
         self.epoch_counter.advance_to(self.epoch + 1)

@@ -218,3 +218,107 @@ def test_delayed_update_applies_the_swarm_average_one_epoch_late_without_blockin
     assert hook.stats.num_rounds == 1 and hook.stats.last_group_size == 2
     # epoch 1's gradient (batches 2 and 3, at the old and new parameters) went on accumulating
     assert hook.epoch == 2 and len(averager.started) == 2
+
+
+class LaggingRecordSwarm(OnePeerSwarm):
+    """A newcomer's view of a swarm of one other peer, ``first``, at ``first_epoch`` with the
+    target reached; the newcomer has no partners yet, so it counts ``first``'s samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_epoch = 0
+        self.reports: list[tuple[int, int]] = []
+
+    def report_local_progress(self, epoch: int, samples: int) -> None:
+        super().report_local_progress(epoch, samples)
+        self.reports.append((epoch, samples))
+
+    @property
+    def version(self) -> int:
+        return self.first_epoch
+
+    def current(self) -> GlobalProgress:
+        rate = 1e6
+        own = PeerProgress("me", self.epoch, self.samples, rate, 0.0, None, False)
+        first = PeerProgress("first", self.first_epoch, TARGET, rate, 0.0, None, False)
+        epoch = max(self.epoch, self.first_epoch)  # a majority of the others: the one other
+        accumulated = (self.samples if self.epoch == epoch else 0) + (
+            TARGET if self.first_epoch == epoch else 0
+        )
+        return GlobalProgress(
+            epoch=epoch,
+            samples_accumulated=accumulated,
+            target_batch_size=TARGET,
+            samples_per_s=2 * rate,
+            eta_next_epoch_s=0.0,
+            num_peers=2,
+            num_clients=0,
+            peers=(own, first),
+        )
+
+
+class MovedOnDuringTheRound:
+    """The newcomer's round at the epoch a lagging record showed ``first`` at: ``first`` had
+    already stepped on alone, so nobody else looks for a group; by the round's end the records
+    show it one epoch ahead."""
+
+    def __init__(self, swarm: LaggingRecordSwarm):
+        self.swarm = swarm
+        self.num_rounds = 0
+
+    def average(self, tensors, **kwargs) -> RoundResult:
+        self.num_rounds += 1
+        self.swarm.first_epoch = kwargs["epoch"] + 1
+        self.swarm.reports.append(("round", kwargs["epoch"]))
+        return RoundResult("alone", "no other peer was looking for a group")
+
+
+class FirstPeersState:
+    """``first``'s state of the swarm's epoch, downloaded into the newcomer's model."""
+
+    def __init__(self, model: nn.Module, swarm: LaggingRecordSwarm):
+        self.model, self.swarm = model, swarm
+        self.donor = [torch.full_like(p, 0.25) for p in model.parameters()]
+        self.calls: list[tuple[int, int]] = []
+        self.reports_before: list = []
+
+    def catch_up(self, swarm_epoch: int, *, epoch: int) -> int:
+        self.calls.append((swarm_epoch, epoch))
+        self.reports_before = list(self.swarm.reports)
+        with torch.no_grad():
+            for param, value in zip(self.model.parameters(), self.donor, strict=True):
+                param.copy_(value)
+        return swarm_epoch
+
+
+def test_a_newcomer_whose_round_found_nobody_because_the_swarm_moved_on_downloads_its_state():
+    """Issue 24: a newcomer took a lagging record for a peer at its epoch and waited out a
+    round alone; the other peer had stepped on meanwhile. Stepping alone into the epoch the
+    swarm is at left it with parameters of its own, a round behind a lone peer that stopped
+    holding for it, round after round; it downloads the swarm's state instead, and says first
+    (a fresh record) that it is catching up, so that a lone peer ahead holds for it."""
+    torch.manual_seed(3)
+    model = nn.Linear(3, 2)
+    swarm = LaggingRecordSwarm()
+    averager = MovedOnDuringTheRound(swarm)
+    state = FirstPeersState(model, swarm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = CollaborativeOptimizer(
+        model=model,
+        optimizer=optimizer,
+        averager=averager,
+        progress=swarm,
+        config=CollaborativeConfig(target_batch_size=TARGET),
+        state=state,
+    )
+    step(hook, model, optimizer, torch.randn(4, 3), torch.randn(4, 2))
+    assert averager.num_rounds == 1  # others were no longer at its epoch: no second look
+    assert state.calls == [(1, 0)]
+    # a report dated after the round, before the download: the lone peer ahead holds for it
+    round_index = state.reports_before.index(("round", 0))
+    assert (0, 4) in state.reports_before[round_index + 1 :]
+    assert hook.epoch == 1
+    assert hook.stats.num_alone == 1
+    # it holds the swarm's state, with no step of its own on top
+    for param, donor in zip(model.parameters(), state.donor, strict=True):
+        torch.testing.assert_close(param.detach(), donor, rtol=0, atol=0)

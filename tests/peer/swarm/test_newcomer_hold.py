@@ -71,3 +71,27 @@ def test_ignores_stale_records_and_peers_ahead_and_can_be_off():
     assert not off.should_hold(swarm(("new", 0, NOW)), epoch=7)
     with pytest.raises(ConfigError, match="newcomer wait"):
         NewcomerHoldConfig(wait_s=-1.0)
+
+
+def test_holds_through_a_round_in_which_the_peer_behind_reports_nothing():
+    """Issue 24: the peer behind reported just before a round of its own (a lagging record
+    showed a peer at its epoch) and reports nothing until it ends, up to ``round_s`` later; the
+    hold, begun after that report, must not run out with the round."""
+    clocks = Clocks()
+    hold = NewcomerHold(
+        NewcomerHoldConfig(wait_s=10.0, round_s=10.0),
+        monotonic=lambda: clocks.monotonic_s,
+        dht_time=lambda: clocks.dht_s,
+    )
+    clocks.advance(1.0)  # this peer reaches its target a moment after the round began
+    assert hold.should_hold(swarm(("new", 6, NOW)), epoch=7)
+    clocks.advance(9.5)  # the round is about to end: the record is 10.5 s old
+    assert hold.should_hold(swarm(("new", 6, NOW)), epoch=7)
+    # then it downloads: the hold lasts a round and the wait, and no longer
+    clocks.advance(8.0)
+    assert hold.should_hold(swarm(("new", 6, NOW + 10.2)), epoch=7)
+    clocks.advance(2.6)  # 20.1 s since the hold began
+    assert not hold.should_hold(swarm(("new", 6, NOW + 10.2)), epoch=7)
+    # a record older than a round and the wait is a peer gone
+    fresh, _ = make(wait_s=10.0)
+    assert not fresh.should_hold(swarm(("gone", 6, NOW - 10.5)), epoch=7)
