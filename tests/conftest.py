@@ -7,6 +7,9 @@ launcher owns the host's ``vpx-`` names while it runs) is in the group ``netns``
 tests that start many processes (several peers, a hivemind daemon each, a Ray cluster) are in
 the group ``processes``, so that at most one of them competes with the netns group for the
 cores: two of them at once on a 2-core machine would read as slow peers, not as a busy host.
+Tests whose assertions read the host's timing through a system we do not control (hivemind's
+own progress and matchmaking) or to a few percent (the profiler against its injected delays)
+are marked ``serial``: ``make test`` runs them afterwards, alone on the host.
 """
 
 from __future__ import annotations
@@ -42,9 +45,13 @@ PROCESS_HEAVY_FILES = {
     "experiments/test_local_sweep.py",
     "experiments/test_ray.py",
     "peer/cli/test_cli.py",
-    "peer/hivemind/test_hivemind_backend.py",
     "peer/hivemind/test_hivemind_dashboard.py",
     "peer/run/test_kill_mid_round.py",
+}
+# Run after the others, alone on the host (see the module docstring).
+SERIAL_FILES = {
+    "peer/hivemind/test_hivemind_backend.py",
+    "peer/profiling/test_profiler.py",
 }
 _TESTS = Path(__file__).resolve().parent
 
@@ -53,7 +60,9 @@ _TESTS = Path(__file__).resolve().parent
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = item.path.relative_to(_TESTS).as_posix()
-        if path in NETNS_FILES:
+        if path in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
+        elif path in NETNS_FILES:
             item.add_marker(pytest.mark.xdist_group("netns"))
         elif path in PROCESS_HEAVY_FILES:
             item.add_marker(pytest.mark.xdist_group("processes"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NETNS_FILES, PROCESS_HEAVY_FILES
+from tests.conftest import NETNS_FILES, PROCESS_HEAVY_FILES, SERIAL_FILES
 
 TESTS = Path(__file__).resolve().parent
 # What a test file calls to make network namespaces, directly or through the launchers.
@@ -30,9 +30,10 @@ MAKES_NONE = {
 
 
 def test_the_groups_name_test_files_that_exist():
-    for name in NETNS_FILES | PROCESS_HEAVY_FILES:
+    for name in NETNS_FILES | PROCESS_HEAVY_FILES | SERIAL_FILES:
         assert (TESTS / name).is_file(), name
     assert not NETNS_FILES & PROCESS_HEAVY_FILES
+    assert not SERIAL_FILES & (NETNS_FILES | PROCESS_HEAVY_FILES)
 
 
 def test_every_file_that_makes_namespaces_is_in_the_netns_group():

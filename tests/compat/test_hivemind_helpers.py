@@ -29,12 +29,24 @@ def test_maddrs_are_hiveminds_class_once_hivemind_is_imported(dht):
     assert Multiaddr(maddrs[0]) == maddrs[0]  # hivemind's constructor takes them
 
 
-def test_choose_ip_address_and_log_visible_maddrs(dht, caplog):
+def test_choose_ip_address_and_log_visible_maddrs(dht):
     assert choose_ip_address(dht.get_visible_maddrs()) == "127.0.0.1"
-    caplog.set_level(logging.INFO)
-    log_visible_maddrs(dht.get_visible_maddrs(), only_p2p=False)
+    # hivemind's "hivemind" logger does not propagate to the root (where caplog listens) once
+    # hivemind has set up its logging, so the records are read at the helper's own logger
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger(log_visible_maddrs.__module__)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        log_visible_maddrs(dht.get_visible_maddrs(), only_p2p=False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     port = dht.address.rsplit(":", 1)[1]
-    assert any(f"/ip4/127.0.0.1/tcp/{port}" in r.getMessage() for r in caplog.records)
+    assert any(f"/ip4/127.0.0.1/tcp/{port}" in r.getMessage() for r in records)
 
 
 def test_a_peer_joins_through_hiveminds_multiaddr_objects(dht):
