@@ -8,8 +8,9 @@ tests that start many processes (several peers, a hivemind daemon each, a Ray cl
 the group ``processes``, so that at most one of them competes with the netns group for the
 cores: two of them at once on a 2-core machine would read as slow peers, not as a busy host.
 Tests whose assertions read the host's timing through a system we do not control (hivemind's
-own progress and matchmaking) or to a few percent (the profiler against its injected delays)
-are marked ``serial``: ``make test`` runs them afterwards, alone on the host.
+own progress and matchmaking), to a few percent (the profiler against its injected delays), or
+against real-time timeouts in one process (the DHT simulation) are marked ``serial``: ``make test``
+runs them afterwards, alone on the host.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ PROCESS_HEAVY_FILES = {
 }
 # Run after the others, alone on the host (see the module docstring).
 SERIAL_FILES = {
+    "dht/tools/test_simulation.py",  # 150 nodes on one loop against real 1 s RPC timeouts
     "peer/hivemind/test_hivemind_backend.py",
     "peer/profiling/test_profiler.py",
 }
