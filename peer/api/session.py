@@ -127,6 +127,7 @@ class Session:
             services=self.services,
             loop_thread=self.loop_thread,
             clock=clock,
+            stop_event=self.stop_event,
         )
         self.epoch = Epoch(self._initial_epoch(start_epoch))
         self.hook = CollaborativeOptimizer(

@@ -15,8 +15,12 @@ a lone peer ahead holds its epoch for this one meanwhile (:mod:`peer.swarm.newco
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import torch
 
@@ -39,6 +43,9 @@ from peer.train.trainer import Trainer
 logger = logging.getLogger(__name__)
 # After a failed catch-up download, train on this long before trying again (a donor may be busy).
 RESYNC_COOLDOWN_S = 2.0
+# How often a download in progress looks whether the peer was told to stop.
+STOP_POLL_S = 0.2
+T = TypeVar("T")
 
 
 class StateCatchUp:
@@ -51,6 +58,8 @@ class StateCatchUp:
         services: the swarm services (transport, DHT node).
         loop_thread: the event loop the download runs on.
         clock: the phase clock; downloads are charged to ``state_sync``.
+        stop_event: when set, a download in progress ends at once (a slow or silent donor
+            must not hold a peer that was told to leave for the whole download timeout).
     """
 
     def __init__(
@@ -62,8 +71,10 @@ class StateCatchUp:
         services: SwarmServices,
         loop_thread: EventLoopThread,
         clock: PhaseClock,
+        stop_event: threading.Event | None = None,
     ):
         self.config = config
+        self._stop_event = stop_event or threading.Event()
         self.trainer = trainer
         self.model = trainer.model
         self.optimizer = optimizer
@@ -143,17 +154,19 @@ class StateCatchUp:
         with self.clock.phase("state_sync"):
             try:
                 snapshot = self.loop_thread.run(
-                    download_state(
-                        self.services.transport,
-                        self.services.node,
-                        self.config.run_id,
-                        min_epoch=min_epoch,
-                        expected=model_layout,
-                        config=self.config.state_sync_config(),
-                        extra_prefix=OPTIMIZER_PREFIX if self._shares_optimizer else None,
-                        max_extra_bytes=4 * model_bytes + 2**20,
-                        digest_of=self.digest,
-                        verify=self._loadable,
+                    self._unless_stopped(
+                        download_state(
+                            self.services.transport,
+                            self.services.node,
+                            self.config.run_id,
+                            min_epoch=min_epoch,
+                            expected=model_layout,
+                            config=self.config.state_sync_config(),
+                            extra_prefix=OPTIMIZER_PREFIX if self._shares_optimizer else None,
+                            max_extra_bytes=4 * model_bytes + 2**20,
+                            digest_of=self.digest,
+                            verify=self._loadable,
+                        )
                     )
                 )
                 progress, _ = unpack_state(
@@ -172,3 +185,17 @@ class StateCatchUp:
                 return fallback
         logger.info("downloaded the swarm's state of epoch %d", progress.epoch)
         return progress.epoch
+
+    async def _unless_stopped(self, work: Awaitable[T]) -> T:
+        """``work``, or StateSyncError as soon as the peer is told to stop."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not self._stop_event.is_set():
+                done, _ = await asyncio.wait({task}, timeout=STOP_POLL_S)
+                if done:
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        raise StateSyncError("the peer is stopping")
