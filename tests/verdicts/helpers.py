@@ -27,7 +27,8 @@ def netns_unavailable() -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"{' and '.join(missing)} missing (install iproute2)"
-    probe = "vpx-verdict-probe"
+    # one name per process: pytest-xdist workers collect (and so probe) at the same time
+    probe = f"vpx-verdict-probe-{os.getpid()}"
     done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     delete_namespace(probe)
     return None if done.returncode == 0 else f"no network namespaces: {done.stderr.strip()}"
