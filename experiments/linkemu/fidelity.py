@@ -4,7 +4,7 @@
 functions run a client in one and a server in the other (threads of this process, each moved
 into its namespace) and return what they saw. ``python -m experiments.linkemu.fidelity`` prints
 all of them as JSON for a given link (needs root), which is how docs/EXPERIMENTS.md's numbers
-were taken; tests/experiments/test_linkemu.py checks them against the configured values.
+were taken; tests/experiments/linkemu/test_linkemu.py checks them against the configured values.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A node bound to 127.0.0.2 calls out from 127.0.0.1 (the kernel's source address towards
 127.0.0.1), so a dial-back to its source IP finds nobody: the loopback stand-in for a peer
-behind a NAT or a firewall. The NAT itself is in tests/experiments/test_nat_swarm.py.
+behind a NAT or a firewall. The NAT itself is in tests/experiments/launch/test_nat_swarm.py.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from experiments.launch.netns import NetnsSession, address_of
 from experiments.launch.netns_links import LAN_PEER_ADDRESS
 from tests.dht.net.test_transport import echo, halve, roundtrip
 from tests.dht.reach.test_relay import Reached
-from tests.experiments.namespace_loop import LoopInNamespace
-from tests.experiments.test_nat import PORT, _in, _network
+from tests.experiments.launch.namespace_loop import LoopInNamespace
+from tests.experiments.launch.test_nat import PORT, _in, _network
 
 pytestmark = pytest.mark.timeout(120)
 if os.geteuid() != 0 or shutil.which("nft") is None or not os.path.exists("/dev/net/tun"):

@@ -10,7 +10,7 @@ import pytest
 from experiments.calibration import settings
 from experiments.spec import expand, load_spec
 
-PRESETS = Path(__file__).resolve().parents[2] / "experiments" / "presets"
+PRESETS = Path(__file__).resolve().parents[3] / "experiments" / "presets"
 FACTORS = {"peers", "batch_size", "lr", "target_batch_size", "mode", "num_workers"}
 
 

@@ -30,8 +30,8 @@ from dht.reach.reachability import reachability_line
 from experiments.launch.netns import cleanup_all, list_namespaces
 from experiments.launch.netns_links import LAN_PEER_ADDRESS, home_router, in_namespace, ip
 from peer.run.config import join_command
-from tests.experiments.namespace_loop import LoopInNamespace
-from tests.experiments.test_nat import _in
+from tests.experiments.launch.namespace_loop import LoopInNamespace
+from tests.experiments.launch.test_nat import _in
 
 MINIUPNPD = "/usr/sbin/miniupnpd"
 pytestmark = pytest.mark.timeout(120)

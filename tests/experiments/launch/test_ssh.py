@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.experiments.helpers import peer_cli, read_lines, tiny_spec
-from tests.experiments.sshd import Sshd, why_not
+from tests.experiments.launch.sshd import Sshd, why_not
 
 pytestmark = pytest.mark.timeout(240)
 REASON = why_not()

@@ -82,7 +82,8 @@ def cluster(namespace: str, tmp_path_factory) -> Iterator[dict]:
     """The cluster's address and node ids (the helper stops it when its stdin closes)."""
     log = (tmp_path_factory.mktemp("ray") / "cluster.log").open("wb")
     helper = subprocess.Popen(
-        ["ip", "netns", "exec", namespace, sys.executable, "-m", "tests.experiments.ray_cluster"],
+        ["ip", "netns", "exec", namespace,
+         sys.executable, "-m", "tests.experiments.launch.ray_cluster"],
         cwd=ROOT, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
     )  # fmt: skip
     try:

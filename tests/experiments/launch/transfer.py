@@ -1,4 +1,4 @@
-"""``python -m tests.experiments.transfer serve PORT SECONDS`` / ``send HOST PORT SECONDS``.
+"""``python -m tests.experiments.launch.transfer serve PORT SECONDS`` / ``send HOST PORT SECONDS``.
 
 serve: accept one connection, count the bytes it receives for SECONDS after the first byte, and
 print ``{"bytes": N, "seconds": S}``. send: write as fast as the socket takes it for SECONDS.

@@ -18,7 +18,7 @@ from experiments.launch.netns import NetnsSession, delete_namespace, list_namesp
 from experiments.spec import NetworkSpec
 from monitor.config import MonitorConfig
 from monitor.embed import client_dashboard
-from tests.experiments.test_netns import REASON
+from tests.experiments.launch.test_netns import REASON
 
 pytestmark = [pytest.mark.timeout(120)]
 if REASON is not None:

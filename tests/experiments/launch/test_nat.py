@@ -100,7 +100,7 @@ def test_peers_behind_nat_listen_on_their_lan_address_and_find_client_mode_thems
             handle.process.wait(timeout=30)
         out = [(tmp_path / f"{plan.name}.out").read_text() for plan in plans]
     assert "--client-mode" not in out[0] and address_of(0) in out[0]
-    # not forced: its own dial-back tells it (tests/experiments/test_nat_swarm.py)
+    # not forced: its own dial-back tells it (tests/experiments/launch/test_nat_swarm.py)
     assert "--client-mode" not in out[1] and LAN_PEER_ADDRESS in out[1]
     # the hivemind backend has no dial-back: it is told
     assert "--client-mode" in out[2] and LAN_PEER_ADDRESS in out[2]

@@ -63,14 +63,14 @@ def test_a_link_shaped_to_20_mbit_carries_at_most_22(tmp_path: Path, namespaces_
         exec_in = ["ip", "netns", "exec"]
         server = subprocess.Popen(
             [*exec_in, session.namespaces[1], sys.executable, "-m",
-             "tests.experiments.transfer", "serve", "5001", "4"],
+             "tests.experiments.launch.transfer", "serve", "5001", "4"],
             cwd=ROOT, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
             assert server.stdout.readline().strip() == "ready"
             subprocess.run(
                 [*exec_in, session.namespaces[0], sys.executable, "-m",
-                 "tests.experiments.transfer", "send", address_of(1), "5001", "6"],
+                 "tests.experiments.launch.transfer", "send", address_of(1), "5001", "6"],
                 cwd=ROOT, timeout=60, check=True,
             )  # fmt: skip
             measured = json.loads(server.stdout.readline())
