@@ -46,14 +46,23 @@ def positive_float(text: str) -> float:
 MULTIADDR_PATTERN = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?$")
 
 
-def multiaddr_url(text: object) -> str | None:
-    """``http://host:port`` of a multiaddr ``/ip4/HOST/tcp/PORT[/...]`` (``ip6``, ``dns`` too;
-    ``https`` when it goes on with ``/https`` or ``/tls``; the rest is ignored), or None."""
+def parse_multiaddr(text: object) -> tuple[str, int, str] | None:
+    """``(host, port, scheme)`` of a multiaddr ``/ip4/HOST/tcp/PORT[/...]`` (``ip6``, ``dns``
+    too; ``https`` when it goes on with ``/https`` or ``/tls``; the rest is ignored), or None."""
     match = MULTIADDR_PATTERN.match(str(text))
     if not match:
         return None
-    host, port, rest = match.group(2), match.group(3), match.group(4) or ""
+    rest = match.group(4) or ""
     scheme = "https" if rest.startswith(("/https", "/tls")) else "http"
+    return match.group(2), int(match.group(3)), scheme
+
+
+def multiaddr_url(text: object) -> str | None:
+    """``http://host:port`` of a multiaddr (:func:`parse_multiaddr`), or None."""
+    parsed = parse_multiaddr(text)
+    if parsed is None:
+        return None
+    host, port, scheme = parsed
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 

@@ -22,7 +22,7 @@ from dht.facade import DHT as BlockingDHT
 from dht.identity import PeerIdentity, short_id
 from dht.kademlia.storage import ValueWithExpiration
 from dht.net.config import ReachabilityConfig, TransportConfig
-from dht.options import read_swarm_key
+from dht.options import parse_multiaddr, read_swarm_key
 from dht.reach.reachability import Reachability
 from peer.api.dht_args import (
     as_url,
@@ -31,7 +31,6 @@ from peer.api.dht_args import (
     initial_urls,
     listen_address,
     note_node_kwargs,
-    parse_multiaddr,
     relay_cap,
     with_hivemind_names,
 )

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dht.identity import PeerIdentity
-from dht.options import MULTIADDR_PATTERN, peer_url
+from dht.options import parse_multiaddr, peer_url
 from peer.api.errors import DHT_OPTIONS, check_hivemind_options
 
 logger = logging.getLogger(__name__)
@@ -28,17 +28,6 @@ MAPPED: dict[str, tuple[str, str]] = {
     "use_relay_hop": ("own", "relay"),
     "no_listen": ("own", "client_mode"),
 }
-
-
-def parse_multiaddr(addr: Any) -> tuple[str, int, str] | None:
-    """``(host, port, scheme)`` of ``/ip4/HOST/tcp/PORT[/...]`` (ip6, dns too; ``https`` when
-    it goes on with ``/https`` or ``/tls``), or None if not one."""
-    match = MULTIADDR_PATTERN.match(str(addr))
-    if not match:
-        return None
-    rest = match.group(4) or ""
-    scheme = "https" if rest.startswith(("/https", "/tls")) else "http"
-    return match.group(2), int(match.group(3)), scheme
 
 
 def is_tcp_maddr(addr: Any) -> bool:
