@@ -4,9 +4,12 @@ Wire format (a msgpack map; the leader sends it, every member checks it whole):
 ``group`` (hex id), ``members`` (a list of ``{peer, addr, bw, w}``, sorted by peer id, no peer
 or address twice), ``compression``, ``chunk`` (values per chunk), ``agg`` (the aggregation
 rule, :mod:`averaging.rules.robust`), ``wr`` (the weight ratio of :func:`averaging.bounds.
-bounded_weights`) and ``streams`` (streams per sender and reducer, 1 when absent; see
-:mod:`averaging.allreduce.streams`). Entries are bounded (:mod:`averaging.bounds`), and the parts
-and weights every member uses are the bounded ones.
+bounded_weights`), ``streams`` (streams per sender and reducer, 1 when absent; see
+:mod:`averaging.allreduce.streams`) and ``top`` (rows the round's second level expects, 0 or
+absent when this group is the whole round; see :mod:`averaging.levels`). A member's ``n``
+(absent: 1) is how many peers its contribution stands for (a row's delegate at the second
+level). Entries are bounded (:mod:`averaging.bounds`), and the parts and weights every member
+uses are the bounded ones.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dht.errors import DHTError
 from dht.identity import is_peer_id
 
 MAX_GROUP_SIZE = 256
+MAX_COUNT = MAX_GROUP_SIZE * MAX_GROUP_SIZE  # peers one member of a second-level group stands for
 # A member accepts a leader's chunk size down to its own or this, whichever is smaller: tiny
 # chunks would make it spend its CPU on frames (a frame header, a write, a tag each).
 MIN_ACCEPTED_CHUNK_NUMEL = 64 * 1024
@@ -54,19 +58,25 @@ class GroupMember:
         bandwidth: its relative share of the reduction work (ignored for client-mode peers).
         weight: the weight of its contribution (samples); 0 means it contributes nothing but
             still receives the average and reduces its part.
+        count: how many peers its contribution stands for (1; a row's size for a delegate at
+            the second level). A claim, used only to report coverage.
     """
 
     peer_id: str
     address: str | None
     bandwidth: float = 1.0
     weight: float = 1.0
+    count: int = 1
 
     @property
     def client_mode(self) -> bool:
         return self.address is None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"peer": self.peer_id, "addr": self.address, "bw": self.bandwidth, "w": self.weight}
+        wire = {"peer": self.peer_id, "addr": self.address, "bw": self.bandwidth, "w": self.weight}
+        if self.count != 1:
+            wire["n"] = self.count
+        return wire
 
     @classmethod
     def from_wire(cls, raw: Any) -> GroupMember:
@@ -87,7 +97,10 @@ class GroupMember:
             raise ProtocolViolation("member bandwidth must be a finite number in [0, 1e12]")
         if not valid_weight(weight):
             raise ProtocolViolation("member weight must be 0 or a finite number in [2**-20, 2**53]")
-        return cls(peer_id, address, float(bandwidth), float(weight))
+        count = raw.get("n", 1)
+        if not (isinstance(count, int) and not isinstance(count, bool) and 1 <= count <= MAX_COUNT):
+            raise ProtocolViolation(f"member count must be an integer in [1, {MAX_COUNT}]")
+        return cls(peer_id, address, float(bandwidth), float(weight), count)
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,10 @@ class GroupInfo:
         max_weight_ratio: a weight counts at most this many times the lower median weight.
         num_streams: how many streams (TCP connections) each sender opens to each reducer; the
             reducer's part is cut into that many slices of whole chunks, one per stream.
+        top_rows: 0 when this group is the whole round; else the rows the round's second level
+            expects: after the all-reduce, the group's delegate (:attr:`delegate`) averages the
+            group's mean with the other rows' and every member takes the result from it
+            (:mod:`averaging.levels`).
     """
 
     group_id: str
@@ -112,6 +129,7 @@ class GroupInfo:
     aggregation: Aggregation = Aggregation.MEAN
     max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO
     num_streams: int = 1
+    top_rows: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", Compression(self.compression))
@@ -140,6 +158,14 @@ class GroupInfo:
             and 1 <= self.num_streams <= MAX_STREAMS_PER_PAIR
         ):
             raise ProtocolViolation(f"bad number of streams {self.num_streams!r}")
+        if not (
+            isinstance(self.top_rows, int)
+            and not isinstance(self.top_rows, bool)
+            and 0 <= self.top_rows <= MAX_GROUP_SIZE
+        ):
+            raise ProtocolViolation(f"bad number of rows {self.top_rows!r}")
+        if self.top_rows and self.aggregation is not Aggregation.MEAN:
+            raise ProtocolViolation("only a weighted mean is exact over two levels")
 
     @property
     def peer_ids(self) -> tuple[str, ...]:
@@ -153,6 +179,12 @@ class GroupInfo:
 
     def member(self, peer_id: str) -> GroupMember:
         return self.members[self.index_of(peer_id)]
+
+    @property
+    def delegate(self) -> str:
+        """The member that takes the group's mean to the second level: the first (by peer id)
+        with an address, the same for every member (client-mode peers serve no requests)."""
+        return next(m.peer_id for m in self.members if not m.client_mode)
 
     def parts(self, total_numel: int) -> list[Part]:
         """One part per member (empty for client-mode peers), sized by its fair bandwidth
@@ -193,6 +225,7 @@ class GroupInfo:
             "agg": self.aggregation.value,
             "wr": self.max_weight_ratio,
             "streams": self.num_streams,
+            **({"top": self.top_rows} if self.top_rows else {}),
         }
 
     @classmethod
@@ -226,9 +259,16 @@ class GroupInfo:
         ratio = raw.get("wr")
         if not is_number(ratio):
             raise ProtocolViolation("bad weight ratio in group")
-        num_streams = raw.get("streams", 1)
+        num_streams, top_rows = raw.get("streams", 1), raw.get("top", 0)
         return cls(
-            group_id, parsed, compression, chunk_numel, aggregation, float(ratio), num_streams
+            group_id,
+            parsed,
+            compression,
+            chunk_numel,
+            aggregation,
+            float(ratio),
+            num_streams,
+            top_rows,
         )
 
 
@@ -256,7 +296,12 @@ def check_offered(
         ProtocolViolation, KeyError: the group is refused.
     """
     mine = group.member(me.peer_id)  # KeyError if we are not in it
-    if (mine.weight, mine.address, mine.bandwidth) != (me.weight, me.address, me.bandwidth):
+    if (mine.weight, mine.address, mine.bandwidth, mine.count) != (
+        me.weight,
+        me.address,
+        me.bandwidth,
+        me.count,
+    ):
         raise ProtocolViolation("the group misrepresents this peer")
     if group.member(leader[0]).address != leader[1]:
         raise ProtocolViolation("the group misrepresents its leader")

@@ -155,7 +155,7 @@ class Leader:
             return _answer(term, ctx.sender)
         follower.waiting = True
         self._on_arrival(asyncio.get_running_loop().time() - search.started)
-        if 1 + term.num_waiting >= search.target_group_size:
+        if search.should_close(asyncio.get_running_loop().time(), self._config.min_group_size):
             self.finalize(search)
         timeout_s = follower.deadline - asyncio.get_running_loop().time()
         try:
@@ -204,8 +204,9 @@ class Leader:
                 search.compression,
                 self._config.chunk_numel,
                 self._config.aggregation,
-                self._config.max_weight_ratio,
+                search.max_weight_ratio,
                 self._num_streams(),
+                search.top_rows,
             )
         except ProtocolViolation as e:  # a bug here must not fail the followers' waits
             term.outcome.set_result(f"the group could not be formed: {e}")

@@ -47,30 +47,27 @@ from averaging.matchmaking.group import (
     MAX_GROUP_SIZE,
     GroupInfo,
     GroupMember,
-    check_offered,
     serves_at,
 )
 from averaging.matchmaking.leader import Leader
+from averaging.matchmaking.records import announce, check_group, join_request, read_candidates
 from averaging.matchmaking.search import (
     CLIENT_RANK,
     Candidate,
     MatchmakingDHT,
     MatchResult,
     Search,
-    parse_candidates,
+    SearchOptions,
     rank_of,
 )
 from averaging.rules.compression import Compression
-from dht.config import get_dht_time
 from dht.errors import DHTError
 from dht.identity import is_peer_id
-from dht.kademlia.validation import owner_subkey
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MAX_HOPS = 8  # redirects followed in one attempt; each goes to a better-ranked peer
-_RECORD_SLACK_S = 1.0
 
 
 class Matchmaker:
@@ -114,7 +111,7 @@ class Matchmaker:
         self._leader = Leader(
             config,
             lambda: self._search,
-            lambda: self.partners,
+            lambda: self._search.partners if self._search is not None else frozenset(),
             deadlines.observe_arrival,
             num_streams,
             functools.partial(serves_at, transport, timeout_s=config.request_timeout_s),
@@ -141,30 +138,25 @@ class Matchmaker:
         compression: Compression,
         timeout_s: float,
         target_group_size: int | None = None,
+        options: SearchOptions | None = None,
     ) -> MatchResult:
         """Look for a group under ``key`` for at most ``timeout_s`` seconds.
 
         ``target_group_size`` overrides the config's for this search (a caller that knows how
-        many peers are ready lets a leader close as soon as they are all in).
+        many peers are ready lets a leader close as soon as they are all in); ``options.sizes``,
+        when given, overrides both (balanced rows, :mod:`averaging.matchmaking.rows`).
         """
         if self._search is not None:
             raise RuntimeError("find_group is already running")
-        loop = asyncio.get_running_loop()
-        address = reducing_address(self._transport, self._config)
-        me = GroupMember(self._peer_id, address, self._config.bandwidth, weight)
-        settled = bool(self.partners)
-        rank = rank_of(key, self._peer_id, settled) if address is not None else CLIENT_RANK
-        target = target_group_size or self._config.target_group_size
-        search = Search(key, me, numel, compression, loop.time() + timeout_s, rank, target)
-        search.started = loop.time()
-        search.strangers_after = loop.time() + timeout_s / 2
-        search.lead()
+        search = self._new_search(
+            key, weight, numel, compression, timeout_s, target_group_size, options
+        )
         self._search = search
         try:
-            if address is not None:
+            if search.me.address is not None:
                 # Announce before the first read: of two peers that start together, the later
                 # one then always sees the earlier one (and invites it or joins it).
-                await self._unless_formed(search, self._announce(search))
+                await self._unless_formed(search, announce(self._dht, search, self._config))
             return await self._look(search)
         finally:
             self._search = None
@@ -175,25 +167,34 @@ class Matchmaker:
             if search.tasks:
                 await asyncio.wait(search.tasks)
 
-    async def _announce(self, search: Search) -> None:
-        value = {"addr": search.me.address, "numel": search.numel, "settled": search.settled}
-        expiration = get_dht_time() + (search.deadline - asyncio.get_running_loop().time())
-        subkey = owner_subkey(search.me.peer_id)
-        start = asyncio.get_running_loop().time()
-        try:
-            async with asyncio.timeout(self._config.request_timeout_s):
-                stored = await self._dht.store(
-                    search.key, value, expiration + _RECORD_SLACK_S, subkey=subkey
-                )
-        except (TimeoutError, DHTError):
-            stored = False
-        if not stored:
-            logger.info("could not announce %s for matchmaking; others may not find us", search.key)
-        logger.debug(
-            "announced under %s in %.1f ms",
-            search.key,
-            1000 * (asyncio.get_running_loop().time() - start),
+    def _new_search(
+        self, key, weight, numel, compression, timeout_s, target_group_size, options
+    ) -> Search:
+        options = options or SearchOptions()
+        loop = asyncio.get_running_loop()
+        address = reducing_address(self._transport, self._config)
+        me = GroupMember(self._peer_id, address, self._config.bandwidth, weight, options.count)
+        settled = bool(self.partners)
+        rank = rank_of(key, self._peer_id, settled) if address is not None else CLIENT_RANK
+        target = target_group_size or self._config.target_group_size
+        ratio = options.max_weight_ratio or self._config.max_weight_ratio
+        search = Search(
+            key,
+            me,
+            numel,
+            compression,
+            loop.time() + timeout_s,
+            rank,
+            target,
+            sizes=options.sizes,
+            max_weight_ratio=ratio,
+            partners=self.partners if options.with_partners else frozenset(),
+            top_rows=options.top_rows,
         )
+        search.started = loop.time()
+        search.strangers_after = loop.time() + timeout_s / 2
+        search.lead()
+        return search
 
     async def _look(self, search: Search) -> MatchResult:
         loop = asyncio.get_running_loop()
@@ -207,11 +208,15 @@ class Matchmaker:
                 return self._close(search)
             if candidates is None:
                 candidates = await self._unless_formed(
-                    search, self._candidates(search, remaining_s)
+                    search, read_candidates(self._dht, search, self._config, remaining_s)
                 )
                 if candidates is None:
                     continue  # our group formed meanwhile
                 search.seen.update(c.peer_id for c in candidates)
+                search.resize(1 + len(search.seen))
+            if search.should_close(loop.time(), self._config.min_group_size):
+                self._leader.finalize(search)  # at its target, or past the grace with enough
+                continue
             candidates.extend(search.hints.values())
             search.hints.clear()
             leader = self._best_leader(search, candidates)
@@ -221,9 +226,16 @@ class Matchmaker:
                     return MatchResult(group)
                 continue  # the next best from the same read: refusals say who is taken
             self._invite(search, candidates)
-            await self._pause(search, min(pause_s, max(0.0, search.deadline - loop.time())))
+            await self._pause(search, min(pause_s, self._until_next_check(search)))
             pause_s = min(2 * pause_s, self._config.matchmaking_poll_max_s)
             candidates = None
+
+    def _until_next_check(self, search: Search) -> float:
+        """Seconds until the deadline, or until the grace ends if that comes first."""
+        now = asyncio.get_running_loop().time()
+        grace_end = search.started + search.sizes.grace_s
+        wake_at = grace_end if now < grace_end else search.deadline
+        return max(0.0, min(wake_at, search.deadline) - now)
 
     async def _unless_formed(self, search: Search, coro: Awaitable[T]) -> T | None:
         """``await coro``, unless our group forms first (then None: start the round now)."""
@@ -272,29 +284,14 @@ class Matchmaker:
                 search.tasks.add(task)
                 task.add_done_callback(search.tasks.discard)
 
-    async def _candidates(self, search: Search, remaining_s: float) -> list[Candidate]:
-        start = asyncio.get_running_loop().time()
-        try:
-            async with asyncio.timeout(min(self._config.request_timeout_s, remaining_s)):
-                found = await self._dht.get(search.key, latest=True)
-        except (TimeoutError, DHTError):
-            return []
-        candidates = parse_candidates(found, search.key, self._peer_id)
-        logger.debug(
-            "read %d candidate(s) under %s in %.1f ms",
-            len(candidates),
-            search.key,
-            1000 * (asyncio.get_running_loop().time() - start),
-        )
-        return candidates
-
     def _best_leader(self, search: Search, candidates: list[Candidate]) -> Candidate | None:
         """The best-ranked peer above this one to follow: among partners while any partner is
         looking (see the module docstring), else among all."""
         now = asyncio.get_running_loop().time()
-        if any(c.peer_id in self.partners for c in candidates):
-            candidates = [c for c in candidates if c.peer_id in self.partners]
-        elif self.partners and now < search.strangers_after:
+        partners = search.partners
+        if any(c.peer_id in partners for c in candidates):
+            candidates = [c for c in candidates if c.peer_id in partners]
+        elif partners and now < search.strangers_after:
             return None  # partners may not have announced yet: lead for now
         eligible = [
             c
@@ -326,7 +323,7 @@ class Matchmaker:
         for _ in range(_MAX_HOPS):
             if target is None:
                 return None
-            request = self._join_request(search)
+            request = join_request(search)
             answer = await self._request(search, target, self._join_name, request)
             status = answer.get("status")
             if status == "accepted":
@@ -336,9 +333,9 @@ class Matchmaker:
                 search.skip_until[target.peer_id] = (
                     asyncio.get_running_loop().time() + self._config.matchmaking_poll_min_s
                 )
-                was_partner = target.peer_id in self.partners
+                was_partner = target.peer_id in search.partners
                 target = search.parse_candidate(answer.get("leader"))
-                if was_partner and target is not None and target.peer_id not in self.partners:
+                if was_partner and target is not None and target.peer_id not in search.partners:
                     return None  # a partner that follows a stranger: lead rather than go there
                 continue
             search.excluded.add(target.peer_id)
@@ -370,14 +367,14 @@ class Matchmaker:
         if status == "group":
             try:
                 group = GroupInfo.from_wire(answer.get("group"))
-                self._check_group(search, group, leader)
+                check_group(search, group, leader, self._config)
                 return group
             except (ProtocolViolation, KeyError, ValueError, TypeError) as e:
                 logger.warning("leader %s sent a bad group: %s", leader.peer_id[:8], e)
         elif status == "redirect":
             redirect = search.parse_candidate(answer.get("leader"))
             if redirect is not None and (
-                redirect.peer_id in self.partners or leader.peer_id not in self.partners
+                redirect.peer_id in search.partners or leader.peer_id not in search.partners
             ):
                 search.excluded.add(leader.peer_id)
                 search.lead()
@@ -385,32 +382,6 @@ class Matchmaker:
         search.excluded.add(leader.peer_id)
         search.lead()
         return None
-
-    def _check_group(self, search: Search, group: GroupInfo, leader: Candidate) -> None:
-        """Refuse a group this peer cannot take part in honestly (see :func:`check_offered`).
-
-        Raises:
-            ProtocolViolation, KeyError: the group is refused.
-        """
-        check_offered(
-            group,
-            me=search.me,
-            leader=(leader.peer_id, leader.address),
-            max_size=max(search.target_group_size, self._config.target_group_size),
-            aggregation=self._config.aggregation,
-            max_weight_ratio=self._config.max_weight_ratio,
-            numel=search.numel,
-            max_streams=self._config.max_streams_per_pair,
-            chunk_numel=self._config.chunk_numel,
-        )
-
-    def _join_request(self, search: Search) -> dict[str, Any]:
-        return {
-            "key": search.key,
-            "member": search.me.to_wire(),
-            "numel": search.numel,
-            "remaining_s": max(0.0, search.deadline - asyncio.get_running_loop().time()),
-        }
 
     async def _request(
         self,

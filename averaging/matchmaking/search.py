@@ -8,8 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from averaging.bounds import check_address
+from averaging.bounds import DEFAULT_MAX_WEIGHT_RATIO, check_address
 from averaging.matchmaking.group import GroupInfo, GroupMember
+from averaging.matchmaking.rows import SizePlan
 from averaging.rules.compression import Compression
 from dht.identity import is_peer_id
 from dht.kademlia.validation import subkey_owner
@@ -50,6 +51,27 @@ class MatchResult:
     def of(cls, outcome: Any) -> MatchResult:
         """The result of a leader's term: its group, or why there is none."""
         return cls(outcome) if isinstance(outcome, GroupInfo) else cls(None, str(outcome))
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What one search looks for beyond the config's defaults.
+
+    Attributes:
+        sizes: when a leader closes (None: at the target group size, no grace).
+        top_rows: written into a group this peer forms (:attr:`GroupInfo.top_rows`).
+        max_weight_ratio: the weight bound of the groups formed and accepted (None: the
+            config's); the second level of a round bounds row weights more loosely.
+        count: peers this peer's contribution stands for (:attr:`GroupMember.count`).
+        with_partners: follow partners first (see :mod:`averaging.matchmaking.matchmaker`);
+            off for the second level, where every delegate must meet every other.
+    """
+
+    sizes: SizePlan | None = None
+    top_rows: int = 0
+    max_weight_ratio: float | None = None
+    count: int = 1
+    with_partners: bool = True
 
 
 SETTLED, NEWCOMER = b"\x00", b"\x01"
@@ -130,6 +152,32 @@ class Search:
     tasks: set[asyncio.Task] = field(default_factory=set)
     strangers_after: float = 0.0  # loop time from which a peer with partners follows others
     started: float = 0.0  # loop time at which the search began
+    sizes: SizePlan | None = None  # when a leader closes (None: at target_group_size)
+    max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO  # of the groups formed and accepted
+    partners: frozenset[str] = frozenset()  # followed first, seats kept for them
+    top_rows: int = 0  # written into a group this peer forms
+
+    def __post_init__(self) -> None:
+        if self.sizes is None:
+            self.sizes = SizePlan(self.target_group_size)
+        self.target_group_size = self.sizes.target
+
+    def resize(self, num_seen: int) -> None:
+        """``num_seen`` peers (this one included) were seen under the key: follow them
+        (:meth:`averaging.matchmaking.rows.SizePlan.resized`)."""
+        self.sizes = self.sizes.resized(num_seen)
+        self.target_group_size = self.sizes.target
+
+    def should_close(self, now: float, min_group_size: int) -> bool:
+        """Whether this leader's group, as it stands, is complete: at its target, or past the
+        grace with at least the floor."""
+        if self.term is None or self.term.outcome.done():
+            return False
+        size = 1 + self.term.num_waiting
+        if size >= self.sizes.target:
+            return True
+        grace_over = now >= self.started + self.sizes.grace_s
+        return grace_over and size >= max(self.sizes.floor, min_group_size)
 
     @property
     def settled(self) -> bool:

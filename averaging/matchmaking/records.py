@@ -1,0 +1,89 @@
+"""What one search reads and writes: its announcement in the DHT, the candidates read back, the
+join request it sends, and its check of the group a leader offers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from averaging.config import AveragerConfig
+from averaging.matchmaking.group import GroupInfo, check_offered
+from averaging.matchmaking.search import Candidate, MatchmakingDHT, Search, parse_candidates
+from dht.config import get_dht_time
+from dht.errors import DHTError
+from dht.kademlia.validation import owner_subkey
+
+logger = logging.getLogger(__name__)
+
+_RECORD_SLACK_S = 1.0
+
+
+async def announce(dht: MatchmakingDHT, search: Search, config: AveragerConfig) -> None:
+    """Store this peer's announcement under the search's key, in a subkey only it can write
+    (bounded by ``request_timeout_s``; a failure is logged: others may then not find us)."""
+    loop = asyncio.get_running_loop()
+    value = {"addr": search.me.address, "numel": search.numel, "settled": search.settled}
+    expiration = get_dht_time() + (search.deadline - loop.time())
+    subkey = owner_subkey(search.me.peer_id)
+    start = loop.time()
+    try:
+        async with asyncio.timeout(config.request_timeout_s):
+            stored = await dht.store(search.key, value, expiration + _RECORD_SLACK_S, subkey=subkey)
+    except (TimeoutError, DHTError):
+        stored = False
+    if not stored:
+        logger.info("could not announce %s for matchmaking; others may not find us", search.key)
+    logger.debug("announced under %s in %.1f ms", search.key, 1000 * (loop.time() - start))
+
+
+async def read_candidates(
+    dht: MatchmakingDHT, search: Search, config: AveragerConfig, remaining_s: float
+) -> list[Candidate]:
+    """The other peers announced under the search's key (none if the read fails)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        async with asyncio.timeout(min(config.request_timeout_s, remaining_s)):
+            found = await dht.get(search.key, latest=True)
+    except (TimeoutError, DHTError):
+        return []
+    candidates = parse_candidates(found, search.key, search.me.peer_id)
+    logger.debug(
+        "read %d candidate(s) under %s in %.1f ms",
+        len(candidates),
+        search.key,
+        1000 * (loop.time() - start),
+    )
+    return candidates
+
+
+def join_request(search: Search) -> dict[str, Any]:
+    """What a follower sends a leader to ask for a seat."""
+    return {
+        "key": search.key,
+        "member": search.me.to_wire(),
+        "numel": search.numel,
+        "remaining_s": max(0.0, search.deadline - asyncio.get_running_loop().time()),
+    }
+
+
+def check_group(
+    search: Search, group: GroupInfo, leader: Candidate, config: AveragerConfig
+) -> None:
+    """Refuse a group this peer cannot take part in honestly (see :func:`check_offered`).
+
+    Raises:
+        ProtocolViolation, KeyError: the group is refused.
+    """
+    check_offered(
+        group,
+        me=search.me,
+        leader=(leader.peer_id, leader.address),
+        max_size=max(search.target_group_size, config.target_group_size),
+        aggregation=config.aggregation,
+        max_weight_ratio=search.max_weight_ratio,
+        numel=search.numel,
+        max_streams=config.max_streams_per_pair,
+        chunk_numel=config.chunk_numel,
+    )

@@ -1,0 +1,144 @@
+"""Balanced rows: how many groups a round needs, how large each is, and where peers meet.
+
+A caller that knows how many peers are ready (``N``, e.g. from the swarm's progress) asks for
+groups of at most ``g`` (``target_group_size``). Rather than filling groups of ``g`` and leaving
+the rest to chance (24 peers, ``g`` 16: 16 + 8), the round takes ``k = ceil(N / g)`` *rows* of
+balanced sizes: a leader closes at ``ceil(N / k)`` members (24: 12 + 12), or, after a short
+grace, at ``floor(N / k)`` (25: 13 + 12 without waiting for the matchmaking deadline).
+
+Discovery does not grow with ``N``: above ``4 g`` peers the matchmaking key is sharded into
+``B = N // (2 g)`` buckets, ``{key}.b{B}.{i}`` with ``i = sha256(key, peer id) mod B``, so a read
+returns about ``2 g`` announcements, not ``N``. ``B`` is in the key: peers whose estimates of
+``N`` differ never mix two bucket layouts under one key. In a bucket, a peer sizes its row from
+the peers it saw there (at least the ``N / B`` it expects).
+
+The rows' means are then combined by the delegates of the rows (:mod:`averaging.levels`), whose
+own search uses :class:`SizePlan` too: close at the expected number of rows, or after the grace
+with the least number of rows that can hold ``N`` peers (``ceil(N / g)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+BUCKET_MIN_PEERS_PER_GROUP = 4  # shard the key only from this many groups' worth of peers
+BUCKET_PEERS_PER_GROUP = 2  # a bucket holds about this many groups' worth of peers
+
+
+def num_rows(num_peers: int, group_size: int) -> int:
+    """Rows that hold ``num_peers`` in groups of at most ``group_size``."""
+    return max(1, -(-num_peers // group_size))
+
+
+def row_target(num_peers: int, group_size: int) -> int:
+    """The balanced row size: ``ceil(N / ceil(N / g))``."""
+    return max(1, -(-num_peers // num_rows(num_peers, group_size)))
+
+
+def row_floor(num_peers: int, group_size: int) -> int:
+    """The smallest balanced row: ``floor(N / ceil(N / g))``."""
+    return max(1, num_peers // num_rows(num_peers, group_size))
+
+
+def num_buckets(num_peers: int, group_size: int) -> int:
+    """How many keys the peers of one round are spread over (1 below ``4 g`` peers)."""
+    if num_peers < BUCKET_MIN_PEERS_PER_GROUP * group_size:
+        return 1
+    return max(1, num_peers // (BUCKET_PEERS_PER_GROUP * group_size))
+
+
+def bucket_of(key: str, peer_id: str, buckets: int) -> int:
+    """The bucket of ``peer_id`` under ``key`` (the same for everyone, new every round)."""
+    digest = hashlib.sha256(key.encode() + b"/" + bytes.fromhex(peer_id)).digest()
+    return int.from_bytes(digest[:8], "big") % buckets
+
+
+def bucket_key(key: str, peer_id: str, buckets: int) -> str:
+    """The key under which ``peer_id`` looks for its row: ``key`` itself with one bucket."""
+    if buckets <= 1:
+        return key
+    return f"{key}.b{buckets}.{bucket_of(key, peer_id, buckets)}"
+
+
+@dataclass(frozen=True)
+class SizePlan:
+    """When a leader closes its group: at ``target`` members, or after ``grace_s`` with at least
+    ``floor`` (and the config's minimum).
+
+    Attributes:
+        target: close as soon as the group has this many members.
+        floor: after the grace, close with this many.
+        grace_s: seconds from the start of the search after which ``floor`` is enough
+            (``inf``: never).
+        expected_in_key: peers expected under the search's key; 0 when ``target`` is fixed.
+            Otherwise the target and floor follow the peers seen there (:meth:`resized`).
+        group_size: the largest row (``g``), for :meth:`resized`.
+    """
+
+    target: int
+    floor: int = 0
+    grace_s: float = math.inf
+    expected_in_key: int = 0
+    group_size: int = 0
+
+    def resized(self, num_seen: int) -> SizePlan:
+        """The plan once ``num_seen`` peers (this one included) were seen under the key: the
+        target from at least the expected count, the floor from what was seen."""
+        if not self.expected_in_key:
+            return self
+        g = self.group_size
+        target = row_target(max(num_seen, self.expected_in_key), g)
+        floor = row_floor(num_seen, g)
+        if (target, floor) == (self.target, self.floor):
+            return self
+        return SizePlan(target, floor, self.grace_s, self.expected_in_key, g)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """How one round of ``num_peers`` ready peers in groups of at most ``group_size`` goes.
+
+    Attributes:
+        num_peers: ready peers (``N``), this one included.
+        group_size: the largest row (``g``).
+        buckets: keys the rows are found under (:func:`num_buckets`).
+        grace_s: a leader's grace (``AveragerConfig.row_grace_s``).
+    """
+
+    num_peers: int
+    group_size: int
+    buckets: int
+    grace_s: float
+
+    @classmethod
+    def of(cls, num_peers: int, group_size: int, grace_s: float) -> RoundPlan:
+        return cls(num_peers, group_size, num_buckets(num_peers, group_size), grace_s)
+
+    @property
+    def single(self) -> bool:
+        """One group holds every peer: no second level."""
+        return self.num_peers <= self.group_size
+
+    @property
+    def num_rows(self) -> int:
+        """The rows this plan expects: per bucket, enough rows for its expected share."""
+        per_bucket = -(-self.num_peers // self.buckets)
+        return self.buckets * num_rows(per_bucket, self.group_size)
+
+    def row_sizes(self) -> SizePlan:
+        """The row search's sizes (followed by what it sees when the key is sharded)."""
+        n, g = self.num_peers, self.group_size
+        if self.buckets == 1:
+            return SizePlan(row_target(n, g), row_floor(n, g), self.grace_s)
+        per_bucket = self.num_peers // self.buckets
+        return SizePlan(
+            row_target(per_bucket, g), row_floor(per_bucket, g), self.grace_s, per_bucket, g
+        )
+
+    def top_sizes(self, expected_rows: int) -> SizePlan:
+        """The delegates' search: every expected row, or after the grace the fewest rows that
+        can hold ``N`` peers."""
+        least = num_rows(self.num_peers, self.group_size)
+        return SizePlan(max(2, expected_rows), max(2, min(least, expected_rows)), self.grace_s)
