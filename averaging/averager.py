@@ -26,16 +26,20 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from averaging.allreduce.butterfly import AllReduceOutcome, run_allreduce
+from averaging.allreduce.butterfly import run_allreduce
 from averaging.allreduce.deadlines import Deadlines
 from averaging.allreduce.router import PartRouter
 from averaging.allreduce.streams import StreamChooser
 from averaging.bounds import valid_weight
 from averaging.config import AveragerConfig, check_prefix, reducing_address
 from averaging.errors import AveragingError, ConfigError, ProtocolViolation, translate
+from averaging.levels import SecondLevel, Spreads
 from averaging.matchmaking.group import GroupInfo
 from averaging.matchmaking.matchmaker import Matchmaker, MatchmakingDHT
+from averaging.matchmaking.rows import RoundPlan
+from averaging.matchmaking.search import MatchResult, SearchOptions
 from averaging.result import RoundResult
+from averaging.rounds import result_of, round_plan, row_search
 from averaging.rules.compression import Compression, get_codec
 from averaging.tensors import FlatTensors
 from dht.errors import DHTError
@@ -82,6 +86,7 @@ class DecentralizedAverager:
             transport, self._stream_name, group_wait_s=self.config.group_wait_s
         )
         self._matchmaker = None
+        self._second: SecondLevel | None = None
         if dht is not None:
             self._matchmaker = Matchmaker(
                 transport=transport,
@@ -92,6 +97,15 @@ class DecentralizedAverager:
                 deadlines=self.deadlines,
                 num_streams=self.streams.choose,
             )
+            self._second = SecondLevel(
+                self.peer_id,
+                Spreads(transport, prefix, self.config),
+                self._find_top,
+                self._allreduce,
+                self.config,
+            )
+        self._compression = self.config.compression  # of the step in progress
+        self._waits: Mapping[str, float] = {}  # the step in progress's (Deadlines.snapshot)
         self._lock = asyncio.Lock()
         self._closed = False
         self.num_rounds = 0
@@ -141,6 +155,7 @@ class DecentralizedAverager:
         timeout_s: float | None = None,
         compression: Compression | str | None = None,
         target_group_size: int | None = None,
+        expected_peers: int | None = None,
     ) -> RoundResult:
         """Find a group and average the tensors with it, in place.
 
@@ -149,19 +164,27 @@ class DecentralizedAverager:
                 without contributing.
             epoch: peers average only with peers of the same epoch (None: any).
             timeout_s: bound on the whole step in seconds (default: matchmaking_time_s +
-                allreduce_timeout_s).
+                allreduce_timeout_s, plus top_round_timeout_s + allreduce_timeout_s when the
+                round takes two levels).
             compression: the wire format if this peer leads the group (default: the config's).
-            target_group_size: if this peer leads, close the group as soon as it has this many
-                members (default: the config's); a caller that knows how many peers are ready
-                spares the wait for more.
+            target_group_size: the largest group (default: the config's). Without
+                ``expected_peers``, a leader closes its group as soon as it has this many.
+            expected_peers: how many peers are ready for this round, this one included (None:
+                unknown). Groups are then balanced rows (:mod:`averaging.matchmaking.rows`),
+                and when they cannot all fit in one group the rows' means are averaged at a
+                second level so that every row ends with the global mean
+                (:mod:`averaging.levels`; the weighted mean only).
 
         Returns:
             The round's result; "alone" when no group formed (the tensors are untouched).
 
         Raises:
-            ConfigError: a bad weight, timeout or compression.
+            ConfigError: a bad weight, timeout, compression or expected_peers.
             AveragingError: the averager is closed or has no DHT.
         """
+        plan = round_plan(self.config, expected_peers, target_group_size)
+        if timeout_s is None and plan is not None and not plan.single:
+            timeout_s = self._default_timeout_s(two_levels=True)
         weight, timeout_s = self._check_step(weight, timeout_s)
         try:
             compression = Compression(compression or self.config.compression)
@@ -176,7 +199,9 @@ class DecentralizedAverager:
             deadline = loop.time() + timeout_s
             phase_s: dict[str, float] = {}
             weight = await self._gather(weight, compression, phase_s)
-            key = self.matchmaking_key(epoch)
+            self._compression = compression
+            base = self.matchmaking_key(epoch)
+            key, options = row_search(self.config, self.peer_id, base, plan)
             waits = self.deadlines.snapshot()
             start = loop.time()
             match = await self._matchmaker.find_group(
@@ -186,13 +211,16 @@ class DecentralizedAverager:
                 compression=compression,
                 timeout_s=min(waits["matchmaking_s"], timeout_s),
                 target_group_size=target_group_size,
+                options=options,
             )
             phase_s["matchmaking"] = loop.time() - start
             if match.group is None:
                 result = RoundResult("alone", match.reason, phase_s=phase_s, deadlines_s=waits)
                 return self._finish(key, result, phase_s["matchmaking"])
             remaining_s = max(0.001, deadline - loop.time())
-            return await self._average(key, match.group, phase_s, remaining_s, waits)
+            return await self._average(
+                key, match.group, phase_s, remaining_s, waits, top_key=f"{base}.top", plan=plan
+            )
 
     async def step_in_group(
         self, group: GroupInfo, *, timeout_s: float | None = None
@@ -220,23 +248,28 @@ class DecentralizedAverager:
         timeout_s: float | None = None,
         compression: Compression | str | None = None,
         target_group_size: int | None = None,
+        expected_peers: int | None = None,
     ) -> RoundResult:
         """:meth:`step` from a thread outside the event loop (the training loop's facade).
 
         Args:
             runner: the event-loop thread this averager's transport runs on.
-            weight, epoch, timeout_s, compression, target_group_size: as for :meth:`step`.
+            weight, epoch, timeout_s, compression, target_group_size, expected_peers: as for
+                :meth:`step`.
 
         Raises:
             PeerTimeoutError: the step did not end within its own bound plus a few seconds.
         """
-        bound_s = (timeout_s or self._default_timeout_s()) + _FACADE_SLACK_S
+        plan = round_plan(self.config, expected_peers, target_group_size)
+        two_levels = plan is not None and not plan.single
+        bound_s = (timeout_s or self._default_timeout_s(two_levels)) + _FACADE_SLACK_S
         step = self.step(
             weight,
             epoch=epoch,
             timeout_s=timeout_s,
             compression=compression,
             target_group_size=target_group_size,
+            expected_peers=expected_peers,
         )
         try:
             return runner.run(step, timeout_s=bound_s)
@@ -251,8 +284,24 @@ class DecentralizedAverager:
         median_rtt_s = getattr(counters, "median_rtt_s", None)
         return None if median_rtt_s is None else median_rtt_s(time.monotonic() - _RTT_WINDOW_S)
 
-    def _default_timeout_s(self) -> float:
-        return self.config.matchmaking_time_s + self.config.allreduce_timeout_s
+    def _default_timeout_s(self, two_levels: bool = False) -> float:
+        timeout_s = self.config.matchmaking_time_s + self.config.allreduce_timeout_s
+        if two_levels:  # the top round, then the spread
+            timeout_s += self.config.top_round_timeout_s + self.config.allreduce_timeout_s
+        return timeout_s
+
+    async def _find_top(
+        self, key: str, weight: float, timeout_s: float, options: SearchOptions
+    ) -> MatchResult:
+        """The delegate's search at the second level (:class:`averaging.levels.SecondLevel`)."""
+        return await self._matchmaker.find_group(
+            key,
+            weight=weight,
+            numel=self.numel,
+            compression=self._compression,
+            timeout_s=timeout_s,
+            options=options,
+        )
 
     def _check_step(self, weight: float, timeout_s: float | None) -> tuple[float, float]:
         if self._closed:
@@ -289,7 +338,41 @@ class DecentralizedAverager:
         phase_s: dict[str, float],
         timeout_s: float,
         waits: Mapping[str, float],
+        *,
+        top_key: str = "",
+        plan: RoundPlan | None = None,
     ) -> RoundResult:
+        """Average with ``group`` (and, when it is a row, at the second level), then scatter."""
+        self._waits = waits
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        second = self._second if group.top_rows else None
+        delegate = second is not None and group.delegate == self.peer_id
+        if delegate:
+            second.spreads.open(group)  # members may ask as soon as their row is averaged
+        try:
+            result = await self._allreduce(group, timeout_s)
+            if second is not None:
+                result = await second.run(
+                    group, result, top_key=top_key, plan=plan, deadline=deadline
+                )
+            else:
+                result = dataclasses.replace(result, levels={"row": result.status})
+        finally:
+            if delegate:
+                second.spreads.close(group.group_id)
+        phase_s.update({p: s for p, s in result.phase_s.items() if p != "matchmaking"})
+        phase_s["matchmaking"] += result.phase_s.get("top_matchmaking", 0.0)
+        if result.allreduce_s or result.status != "failed":
+            start = loop.time()
+            await asyncio.to_thread(self._tensors.scatter)
+            phase_s["scatter"] = loop.time() - start
+        result = dataclasses.replace(result, phase_s=dict(phase_s), deadlines_s=dict(waits))
+        return self._finish(key, result, phase_s["matchmaking"])
+
+    async def _allreduce(self, group: GroupInfo, timeout_s: float) -> RoundResult:
+        """One all-reduce of the flat vector over ``group``, in place (no scatter)."""
+        waits = self._waits
         loop = asyncio.get_running_loop()
         config = dataclasses.replace(  # this round's waits (see averaging.allreduce.deadlines)
             self.config,
@@ -312,26 +395,20 @@ class DecentralizedAverager:
                 deadlines=self.deadlines,
             )
         except ProtocolViolation as e:  # a group no member can use: nothing was averaged
-            phase_s["allreduce"] = loop.time() - start
-            failed = RoundResult(
-                "failed", str(e), group_id=group.group_id, phase_s=phase_s, deadlines_s=waits
-            )
-            return self._finish(key, failed, phase_s["matchmaking"])
+            return RoundResult("failed", str(e), group_id=group.group_id)
         finally:
             self.deadlines.end_round()
-        phase_s["allreduce"] = loop.time() - start
-        start = loop.time()
-        await asyncio.to_thread(self._tensors.scatter)
-        phase_s["scatter"] = loop.time() - start
-        phase_s.update(outcome.stats.cpu_s)
-        result = dataclasses.replace(_result_of(group, outcome, phase_s), deadlines_s=dict(waits))
-        if result.status == "ok":
+        phase_s = {"allreduce": loop.time() - start, **outcome.stats.cpu_s}
+        result = result_of(group, outcome, phase_s)
+        if result.status == "ok" and group.top_rows == 0:
             moved_bytes = result.bytes_sent + result.bytes_received
             self.streams.observe(group.num_streams, moved_bytes, result.allreduce_s)
-        return self._finish(key, result, phase_s["matchmaking"])
+        return result
 
     def _finish(self, key: str, result: RoundResult, matchmaking_s: float) -> RoundResult:
         result = dataclasses.replace(result, matchmaking_s=matchmaking_s)
+        if not result.levels and result.averaged:
+            result = dataclasses.replace(result, num_reached=max(1, len(result.averaged_with)))
         if self._matchmaker is not None and result.status in ("ok", "partial"):
             # a member dropped from the round (bad data, a stall) is nobody's partner
             self._matchmaker.note_round(set(result.members) - set(result.dropped_peers))
@@ -347,34 +424,3 @@ class DecentralizedAverager:
                 ", ".join(p[:8] for p in result.dropped_peers) or "nobody",
             )
         return result
-
-
-def _result_of(
-    group: GroupInfo, outcome: AllReduceOutcome, phase_s: dict[str, float]
-) -> RoundResult:
-    reasons = [f"dropped {p[:8]}: {why}" for p, why in outcome.dropped.items()]
-    reasons += [f"part of {p[:8]} lost: {why}" for p, why in outcome.failed_parts.items()]
-    if outcome.timed_out:
-        reasons.append("allreduce_timeout_s reached")
-    if outcome.complete:
-        status = "ok"
-    elif outcome.averaged_numel:
-        status = "partial"
-    else:
-        status = "failed"
-    fraction = outcome.averaged_numel / outcome.total_numel if outcome.total_numel else 1.0
-    return RoundResult(
-        status,
-        "; ".join(reasons),
-        group_id=group.group_id,
-        members=group.peer_ids,
-        weights=group.weights(),
-        dropped_peers=tuple(dict.fromkeys([*outcome.dropped, *outcome.failed_parts])),
-        bytes_sent=outcome.stats.bytes_sent,
-        bytes_received=outcome.stats.bytes_received,
-        allreduce_s=phase_s["allreduce"],
-        averaged_fraction=fraction,
-        compression=group.compression.value,
-        phase_s=dict(phase_s),
-        num_streams=group.num_streams,
-    )

@@ -86,7 +86,9 @@ class AveragerConfig:
             its own setting.
         max_weight_ratio: a member's weight counts at most this many times the lower median
             weight of its group (see :mod:`averaging.bounds`). A peer joins only groups that
-            use its own setting.
+            use its own setting. At a round's second level, where a row's weight is the sum
+            of its members', the bound is this times ``target_group_size`` (at most 1e6;
+            :func:`top_weight_ratio`).
         relayed_reduces: whether a peer reached through a relay (see
             :meth:`dht.http.HttpTransport.attach_relay`) reduces a part. Off by default: it
             then averages as a client (sends its parts and receives the averages over its own
@@ -96,6 +98,14 @@ class AveragerConfig:
         num_partner_rounds: the members of this peer's last this many rounds are its partners;
             it follows a partner's lead before a stranger's (leadership that fresh ids cannot
             grind; see :mod:`averaging.matchmaking.matchmaker`).
+        row_grace_s: when a step says how many peers are ready (``expected_peers``), a leader
+            closes its row at the balanced size, or, once its search has run this long, at the
+            smaller balanced size (``floor(N / k)``; :mod:`averaging.matchmaking.rows`), in
+            seconds. The delegates' search of the second level closes the same way.
+        top_round_timeout_s: bound on a round's second level (the delegates' matchmaking and
+            all-reduce; :mod:`averaging.levels`), in seconds; a row member waits at most this
+            long (plus ``request_timeout_s``) for its delegate's word before it keeps its row's
+            mean.
     """
 
     target_group_size: int = 16
@@ -125,6 +135,8 @@ class AveragerConfig:
     max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO
     relayed_reduces: bool = False
     num_partner_rounds: int = 8
+    row_grace_s: float = 1.0
+    top_round_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         try:
@@ -152,6 +164,8 @@ class AveragerConfig:
             "group_wait_s",
             "min_deadline_s",
             "max_deadline_s",
+            "row_grace_s",
+            "top_round_timeout_s",
         ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
@@ -225,6 +239,13 @@ class AveragerConfig:
                 f"max_deadline_s ({self.max_deadline_s}) must be at least twice min_deadline_s "
                 f"({self.min_deadline_s})"
             )
+
+
+def top_weight_ratio(config: AveragerConfig) -> float:
+    """The weight bound of a round's second level: a row weighs the sum of at most
+    ``target_group_size`` members' weights, so rows of similar peers stay well within it, while
+    one delegate still cannot make itself the whole average (:mod:`averaging.bounds`)."""
+    return min(MAX_WEIGHT_RATIO, config.max_weight_ratio * config.target_group_size)
 
 
 def check_prefix(prefix: str) -> str:

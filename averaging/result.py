@@ -32,13 +32,22 @@ class RoundResult:
         compression: the wire format used.
         phase_s: seconds per phase, for the profiler: "gather" (tensors to the flat vector),
             "matchmaking", "allreduce", "scatter" (back to the tensors), and the CPU seconds
-            inside the all-reduce: "encode", "decode", "reduce".
+            inside the all-reduce: "encode", "decode", "reduce". With a second level,
+            "matchmaking" and "allreduce" include its search and all-reduces, also shown
+            apart as "top_matchmaking", "top_allreduce", "spread_wait" and "spread".
         epoch: the epoch whose round this was (-1 when the caller did not say).
         deadlines_s: the waits this round used, in seconds, measured or configured
             (:meth:`averaging.allreduce.deadlines.Deadlines.snapshot`): ``matchmaking_s``,
             ``sender_s``, ``reducer_s``, ``group_wait_s``, ``request_s``, ``allreduce_s``.
         num_streams: streams per (sender, reducer) pair the group used (0 when no group
             formed; see :mod:`averaging.allreduce.streams`).
+        num_reached: peers whose contributions reached this peer's final values (this peer
+            included; 1 when alone or failed): the group's averaged members, or with a second
+            level the peers of every row whose delegate took part (:mod:`averaging.levels`).
+        levels: each level this round ran and how it ended: ``{"row": status}`` for a round of
+            one group; with a second level also ``"top"`` (the delegates' round, as the
+            delegate reported it, or why there was no word: "unknown", "unreachable",
+            "refused") and ``"spread"`` when the delegate's values were taken.
     """
 
     status: RoundStatus
@@ -57,6 +66,8 @@ class RoundResult:
     epoch: int = -1
     deadlines_s: Mapping[str, float] = field(default_factory=dict)
     num_streams: int = 0
+    num_reached: int = 1
+    levels: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

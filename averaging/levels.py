@@ -1,0 +1,314 @@
+"""A round's second level: several rows end the round with one model, the exact global mean.
+
+When the ready peers do not fit in one group, matchmaking forms balanced rows
+(:mod:`averaging.matchmaking.rows`) whose leader writes ``top_rows`` into the group. Then:
+
+1. **Row.** The row all-reduces as any group does: every member holds the row's mean ``A_j``,
+   of weight ``W_j`` (the sum of the weights averaged).
+2. **Top.** The row's delegate (:attr:`GroupInfo.delegate`) looks for the other rows' delegates
+   under ``{key}.top`` with weight ``W_j`` and all-reduces the row means with them: the weighted
+   mean of the row means, weighted by the row weights, is the weighted mean of every peer.
+3. **Spread.** Every member asks its delegate (the ``spread`` request, a long poll bounded by
+   ``top_round_timeout_s``) whether the top round averaged; if so the row all-reduces once more,
+   over the same members under a group id derived from the row's, where the delegate weighs 1
+   and every other member 0: everyone receives the delegate's values.
+
+Failures are bounded: a top round that does not form or averages nothing leaves every member of
+the row with its row mean (the result says so: status "partial", ``levels["top"]``); a delegate
+lost during the spread leaves the parts it did not deliver at the row mean (a reducer whose
+chunk has no contribution returns none, so the senders keep their values; never 0/0).
+
+Only the weighted mean is exact over two levels: with a robust aggregation the leader writes no
+``top_rows`` and the rows stay apart (:meth:`GroupInfo.__post_init__` refuses the mix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from averaging.config import AveragerConfig, top_weight_ratio
+from averaging.matchmaking.group import MAX_COUNT, GroupInfo
+from averaging.matchmaking.rows import RoundPlan, SizePlan, num_rows
+from averaging.matchmaking.search import MatchResult, SearchOptions
+from averaging.result import RoundResult
+from dht.errors import DHTError
+
+logger = logging.getLogger(__name__)
+
+MAX_REASON_CHARS = 200
+_STATUSES = ("ok", "partial", "failed", "alone", "unknown", "refused", "unreachable")
+
+FindGroup = Callable[[str, float, float, SearchOptions], Awaitable[MatchResult]]
+AllReduce = Callable[[GroupInfo, float], Awaitable[RoundResult]]
+
+
+@dataclass(frozen=True)
+class Word:
+    """The delegate's answer to its row.
+
+    Attributes:
+        go: take the delegate's values (the spread follows); False: keep the row mean.
+        top: the top round's status at the delegate ("ok", "partial", "failed", "alone"), or
+            why there is no answer ("unknown", "refused", "unreachable").
+        reason: why the top round is not "ok".
+        num_reached: peers whose contributions are in the delegate's values.
+    """
+
+    go: bool
+    top: str
+    reason: str = ""
+    num_reached: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "status": "go" if self.go else "keep",
+            "top": self.top,
+            "reason": self.reason[:MAX_REASON_CHARS],
+            "reached": self.num_reached,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Word:
+        """The delegate's answer as received (hostile: anything malformed is "keep")."""
+        if not isinstance(raw, Mapping):
+            return cls(False, "unknown", "malformed answer from the delegate")
+        status, top, reason = raw.get("status"), raw.get("top"), raw.get("reason")
+        reached = raw.get("reached")
+        top = top if top in _STATUSES else "unknown"
+        reason = reason[:MAX_REASON_CHARS] if isinstance(reason, str) else ""
+        if not (isinstance(reached, int) and not isinstance(reached, bool)):
+            reached = 0
+        reached = max(0, min(reached, MAX_COUNT))
+        if status == "go":
+            return cls(True, top, reason, reached)
+        return cls(False, top if status == "keep" else "unknown", reason or str(status)[:80], 0)
+
+
+def spread_group(row: GroupInfo) -> GroupInfo:
+    """The row's spread round: the same members, the delegate weighing 1 and the others 0,
+    under an id derived from the row's (every member derives the same; no other round has it,
+    as row ids are random)."""
+    delegate = row.delegate
+    members = tuple(
+        dataclasses.replace(m, weight=1.0 if m.peer_id == delegate else 0.0, count=1)
+        for m in row.members
+    )
+    group_id = hashlib.sha256(b"spread/" + row.group_id.encode()).hexdigest()[:32]
+    return dataclasses.replace(row, group_id=group_id, members=members, top_rows=0)
+
+
+class Spreads:
+    """The ``spread`` request: a delegate answers its row's members when its top round ends.
+
+    Args:
+        transport: the network (the handler is added here).
+        prefix: the averager's name.
+        config: ``top_round_timeout_s`` and ``request_timeout_s`` bound the long poll.
+    """
+
+    def __init__(self, transport, prefix: str, config: AveragerConfig):
+        self._transport = transport
+        self._name = f"averaging.{prefix}.spread"
+        self._wait_s = config.top_round_timeout_s + config.request_timeout_s
+        self._rows: dict[str, tuple[frozenset[str], asyncio.Future]] = {}
+        transport.add_rpc_handler(self._name, self._on_spread)
+
+    def open(self, row: GroupInfo) -> None:
+        """This peer is ``row``'s delegate: its members may ask from now on."""
+        others = frozenset(row.peer_ids) - {self._transport.peer_id}
+        self._rows[row.group_id] = (others, asyncio.get_running_loop().create_future())
+
+    def answer(self, row_id: str, word: Word) -> None:
+        """Tell the members waiting (and those still to ask) of ``row_id``."""
+        entry = self._rows.get(row_id)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result(word)
+
+    def close(self, row_id: str) -> None:
+        """The delegate's step is over: members still waiting keep their row mean."""
+        self.answer(row_id, Word(False, "failed", "the delegate's round ended without a word"))
+        self._rows.pop(row_id, None)
+
+    async def _on_spread(self, ctx, request: Any) -> dict[str, Any]:
+        row_id = request.get("group") if isinstance(request, Mapping) else None
+        entry = self._rows.get(row_id) if isinstance(row_id, str) else None
+        if entry is None:
+            return Word(False, "unknown", "the delegate knows no such row").to_wire()
+        members, word = entry
+        if ctx.sender not in members:  # only the row's own members may ask
+            return Word(False, "refused", "not a member of this row").to_wire()
+        try:
+            async with asyncio.timeout(self._wait_s):
+                return (await asyncio.shield(word)).to_wire()
+        except TimeoutError:
+            return Word(False, "failed", "no word from the top round in time").to_wire()
+
+    async def ask(self, row: GroupInfo, timeout_s: float) -> Word:
+        """Wait (at most ``timeout_s``) for the word of ``row``'s delegate."""
+        delegate = row.member(row.delegate)
+        try:
+            raw = await self._transport.call(
+                delegate.address,
+                self._name,
+                {"group": row.group_id},
+                timeout_s=max(0.001, timeout_s),
+                expected_peer=delegate.peer_id,
+            )
+        except (DHTError, TimeoutError) as e:
+            return Word(False, "unreachable", f"the delegate did not answer: {e}"[:200])
+        return Word.from_wire(raw)
+
+
+@dataclass
+class SecondLevel:
+    """Runs steps 2 and 3 for one peer of a row (see the module docstring).
+
+    Attributes:
+        peer_id: this peer.
+        spreads: the ``spread`` request's two sides.
+        find_group: ``(key, weight, timeout_s, options)``: a search under ``key``.
+        allreduce: ``(group, timeout_s)``: an all-reduce of this peer's flat vector, in place.
+        config: the averager's settings.
+    """
+
+    peer_id: str
+    spreads: Spreads
+    find_group: FindGroup
+    allreduce: AllReduce
+    config: AveragerConfig
+
+    async def run(
+        self,
+        row: GroupInfo,
+        row_result: RoundResult,
+        *,
+        top_key: str,
+        plan: RoundPlan | None,
+        deadline: float,
+    ) -> RoundResult:
+        """Steps 2 and 3 after the row's all-reduce (``row_result``): the round's result."""
+        loop = asyncio.get_running_loop()
+        phase_s: dict[str, float] = {}
+        top: RoundResult | None = None
+        start = loop.time()
+        if self.peer_id == row.delegate:
+            try:
+                word, top = await self._top(row, row_result, top_key, plan, deadline, phase_s)
+            finally:
+                self.spreads.answer(row.group_id, Word(False, "failed", "the top round ended"))
+            self.spreads.answer(row.group_id, word)
+        else:
+            wait_s = self.config.top_round_timeout_s + self.config.request_timeout_s
+            word = await self.spreads.ask(row, min(wait_s, deadline - loop.time()))
+            phase_s["spread_wait"] = loop.time() - start
+        spread = None
+        if word.go:
+            spread = await self.allreduce(spread_group(row), max(0.001, deadline - loop.time()))
+            phase_s["spread"] = spread.allreduce_s
+        return merged(row_result, word, top, spread, phase_s)
+
+    async def _top(
+        self,
+        row: GroupInfo,
+        row_result: RoundResult,
+        top_key: str,
+        plan: RoundPlan | None,
+        deadline: float,
+        phase_s: dict[str, float],
+    ) -> tuple[Word, RoundResult | None]:
+        if not row_result.averaged:
+            return Word(False, "failed", "the row's all-reduce failed at the delegate"), None
+        loop = asyncio.get_running_loop()
+        averaged = row_result.averaged_with
+        weight = sum(row_result.weights.get(p, 0.0) for p in averaged)
+        if weight <= 0:
+            return Word(False, "failed", "the row has no weight"), None
+        budget_s = min(self.config.top_round_timeout_s, deadline - loop.time())
+        end = loop.time() + budget_s
+        options = SearchOptions(
+            sizes=_top_sizes(row, plan, self.config.row_grace_s),
+            max_weight_ratio=top_weight_ratio(self.config),
+            count=max(1, min(MAX_COUNT, len(averaged))),
+            with_partners=False,  # every delegate must meet every other
+        )
+        timeout_s = max(0.001, min(self.config.matchmaking_time_s, budget_s))
+        start = loop.time()
+        match = await self.find_group(top_key, weight, timeout_s, options)
+        phase_s["top_matchmaking"] = loop.time() - start
+        if match.group is None:
+            return Word(False, "alone", f"the top round found no group: {match.reason}"), None
+        top = await self.allreduce(match.group, max(0.001, end - loop.time()))
+        phase_s["top_allreduce"] = top.allreduce_s
+        if not top.averaged:
+            return Word(False, top.status, f"top round: {top.reason}"), top
+        reached = sum(match.group.member(p).count for p in top.averaged_with)
+        return Word(True, top.status, top.reason, min(reached, MAX_COUNT)), top
+
+
+def _top_sizes(row: GroupInfo, plan: RoundPlan | None, grace_s: float) -> SizePlan:
+    """The delegates' search: every row the group expects, or after the grace the fewest rows
+    that can hold the ready peers (this peer's plan; the group's count without one)."""
+    if plan is None:
+        return SizePlan(max(2, row.top_rows), max(2, row.top_rows), grace_s)
+    least = num_rows(plan.num_peers, plan.group_size)
+    return SizePlan(max(2, row.top_rows), max(2, min(least, row.top_rows)), grace_s)
+
+
+def merged(
+    row: RoundResult,
+    word: Word,
+    top: RoundResult | None,
+    spread: RoundResult | None,
+    phase_s: Mapping[str, float],
+) -> RoundResult:
+    """One result for the whole round: the row's (its group, members, weights), with the bytes,
+    seconds and outcome of every level this peer ran."""
+    ran = [r for r in (row, top, spread) if r is not None]
+    levels = {"row": row.status, "top": word.top}
+    times = dict(row.phase_s)
+    for result in ran[1:]:
+        for phase, seconds in result.phase_s.items():
+            times[phase] = times.get(phase, 0.0) + seconds
+    times.update(phase_s)
+    times["allreduce"] = row.allreduce_s + sum(
+        phase_s.get(p, 0.0) for p in ("top_allreduce", "spread_wait", "spread")
+    )
+    changes: dict[str, Any] = {
+        "bytes_sent": sum(r.bytes_sent for r in ran),
+        "bytes_received": sum(r.bytes_received for r in ran),
+        "allreduce_s": times["allreduce"],
+        "phase_s": times,
+        "dropped_peers": tuple(
+            dict.fromkeys([*row.dropped_peers, *(spread.dropped_peers if spread else ())])
+        ),
+        "num_reached": max(1, len(row.averaged_with)) if row.averaged else 1,
+        "levels": levels,
+    }
+    if not word.go:  # keep the row mean
+        if row.averaged:
+            reason = f"top round {word.top}: {word.reason}; kept the row mean"
+            changes.update(status="partial", reason=_joined(row.reason, reason))
+        return dataclasses.replace(row, **changes)
+    levels["spread"] = spread.status
+    # the delegate holds the top round's values whatever the spread did; a member holds them
+    # where the spread delivered them, and its row mean elsewhere
+    holds_top = top is not None or spread.status == "ok"
+    everything_ok = row.status == word.top == spread.status == "ok"
+    reasons = [row.reason, f"top round {word.top}: {word.reason}" if word.reason else ""]
+    if spread.status != "ok":
+        reasons.append(f"spread {spread.status}: {spread.reason}")
+    changes.update(status="ok" if everything_ok else "partial", reason=_joined(*reasons))
+    if holds_top:
+        changes["num_reached"] = max(changes["num_reached"], word.num_reached)
+    changes["averaged_fraction"] = (top or spread).averaged_fraction
+    return dataclasses.replace(row, **changes)
+
+
+def _joined(*reasons: str) -> str:
+    return "; ".join(r for r in reasons if r)

@@ -1,0 +1,75 @@
+"""From a step's arguments to its searches, and from an all-reduce's outcome to a result."""
+
+from __future__ import annotations
+
+from averaging.allreduce.butterfly import AllReduceOutcome
+from averaging.config import AveragerConfig
+from averaging.errors import ConfigError
+from averaging.matchmaking.group import MAX_GROUP_SIZE, GroupInfo
+from averaging.matchmaking.rows import RoundPlan, SizePlan, bucket_key
+from averaging.matchmaking.search import SearchOptions
+from averaging.result import RoundResult
+from averaging.rules.robust import Aggregation
+
+
+def round_plan(
+    config: AveragerConfig, expected_peers: int | None, target_group_size: int | None
+) -> RoundPlan | None:
+    """How a round of ``expected_peers`` goes (None: unknown, groups as the config says)."""
+    if expected_peers is None:
+        return None
+    if not (isinstance(expected_peers, int) and not isinstance(expected_peers, bool)):
+        raise ConfigError(f"expected_peers must be an integer, got {expected_peers!r}")
+    if expected_peers < 1:
+        raise ConfigError(f"expected_peers must be >= 1, got {expected_peers}")
+    group_size = min(target_group_size or config.target_group_size, MAX_GROUP_SIZE)
+    return RoundPlan.of(expected_peers, group_size, config.row_grace_s)
+
+
+def row_search(
+    config: AveragerConfig, peer_id: str, base: str, plan: RoundPlan | None
+) -> tuple[str, SearchOptions | None]:
+    """The key and sizes of this peer's first-level search."""
+    if plan is None:
+        return base, None
+    if plan.single:  # one group holds every ready peer: close once they are all in
+        target = max(config.min_group_size, plan.num_peers)
+        return base, SearchOptions(sizes=SizePlan(target))
+    exact = config.aggregation is Aggregation.MEAN  # see averaging.levels
+    top_rows = min(plan.num_rows, MAX_GROUP_SIZE) if exact else 0
+    options = SearchOptions(sizes=plan.row_sizes(), top_rows=top_rows)
+    return bucket_key(base, peer_id, plan.buckets), options
+
+
+def result_of(
+    group: GroupInfo, outcome: AllReduceOutcome, phase_s: dict[str, float]
+) -> RoundResult:
+    """The result of one all-reduce over ``group`` as this peer saw it (``outcome``)."""
+    reasons = [f"dropped {p[:8]}: {why}" for p, why in outcome.dropped.items()]
+    reasons += [f"part of {p[:8]} lost: {why}" for p, why in outcome.failed_parts.items()]
+    if outcome.timed_out:
+        reasons.append("allreduce_timeout_s reached")
+    dropped = tuple(dict.fromkeys([*outcome.dropped, *outcome.failed_parts]))
+    if outcome.complete:
+        status = "ok"
+    elif outcome.averaged_numel:
+        status = "partial"
+    else:
+        status = "failed"
+    fraction = outcome.averaged_numel / outcome.total_numel if outcome.total_numel else 1.0
+    return RoundResult(
+        status,
+        "; ".join(reasons),
+        group_id=group.group_id,
+        members=group.peer_ids,
+        weights=group.weights(),
+        num_reached=max(1, len(group.members) - len(dropped)) if outcome.averaged_numel else 1,
+        dropped_peers=dropped,
+        bytes_sent=outcome.stats.bytes_sent,
+        bytes_received=outcome.stats.bytes_received,
+        allreduce_s=phase_s["allreduce"],
+        averaged_fraction=fraction,
+        compression=group.compression.value,
+        phase_s=dict(phase_s),
+        num_streams=group.num_streams,
+    )
