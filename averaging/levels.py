@@ -200,9 +200,9 @@ class SecondLevel:
         if self.peer_id == row.delegate:
             try:
                 word, top = await self._top(row, row_result, top_key, plan, deadline, phase_s)
-            finally:
+                self.spreads.answer(row.group_id, word)
+            finally:  # (cancelled or a bug: the members must not wait for nothing)
                 self.spreads.answer(row.group_id, Word(False, "failed", "the top round ended"))
-            self.spreads.answer(row.group_id, word)
         else:
             wait_s = self.config.top_round_timeout_s + self.config.request_timeout_s
             word = await self.spreads.ask(row, min(wait_s, deadline - loop.time()))
@@ -252,12 +252,12 @@ class SecondLevel:
 
 
 def _top_sizes(row: GroupInfo, plan: RoundPlan | None, grace_s: float) -> SizePlan:
-    """The delegates' search: every row the group expects, or after the grace the fewest rows
-    that can hold the ready peers (this peer's plan; the group's count without one)."""
-    if plan is None:
-        return SizePlan(max(2, row.top_rows), max(2, row.top_rows), grace_s)
-    least = num_rows(plan.num_peers, plan.group_size)
-    return SizePlan(max(2, row.top_rows), max(2, min(least, row.top_rows)), grace_s)
+    """The delegates' search: close once every delegate seen is in and there are the rows the
+    group expects, or after the grace with every delegate seen and at least the fewest rows that
+    can hold the ready peers (this peer's plan; the group's count without one)."""
+    least = row.top_rows if plan is None else num_rows(plan.num_peers, plan.group_size)
+    target = max(2, row.top_rows)
+    return SizePlan(target, max(2, min(least, target)), grace_s, wait_for_seen=True)
 
 
 def merged(

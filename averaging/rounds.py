@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from averaging.allreduce.butterfly import AllReduceOutcome
 from averaging.config import AveragerConfig
 from averaging.errors import ConfigError
@@ -18,8 +20,12 @@ def round_plan(
     """How a round of ``expected_peers`` goes (None: unknown, groups as the config says)."""
     if expected_peers is None:
         return None
-    if not (isinstance(expected_peers, int) and not isinstance(expected_peers, bool)):
-        raise ConfigError(f"expected_peers must be an integer, got {expected_peers!r}")
+    try:
+        if isinstance(expected_peers, bool):
+            raise TypeError
+        expected_peers = operator.index(expected_peers)  # numpy integers too
+    except TypeError:
+        raise ConfigError(f"expected_peers must be an integer, got {expected_peers!r}") from None
     if expected_peers < 1:
         raise ConfigError(f"expected_peers must be >= 1, got {expected_peers}")
     group_size = min(target_group_size or config.target_group_size, MAX_GROUP_SIZE)

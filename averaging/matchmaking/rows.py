@@ -4,7 +4,10 @@ A caller that knows how many peers are ready (``N``, e.g. from the swarm's progr
 groups of at most ``g`` (``target_group_size``). Rather than filling groups of ``g`` and leaving
 the rest to chance (24 peers, ``g`` 16: 16 + 8), the round takes ``k = ceil(N / g)`` *rows* of
 balanced sizes: a leader closes at ``ceil(N / k)`` members (24: 12 + 12), or, after a short
-grace, at ``floor(N / k)`` (25: 13 + 12 without waiting for the matchmaking deadline).
+grace, at what the last row holds when the others took ``ceil(N / k)`` (25: 13 + 12 without
+waiting for the matchmaking deadline). Leaders do not coordinate, and the best-ranked fill first:
+the rows differ by at most one when ``N mod k`` is 0 or ``k - 1`` (always with two rows), and
+otherwise the last row may hold up to ``k - 1`` fewer (10 peers, ``g`` 4: 4 + 4 + 2).
 
 Discovery does not grow with ``N``: above ``4 g`` peers the matchmaking key is sharded into
 ``B = N // (2 g)`` buckets, ``{key}.b{B}.{i}`` with ``i = sha256(key, peer id) mod B``, so a read
@@ -13,18 +16,21 @@ returns about ``2 g`` announcements, not ``N``. ``B`` is in the key: peers whose
 the peers it saw there (at least the ``N / B`` it expects).
 
 The rows' means are then combined by the delegates of the rows (:mod:`averaging.levels`), whose
-own search uses :class:`SizePlan` too: close at the expected number of rows, or after the grace
-with the least number of rows that can hold ``N`` peers (``ceil(N / g)``).
+own search uses :class:`SizePlan` too: close once every delegate seen under the key is in and
+there are at least the expected rows, or after the grace at least the fewest rows that can hold
+``N`` peers (``ceil(N / g)``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
 
 BUCKET_MIN_PEERS_PER_GROUP = 4  # shard the key only from this many groups' worth of peers
 BUCKET_PEERS_PER_GROUP = 2  # a bucket holds about this many groups' worth of peers
+MAX_ROWS = 256  # the most delegates in one group (averaging.matchmaking.group.MAX_GROUP_SIZE)
 
 
 def num_rows(num_peers: int, group_size: int) -> int:
@@ -38,8 +44,10 @@ def row_target(num_peers: int, group_size: int) -> int:
 
 
 def row_floor(num_peers: int, group_size: int) -> int:
-    """The smallest balanced row: ``floor(N / ceil(N / g))``."""
-    return max(1, num_peers // num_rows(num_peers, group_size))
+    """The last row's size when every other row took the target: ``N - (k - 1) ceil(N / k)``
+    (at most ``floor(N / k)``; equal to it when ``N mod k`` is 0 or ``k - 1``)."""
+    rows = num_rows(num_peers, group_size)
+    return max(1, num_peers - (rows - 1) * row_target(num_peers, group_size))
 
 
 def num_buckets(num_peers: int, group_size: int) -> int:
@@ -75,6 +83,8 @@ class SizePlan:
         expected_in_key: peers expected under the search's key; 0 when ``target`` is fixed.
             Otherwise the target and floor follow the peers seen there (:meth:`resized`).
         group_size: the largest row (``g``), for :meth:`resized`.
+        wait_for_seen: close only once every peer seen under the key is in (the delegates'
+            search: a row left out would end the round with a second model).
     """
 
     target: int
@@ -82,10 +92,17 @@ class SizePlan:
     grace_s: float = math.inf
     expected_in_key: int = 0
     group_size: int = 0
+    wait_for_seen: bool = False
 
     def resized(self, num_seen: int) -> SizePlan:
         """The plan once ``num_seen`` peers (this one included) were seen under the key: the
-        target from at least the expected count, the floor from what was seen."""
+        target from at least the expected count, the floor from what was seen (or, waiting for
+        everyone seen, both at least ``num_seen``)."""
+        if self.wait_for_seen:
+            seen = min(num_seen, MAX_ROWS)
+            return dataclasses.replace(
+                self, target=max(self.target, seen), floor=max(self.floor, seen)
+            )
         if not self.expected_in_key:
             return self
         g = self.group_size
@@ -136,9 +153,3 @@ class RoundPlan:
         return SizePlan(
             row_target(per_bucket, g), row_floor(per_bucket, g), self.grace_s, per_bucket, g
         )
-
-    def top_sizes(self, expected_rows: int) -> SizePlan:
-        """The delegates' search: every expected row, or after the grace the fewest rows that
-        can hold ``N`` peers."""
-        least = num_rows(self.num_peers, self.group_size)
-        return SizePlan(max(2, expected_rows), max(2, min(least, expected_rows)), self.grace_s)

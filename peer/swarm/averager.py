@@ -28,7 +28,10 @@ class SwarmAverager:
 
     The averager was built over the optimizer's fixed buffers, so ``tensors`` must be those.
     The blocking call is charged to ``matchmaking``; the all-reduce's share, which the
-    averager reports when it returns, then moves to ``allreduce``.
+    averager reports when it returns, then moves to ``allreduce``. ``expected_peers`` (the
+    peers known to be at this epoch) goes to the averager: one group when they fit in one,
+    else balanced rows whose means are averaged again so that every row ends with the same
+    model (:mod:`averaging.levels`).
     """
 
     def __init__(
@@ -43,11 +46,6 @@ class SwarmAverager:
             a is not b for a, b in zip(tensors, self.averager.tensors, strict=False)
         ):
             raise ValueError("the averager averages the buffers it was built over, not these")
-
-    def _group_size(self, expected_peers: int) -> int:
-        # the peers known to be at this epoch: a leader closes once they are all in
-        config = self.averager.config
-        return max(config.min_group_size, min(expected_peers, config.target_group_size))
 
     def average(
         self,
@@ -66,7 +64,7 @@ class SwarmAverager:
                     weight,
                     epoch=epoch,
                     timeout_s=timeout_s,
-                    target_group_size=self._group_size(expected_peers),
+                    expected_peers=max(1, expected_peers),
                 )
             except AveragingError as e:
                 return failed(epoch, str(e) or type(e).__name__)
@@ -88,7 +86,7 @@ class SwarmAverager:
             weight,
             epoch=epoch,
             timeout_s=timeout_s,
-            target_group_size=self._group_size(expected_peers),
+            expected_peers=max(1, expected_peers),
         )
         future = self.loop_thread.submit(asyncio.wait_for(step, timeout_s + FACADE_SLACK_S))
         return PendingRound(self, future, epoch)

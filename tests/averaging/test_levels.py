@@ -1,0 +1,207 @@
+"""Rounds of more peers than one group: balanced rows, the delegates' top round, the spread.
+
+Real averagers, each with its own DHT node and transport on loopback; every result is checked
+against the weighted mean in float64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from averaging.levels import Spreads, Word, spread_group
+from averaging.matchmaking.rows import RoundPlan, bucket_key, row_floor, row_target
+from averaging.matchmaking.search import MatchResult
+from tests.averaging.conftest import exact_mean, fast_config, make_group
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def vectors_for(num_peers: int, size: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(size).astype(np.float32) for _ in range(num_peers)]
+
+
+async def run_round(peers, weights, **kwargs):
+    return await asyncio.gather(
+        *(
+            p.averager.step(weight=w, epoch=0, expected_peers=len(peers), **kwargs)
+            for p, w in zip(peers, weights, strict=True)
+        )
+    )
+
+
+def rows_of(results) -> list[frozenset[str]]:
+    return list({r.group_id: frozenset(r.members) for r in results if r.group_id}.values())
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+
+
+def test_rows_are_balanced_and_the_key_is_sharded_only_for_large_rounds():
+    assert [row_target(24, 16), row_floor(24, 16)] == [12, 12]
+    assert [row_target(25, 16), row_floor(25, 16)] == [13, 12]
+    assert [row_target(8, 3), row_floor(8, 3)] == [3, 2]
+    assert [row_target(10, 4), row_floor(10, 4)] == [4, 2]  # 4 + 4 + 2: leaders fill first
+    assert RoundPlan.of(16, 16, 1.0).single and not RoundPlan.of(17, 16, 1.0).single
+    assert RoundPlan.of(63, 16, 1.0).buckets == 1
+    plan = RoundPlan.of(256, 16, 1.0)
+    assert plan.buckets == 8 and plan.num_rows == 16
+    peer = "ab" * 16
+    assert bucket_key("run.mm.3", peer, 1) == "run.mm.3"
+    key = bucket_key("run.mm.3", peer, 8)
+    assert key.startswith("run.mm.3.b8.") and 0 <= int(key.rsplit(".", 1)[1]) < 8
+    # a row sizes itself from the peers seen in its bucket, at least the share it expects
+    sizes = plan.row_sizes()
+    assert (sizes.target, sizes.floor) == (16, 16)
+    assert (sizes.resized(40).target, sizes.resized(40).floor) == (14, 12)
+    assert sizes.resized(20).target == 16 and sizes.resized(20).floor == 10
+
+
+def test_the_delegates_answer_is_parsed_as_hostile():
+    assert Word.from_wire({"status": "go", "top": "ok", "reached": 7}) == Word(True, "ok", "", 7)
+    assert not Word.from_wire({"status": "go?", "top": "ok"}).go
+    assert not Word.from_wire(["go"]).go
+    word = Word.from_wire({"status": "go", "top": "evil", "reason": "x" * 10_000, "reached": -5})
+    assert word.go and word.top == "unknown" and len(word.reason) <= 200 and word.num_reached == 0
+    assert Word.from_wire({"status": "go", "reached": 10**30}).num_reached <= 256 * 256
+
+
+# ---- whole rounds --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_peers", "group_size"), [(8, 3), (6, 4)])
+async def test_every_peer_ends_with_the_global_weighted_mean(make_swarm, num_peers, group_size):
+    vectors = vectors_for(num_peers, 20_000, num_peers)
+    weights = [float(w) for w in range(1, num_peers + 1)]
+    config = fast_config(target_group_size=group_size, row_grace_s=0.5)
+    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+
+    results = await run_round(peers, weights)
+
+    assert [r.status for r in results] == ["ok"] * num_peers, [r.reason for r in results]
+    rows = rows_of(results)
+    sizes = sorted(len(r) for r in rows)
+    assert len(rows) == math.ceil(num_peers / group_size) and sizes[-1] - sizes[0] <= 1, sizes
+    assert set().union(*rows) == {p.peer_id for p in peers}  # every peer in exactly one row
+    assert sum(sizes) == num_peers
+    expected = exact_mean(vectors, weights)
+    for peer, result in zip(peers, results, strict=True):
+        np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
+        assert result.num_reached == num_peers
+        assert result.levels == {"row": "ok", "top": "ok", "spread": "ok"}
+    first = peers[0].tensors[0]
+    assert all(np.array_equal(p.tensors[0], first) for p in peers)  # one model, bit for bit
+
+
+async def test_a_round_that_fits_one_group_has_one_level(make_swarm):
+    vectors = vectors_for(3, 5_000, 3)
+    peers = await make_swarm([[v.copy()] for v in vectors], config=fast_config(target_group_size=4))
+
+    results = await run_round(peers, [1.0, 2.0, 3.0])
+
+    assert [r.status for r in results] == ["ok"] * 3
+    assert all(r.levels == {"row": "ok"} and r.num_reached == 3 for r in results)
+    for peer in peers:
+        expected = exact_mean(vectors, [1.0, 2.0, 3.0])
+        np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_delegate_that_vanishes_leaves_exact_means_or_row_means(make_swarm):
+    num_peers = 9
+    vectors = vectors_for(num_peers, 20_000, 9)
+    weights = [float(w) for w in range(1, num_peers + 1)]
+    config = fast_config(target_group_size=3, row_grace_s=0.5, matchmaking_time_s=2.0)
+    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+    by_id = {p.peer_id: p for p in peers}
+    victim: list[str] = []
+
+    def vanishing(peer):
+        find_group = peer.averager._second.find_group
+
+        async def find(key, weight, timeout_s, options):
+            if victim:  # the first delegate at the top vanishes; the others go on
+                return await find_group(key, weight, timeout_s, options)
+            victim.append(peer.peer_id)
+            await peer.transport.close()  # mid-round: its row is averaged, its members wait
+            return MatchResult(None, "closed")
+
+        peer.averager._second.find_group = find
+
+    for peer in peers:
+        vanishing(peer)
+
+    results = await run_round(peers, weights)
+
+    index = {p.peer_id: i for i, p in enumerate(peers)}
+    rows = rows_of(results)
+    victim_row = next(r for r in rows if victim[0] in r)
+    survivors = sorted(index[p] for r in rows if r is not victim_row for p in r)
+    global_mean = exact_mean([vectors[i] for i in survivors], [weights[i] for i in survivors])
+    for peer, result in zip(peers, results, strict=True):
+        values = peer.tensors[0]
+        assert np.isfinite(values).all()
+        row = next(r for r in rows if peer.peer_id in r)
+        members = sorted(index[p] for p in row)
+        row_mean = exact_mean([vectors[i] for i in members], [weights[i] for i in members])
+        if row is victim_row:  # kept the row mean, and says so
+            np.testing.assert_allclose(values, row_mean, rtol=1e-5, atol=1e-6)
+            assert result.status == "partial" and "kept the row mean" in result.reason
+            assert result.num_reached == len(row)
+            assert result.levels["top"] in ("failed", "unreachable", "alone")
+        elif result.levels.get("spread") == "ok":  # the other rows met at the top
+            np.testing.assert_allclose(values, global_mean, rtol=1e-5, atol=1e-6)
+            assert result.num_reached == len(survivors)
+        else:
+            np.testing.assert_allclose(values, row_mean, rtol=1e-5, atol=1e-6)
+            assert result.status == "partial"
+    assert victim[0] in by_id and len(rows) == 3
+
+
+# ---- the spread ----------------------------------------------------------------------------------
+
+
+async def test_a_spread_whose_delegate_is_gone_leaves_every_member_its_values(make_peers):
+    vectors = vectors_for(3, 10_000, 4)
+    peers = await make_peers([[v.copy()] for v in vectors], config=fast_config())
+    row = make_group(peers, [1.0, 2.0, 3.0])
+    spread = spread_group(row)
+    delegate = next(p for p in peers if p.peer_id == row.delegate)
+    others = [p for p in peers if p is not delegate]
+    await delegate.transport.close()  # the only weight of the spread never arrives
+
+    results = await asyncio.gather(*(p.averager.step_in_group(spread) for p in others))
+
+    assert [spread.member(p.peer_id).weight for p in others] == [0.0, 0.0]
+    for peer, result in zip(others, results, strict=True):
+        np.testing.assert_array_equal(peer.tensors[0], vectors[peers.index(peer)])
+        assert not result.averaged or result.averaged_fraction == 0.0
+
+
+async def test_only_members_of_the_row_may_ask_its_delegate(make_peers):
+    peers = await make_peers([[np.zeros(10, np.float32)] for _ in range(3)], config=fast_config())
+    pair = sorted(peers[:2], key=lambda p: p.peer_id)
+    delegate, member, stranger = pair[0], pair[1], peers[2]
+    row = make_group(pair)
+    assert row.delegate == delegate.peer_id  # the first member by id that has an address
+    config = fast_config(top_round_timeout_s=5.0)
+    spreads = {p.peer_id: Spreads(p.transport, "lv", config) for p in peers}
+    spreads[delegate.peer_id].open(row)
+
+    refused = await spreads[stranger.peer_id].ask(row, timeout_s=2.0)
+    assert not refused.go and refused.top == "refused"
+    other_row = make_group([delegate, stranger])
+    unknown = await spreads[stranger.peer_id].ask(other_row, timeout_s=2.0)
+    assert not unknown.go and unknown.top == "unknown"
+
+    waiting = asyncio.create_task(spreads[member.peer_id].ask(row, timeout_s=5.0))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # a long poll: answered when the top round ends
+    spreads[delegate.peer_id].answer(row.group_id, Word(True, "ok", "", 12))
+    assert await waiting == Word(True, "ok", "", 12)
+    spreads[delegate.peer_id].close(row.group_id)
+    late = await spreads[member.peer_id].ask(row, timeout_s=2.0)
+    assert not late.go
