@@ -229,7 +229,10 @@ class SecondLevel:
         weight = sum(row_result.weights.get(p, 0.0) for p in averaged)
         if weight <= 0:
             return Word(False, "failed", "the row has no weight"), None
-        budget_s = min(self.config.top_round_timeout_s, deadline - loop.time())
+        remaining_s = deadline - loop.time()
+        # leave the spread (an exchange like the row's) time to run within the step's bound
+        spread_reserve_s = max(2 * row_result.allreduce_s, remaining_s / 4)
+        budget_s = min(self.config.top_round_timeout_s, remaining_s - spread_reserve_s)
         end = loop.time() + budget_s
         options = SearchOptions(
             sizes=_top_sizes(row, plan, self.config.row_grace_s),
