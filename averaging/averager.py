@@ -214,6 +214,10 @@ class DecentralizedAverager:
                 options=options,
             )
             phase_s["matchmaking"] = loop.time() - start
+            if match.group is None and options is not None and options.top_rows:
+                solo = await self._solo(weight, f"{base}.top", plan, options.top_rows, deadline)
+                if solo is not None:
+                    return await self._end(key, solo, phase_s, waits)
             if match.group is None:
                 result = RoundResult("alone", match.reason, phase_s=phase_s, deadlines_s=waits)
                 return self._finish(key, result, phase_s["matchmaking"])
@@ -361,6 +365,26 @@ class DecentralizedAverager:
         finally:
             if delegate:
                 second.spreads.close(group.group_id)
+        return await self._end(key, result, phase_s, waits)
+
+    async def _solo(
+        self, weight: float, top_key: str, plan: RoundPlan, top_rows: int, deadline: float
+    ) -> RoundResult | None:
+        """No row: join the top round as a row of one (:meth:`SecondLevel.solo`)."""
+        self._waits = self.deadlines.snapshot()
+        return await self._second.solo(
+            weight, top_key=top_key, plan=plan, top_rows=top_rows, deadline=deadline
+        )
+
+    async def _end(
+        self,
+        key: str,
+        result: RoundResult,
+        phase_s: dict[str, float],
+        waits: Mapping[str, float],
+    ) -> RoundResult:
+        """Scatter what the levels left in the flat vector; the round's result."""
+        loop = asyncio.get_running_loop()
         phase_s.update({p: s for p, s in result.phase_s.items() if p != "matchmaking"})
         phase_s["matchmaking"] += result.phase_s.get("top_matchmaking", 0.0)
         if result.allreduce_s or result.status != "failed":

@@ -213,6 +213,34 @@ class SecondLevel:
             phase_s["spread"] = spread.allreduce_s
         return merged(row_result, word, top, spread, phase_s)
 
+    async def solo(
+        self, weight: float, *, top_key: str, plan: RoundPlan, top_rows: int, deadline: float
+    ) -> RoundResult | None:
+        """A peer that found no row takes part in the top round as a row of its own (None:
+        no top group either; then it is alone)."""
+        loop = asyncio.get_running_loop()
+        budget_s = min(self.config.top_round_timeout_s, deadline - loop.time())
+        end = loop.time() + budget_s
+        options = SearchOptions(
+            sizes=_top_sizes(top_rows, plan, self.config.row_grace_s),
+            max_weight_ratio=top_weight_ratio(self.config),
+            with_partners=False,
+        )
+        start = loop.time()
+        timeout_s = max(0.001, min(self.config.matchmaking_time_s, budget_s))
+        match = await self.find_group(top_key, weight, timeout_s, options)
+        matchmaking_s = loop.time() - start
+        if match.group is None:
+            return None
+        top = await self.allreduce(match.group, max(0.001, end - loop.time()))
+        reached = sum(match.group.member(p).count for p in top.averaged_with)
+        return dataclasses.replace(
+            top,
+            num_reached=max(1, min(reached, MAX_COUNT)) if top.averaged else 1,
+            levels={"row": "alone", "top": top.status},
+            phase_s={**top.phase_s, "top_matchmaking": matchmaking_s},
+        )
+
     async def _top(
         self,
         row: GroupInfo,
@@ -235,7 +263,7 @@ class SecondLevel:
         budget_s = min(self.config.top_round_timeout_s, remaining_s - spread_reserve_s)
         end = loop.time() + budget_s
         options = SearchOptions(
-            sizes=_top_sizes(row, plan, self.config.row_grace_s),
+            sizes=_top_sizes(row.top_rows, plan, self.config.row_grace_s),
             max_weight_ratio=top_weight_ratio(self.config),
             count=max(1, min(MAX_COUNT, len(averaged))),
             with_partners=False,  # every delegate must meet every other
@@ -254,12 +282,12 @@ class SecondLevel:
         return Word(True, top.status, top.reason, min(reached, MAX_COUNT)), top
 
 
-def _top_sizes(row: GroupInfo, plan: RoundPlan | None, grace_s: float) -> SizePlan:
+def _top_sizes(top_rows: int, plan: RoundPlan | None, grace_s: float) -> SizePlan:
     """The delegates' search: close once every delegate seen is in and there are the rows the
     group expects, or after the grace with every delegate seen and at least the fewest rows that
     can hold the ready peers (this peer's plan; the group's count without one)."""
-    least = row.top_rows if plan is None else num_rows(plan.num_peers, plan.group_size)
-    target = max(2, row.top_rows)
+    least = top_rows if plan is None else num_rows(plan.num_peers, plan.group_size)
+    target = max(2, top_rows)
     return SizePlan(target, max(2, min(least, target)), grace_s, wait_for_seen=True)
 
 

@@ -205,3 +205,19 @@ async def test_only_members_of_the_row_may_ask_its_delegate(make_peers):
     spreads[delegate.peer_id].close(row.group_id)
     late = await spreads[member.peer_id].ask(row, timeout_s=2.0)
     assert not late.go
+
+
+async def test_a_peer_left_without_a_row_joins_the_top_round_as_a_row_of_one(make_swarm):
+    vectors = vectors_for(7, 5_000, 7)  # rows of 3 + 3 leave one peer over
+    weights = [float(w) for w in range(1, 8)]
+    config = fast_config(target_group_size=3, row_grace_s=0.5, matchmaking_time_s=1.5)
+    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+
+    results = await run_round(peers, weights)
+
+    assert [r.status for r in results] == ["ok"] * 7, [r.reason for r in results]
+    expected = exact_mean(vectors, weights)
+    for peer, result in zip(peers, results, strict=True):
+        np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
+        assert result.num_reached == 7
+    assert sum(r.levels.get("row") == "alone" for r in results) <= 1
