@@ -55,7 +55,7 @@ class OwnerSignatureValidator:
             return
         problem = public_key_problem(owner)
         if problem is not None:
-            raise ValidationError(f"owner subkey names no usable key ({problem}): {subkey!r}")
+            raise ValidationError(f"owner subkey names no valid peer id ({problem}): {subkey!r}")
         if record.signature is None or len(record.signature) != SIGNATURE_BYTES:
             raise ValidationError(f"record under {subkey!r} is not signed")
         data = signed_bytes(key_id, subkey, record.value_bytes, record.expiration_time)
