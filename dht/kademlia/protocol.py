@@ -399,6 +399,7 @@ class DHTProtocol:
         return self._answer(nodes=self._nearest(key_id, ctx), entry=encode_entry(entry))
 
     async def _serve_store(self, ctx: RequestContext, payload: Any) -> dict:
+        self.checker.refuse_if_full(ctx.sender, ctx.remote_host)
         request = self._parse_request(schema.StoreRequest, ctx, payload)
         requests = [
             StoreRequest(

@@ -118,6 +118,12 @@ class RecordChecker:
         self._log(f"an answer of {num_records} records (more than the cap) refused")
         return True
 
+    def refuse_if_full(self, peer: str, host: str) -> None:
+        """Raise :class:`BusyError` if ``peer`` at ``host`` holds its whole share of the queue
+        (before its request is parsed: a flood past the share costs as little as possible)."""
+        if self.work is not None and self.work.is_full_for(peer, host):
+            raise BusyError("busy: this sender's signature checks fill its share; retry later")
+
     async def check_store(
         self, items: list[tuple[int, Subkey | None, Record]], peer: str, host: str
     ) -> None:

@@ -79,6 +79,16 @@ class FairWork:
                 self._worker = asyncio.create_task(self._work(), name="fair-work")
             return await future  # a caller that gives up cancels it: the worker skips it
 
+    def is_full_for(self, peer: str, host: str) -> bool:
+        """Whether ``peer`` at ``host`` could queue nothing now (a cheap check, so that a
+        holder at its share is refused before its request is even parsed)."""
+        budget = self.budget
+        return (
+            budget.in_use >= budget.max_total
+            or (bool(peer) and budget.held_by_peer(peer) >= budget.max_per_peer)
+            or (bool(host) and budget.held_by_address(host) >= budget.max_per_address)
+        )
+
     def _next(self) -> _Job | None:
         while self._turns:
             address, peers = next(iter(self._turns.items()))
