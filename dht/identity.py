@@ -8,9 +8,9 @@ A peer id from the network must also be a *usable* key. OpenSSL (behind ``crypto
 any 32 bytes as an Ed25519 public key, and its verification is cofactorless: under a small-order
 point (the 8 points of the curve's 8-torsion, such as the identity ``01 00 .. 00``) one
 signature made without any private key verifies for every message, so anyone could prove such an
-id and many could share it. :func:`public_key_problem` refuses those, non-canonical encodings
-(``y >= p``, a "negative zero" ``x``) and bytes that are no point at all; no honest key is any of
-them (a generated key is a multiple of the base point, of prime order).
+id and many could share it. :func:`public_key_problem` refuses those and non-canonical encodings
+(``y >= p``, a "negative zero" ``x``); no honest key is either (a generated key is a multiple of
+the base point, of prime order, written canonically).
 """
 
 from __future__ import annotations
@@ -41,56 +41,33 @@ def is_peer_id(value: object) -> bool:
     return value == value.lower()
 
 
-# Ed25519 (RFC 8032): the field prime, the curve constant d, and sqrt(-1) mod p.
+# Ed25519's field prime, and the y coordinates of its 8 small-order points: the identity
+# (y = 1), the point of order 2 (y = -1), those of order 4 (y = 0) and of order 8 (y = +-Y8).
+# Each y but 0 has two points (x and -x), told apart by the sign bit; x = 0 has one.
 _P = 2**255 - 19
-_D = -121665 * pow(121666, _P - 2, _P) % _P
-_SQRT_M1 = pow(2, (_P - 1) // 4, _P)
-
-
-def _decode_point(raw: bytes) -> tuple[int, int] | str:
-    """The affine point ``raw`` encodes, or why it is refused (RFC 8032 5.1.3, strictly)."""
-    y = int.from_bytes(raw, "little") & ((1 << 255) - 1)
-    sign = raw[31] >> 7
-    if y >= _P:
-        return "a non-canonical encoding (y >= p)"
-    u, v = (y * y - 1) % _P, (_D * y * y + 1) % _P
-    x = u * pow(v, 3, _P) * pow(u * pow(v, 7, _P), (_P - 5) // 8, _P) % _P
-    if v * x * x % _P == (-u) % _P:
-        x = x * _SQRT_M1 % _P
-    elif v * x * x % _P != u:
-        return "not a point of the curve"
-    if x == 0 and sign:
-        return "a non-canonical encoding (negative zero x)"
-    return (x if x & 1 == sign else _P - x), y
-
-
-def _double(point: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    # Addition of extended coordinates (X, Y, Z, T) on -x^2 + y^2 = 1 + d x^2 y^2, point + point.
-    x, y, z, t = point
-    a, b = (y - x) * (y - x) % _P, (y + x) * (y + x) % _P
-    c, d = 2 * t * t * _D % _P, 2 * z * z % _P
-    e, f, g, h = b - a, d - c, d + c, b + a
-    return e * f % _P, g * h % _P, f * g % _P, e * h % _P
+_Y8 = 0x5FC536D880238B13933C6D305ACDFD5F098EFF289F4C345B027B2C28F95E826
+_SMALL_ORDER_Y = frozenset({0, 1, _P - 1, _Y8, _P - _Y8})
+_ZERO_X_Y = frozenset({1, _P - 1})  # points whose x is 0: a set sign bit is a "negative zero"
 
 
 @functools.lru_cache(maxsize=65536)
 def public_key_problem(peer_id: str) -> str | None:
     """Why ``peer_id`` cannot be an honest Ed25519 public key, or None if it can.
 
-    Refused: ids that are not 64 lowercase hex characters, non-canonical encodings, bytes that
-    are no curve point, and the 8 small-order points (``[8]P`` is the identity), under which
-    signatures can be forged without a private key. Cached (peer ids repeat).
+    Refused: ids that are not 64 lowercase hex characters, non-canonical encodings (``y >= p``,
+    or ``x = 0`` with the sign bit set) and the 8 small-order points, under which signatures
+    can be forged without a private key. (Bytes that are no point of the curve fail every
+    verification already.) Cached: peer ids repeat.
     """
     if not is_peer_id(peer_id):
         return "not 64 lowercase hex characters"
-    decoded = _decode_point(bytes.fromhex(peer_id))
-    if isinstance(decoded, str):
-        return decoded
-    x, y = decoded
-    point = (x, y, 1, x * y % _P)
-    for _ in range(3):
-        point = _double(point)
-    if point[0] % _P == 0 and (point[1] - point[2]) % _P == 0:
+    raw = bytes.fromhex(peer_id)
+    y = int.from_bytes(raw, "little") & ((1 << 255) - 1)
+    if y >= _P:
+        return "a non-canonical encoding (y >= p)"
+    if y in _ZERO_X_Y and raw[31] >> 7:
+        return "a non-canonical encoding (negative zero x)"
+    if y in _SMALL_ORDER_Y:
         return "a small-order point (signatures under it can be forged)"
     return None
 

@@ -92,11 +92,34 @@ def test_openssl_alone_takes_the_forgery_under_the_identity():
     key.verify(forged, b"any message")  # does not raise
 
 
-def test_generated_keys_and_bytes_off_the_curve():
+def _small_order_by_the_math(peer_id: str) -> bool:
+    """RFC 8032 point decoding and [8]P == identity, in plain integers (the reference)."""
+    d = -121665 * pow(121666, _P - 2, _P) % _P
+    raw = int.from_bytes(bytes.fromhex(peer_id), "little")
+    y, sign = raw & ((1 << 255) - 1), raw >> 255
+    u, v = (y * y - 1) % _P, (d * y * y + 1) % _P
+    x = u * pow(v, 3, _P) * pow(u * pow(v, 7, _P), (_P - 5) // 8, _P) % _P
+    if v * x * x % _P == (-u) % _P:
+        x = x * pow(2, (_P - 1) // 4, _P) % _P
+    assert v * x * x % _P == u, "not on the curve"
+    x = x if x & 1 == sign else _P - x
+    point = (x, y, 1, x * y % _P)
+    for _ in range(3):  # doubling in extended coordinates
+        px, py, pz, pt = point
+        a, b = (py - px) ** 2 % _P, (py + px) ** 2 % _P
+        c, e = 2 * pt * pt * d % _P, 2 * pz * pz % _P
+        f, g, h, k = b - a, e - c, e + c, b + a
+        point = (f * g % _P, h * k % _P, g * h % _P, f * k % _P)
+    return point[0] % _P == 0 and (point[1] - point[2]) % _P == 0
+
+
+def test_the_list_is_the_small_order_points_and_generated_keys_pass():
     from dht.identity import public_key_problem
 
+    assert all(_small_order_by_the_math(key) for key in SMALL_ORDER_KEYS)
+    assert len(set(SMALL_ORDER_KEYS)) == 8
     for _ in range(200):
-        assert public_key_problem(PeerIdentity.generate().peer_id) is None
-    # y = 2 is no point of the curve (x^2 would be a non-residue)
-    assert public_key_problem(_encoding(2)) == "not a point of the curve"
+        peer_id = PeerIdentity.generate().peer_id
+        assert not _small_order_by_the_math(peer_id)
+        assert public_key_problem(peer_id) is None
     assert public_key_problem("AB" * 32) == "not 64 lowercase hex characters"
