@@ -42,6 +42,14 @@ class RemoteError(TransportError):
         self.reason = reason
 
 
+class StreamAbortedError(RemoteError):
+    """The other end of a stream ended it early with an error frame (its reason is here);
+    a server answers a caller's abort before its reply with a 400."""
+
+    def __init__(self, reason: str):
+        super().__init__(409, reason)
+
+
 class BadMessageError(DHTError):
     """A message is malformed or exceeds a limit (size, depth, length)."""
 

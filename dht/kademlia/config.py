@@ -64,6 +64,13 @@ class DHTConfig:
         max_pending_verifications: senders' claimed addresses being pinged back at once, at
             most (a node enters the routing table only once it answered at its address);
             claims beyond it wait for the sender's next request.
+        max_signature_checks: record signatures waiting in (or being checked by) the node's
+            signature-check queue at most, from everyone together: the queue takes store
+            requests' new signatures and find answers' batches, one worker thread in turns
+            per source address and per peer (:mod:`dht.kademlia.record_checks`).
+        max_signature_checks_per_peer: the share of that queue of one proven peer id; a store
+            request whose new signatures do not fit is refused at once (429).
+        max_signature_checks_per_address: the share of one source address (an IPv6 /64).
         rpc_timeout_s: bound on one DHT request to another node, in seconds.
         bootstrap_timeout_s: bound on reaching the initial peers when starting, in seconds.
         liveness_check_after_s: a full bucket pings its least recently seen node before
@@ -90,6 +97,9 @@ class DHTConfig:
     lookup_timeout_s: float = 30.0
     max_nodes_per_answer: int = 40
     max_pending_verifications: int = 1024
+    max_signature_checks: int = 8192
+    max_signature_checks_per_peer: int = 256
+    max_signature_checks_per_address: int = 1024
     rpc_timeout_s: float = 5.0
     bootstrap_timeout_s: float = 10.0
     liveness_check_after_s: float = 60.0
@@ -119,6 +129,9 @@ class DHTConfig:
             "max_unowned_bytes",
             "max_nodes_per_answer",
             "max_pending_verifications",
+            "max_signature_checks",
+            "max_signature_checks_per_peer",
+            "max_signature_checks_per_address",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

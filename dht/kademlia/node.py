@@ -44,6 +44,7 @@ from dht.kademlia.validation import (
     sign_record,
     subkey_owner,
 )
+from dht.net.fair_work import FairWork
 from dht.net.transport import Transport
 from dht.net.wire import MessageLimits, pack
 
@@ -154,6 +155,12 @@ class DHTNode:
             rpc_timeout_s=config.rpc_timeout_s,
             max_nodes_per_answer=config.max_nodes_per_answer,
             max_pending_verifications=config.max_pending_verifications,
+            signature_work=FairWork(
+                max_units=config.max_signature_checks,
+                max_units_per_peer=config.max_signature_checks_per_peer,
+                max_units_per_address=config.max_signature_checks_per_address,
+                unit="signatures to check",
+            ),
         )
         self.maintenance = Maintenance(self)
         self._started = False

@@ -42,6 +42,7 @@ from dht.kademlia.routing import DHTID, PeerInfo, RoutingTable
 from dht.kademlia.storage import DHTStorage, Entry, Record, Subkey
 from dht.kademlia.validation import RecordValidator
 from dht.net import schema
+from dht.net.fair_work import FairWork
 from dht.net.transport import RequestContext, Transport
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ class DHTProtocol:
         max_pending_verifications: claimed sender addresses being pinged back at once, at
             most (a flood of strangers must not make this node flood others).
         max_records_per_answer: answers carrying more records than this are refused whole.
+        signature_work: the queue that checks records' signatures off the event loop, fairly
+            (closed with this protocol); None checks them in worker threads with no shares.
     """
 
     def __init__(
@@ -163,13 +166,17 @@ class DHTProtocol:
         max_nodes_per_answer: int = 40,
         max_pending_verifications: int = 1024,
         max_records_per_answer: int = 8192,
+        signature_work: FairWork | None = None,
     ):
         self.transport = transport
         self.own_id = own_id
         self.routing = routing
         self.storage = storage
         self.validator = validator
-        self.checker = RecordChecker(validator, max_records_per_answer=max_records_per_answer)
+        self.signature_work = signature_work
+        self.checker = RecordChecker(
+            validator, max_records_per_answer=max_records_per_answer, work=signature_work
+        )
         self.bucket_size = bucket_size
         self.max_value_bytes = max_value_bytes
         self.rpc_timeout_s = rpc_timeout_s
@@ -192,6 +199,8 @@ class DHTProtocol:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.signature_work is not None:
+            await self.signature_work.close()
 
     # ---- routing bookkeeping -----------------------------------------------------------------
 
@@ -323,7 +332,9 @@ class DHTProtocol:
         if self.checker.too_many(len(items)):
             self.num_bad_answers += 1
             return None
-        valid = await self.checker.valid_records(key_id, items, short_id(source.peer_id))
+        valid = await self.checker.valid_records(
+            key_id, items, short_id(source.peer_id), source.peer_id
+        )
         if isinstance(entry, Record):
             return valid.get(None)
         return valid or None  # type: ignore[return-value]
@@ -388,6 +399,7 @@ class DHTProtocol:
         return self._answer(nodes=self._nearest(key_id, ctx), entry=encode_entry(entry))
 
     async def _serve_store(self, ctx: RequestContext, payload: Any) -> dict:
+        self.checker.refuse_if_full(ctx.sender, ctx.remote_host)
         request = self._parse_request(schema.StoreRequest, ctx, payload)
         requests = [
             StoreRequest(
@@ -396,8 +408,10 @@ class DHTProtocol:
             )
             for key, subkey, value, expiration, signature in request.records
         ]  # fmt: skip
-        for r in requests:
-            self.validator.validate(r.key_id, r.subkey, r.record)  # refuses all: 422
+        # refuses all: 422 (a record fails), 429 (the sender's share of the checks is in use)
+        await self.checker.check_store(
+            [(r.key_id, r.subkey, r.record) for r in requests], ctx.sender, ctx.remote_host
+        )
         self._note_sender(ctx, request)
         accepted = [self.storage.store(r.key_id, r.record, r.subkey) for r in requests]
         nearest = self._nearest(requests[0].key_id, ctx) if requests else {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from dht.errors import ValidationError
-from dht.identity import SIGNATURE_BYTES, PeerIdentity, is_peer_id, verify
+from dht.identity import SIGNATURE_BYTES, PeerIdentity, public_key_problem, verify
 from dht.kademlia.routing import ID_BYTES
 from dht.kademlia.storage import Record
 from dht.kademlia.subkeys import OWNER_PREFIX, Subkey, owner_subkey, subkey_owner
@@ -53,8 +53,9 @@ class OwnerSignatureValidator:
         owner = subkey_owner(subkey)
         if owner is None:
             return
-        if not is_peer_id(owner):
-            raise ValidationError(f"owner subkey names no valid peer id: {subkey!r}")
+        problem = public_key_problem(owner)
+        if problem is not None:
+            raise ValidationError(f"owner subkey names no valid peer id ({problem}): {subkey!r}")
         if record.signature is None or len(record.signature) != SIGNATURE_BYTES:
             raise ValidationError(f"record under {subkey!r} is not signed")
         data = signed_bytes(key_id, subkey, record.value_bytes, record.expiration_time)

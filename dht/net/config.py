@@ -108,7 +108,8 @@ class TransportConfig:
             receiver that stops reading has its connection cut once a write waited this long
             (checked every half of it, so within 1.5 times it).
         max_streams_per_peer: concurrent streams accepted from one proven peer id.
-        max_streams_per_address: concurrent streams accepted from one source IP address.
+        max_streams_per_address: concurrent streams accepted from one source IP address (an
+            IPv6 /64 counts as one); streams relayed to this node count per peer only.
         replay_window_s: accepted distance of a request's timestamp from this node's clock,
             in seconds.
         max_remembered_nonces: the most (sender, nonce) pairs remembered against replays.

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from dht.errors import AuthError, BadMessageError, RemoteError, TransportError
+from dht.errors import AuthError, BadMessageError, StreamAbortedError, TransportError
 from dht.net.auth import FRAME_TAG_BYTES, FrameTagger
 from dht.net.wire import (
     FRAME_BIN,
@@ -120,7 +120,7 @@ class FrameReader:
             payload = await self._read_charged(length, charge, stall_timeout_s)
         await self._check_tag(raw, payload)
         if kind == FRAME_ERROR:
-            raise RemoteError(409, _reason(_unpack_error(payload, self._limits)))
+            raise StreamAbortedError(_reason(_unpack_error(payload, self._limits)))
         return payload
 
     async def _read_charged(
@@ -190,7 +190,7 @@ class FrameReader:
         if kind == FRAME_BIN:
             return payload
         if kind == FRAME_ERROR:
-            raise RemoteError(409, _reason(_unpack_error(payload, self._limits)))
+            raise StreamAbortedError(_reason(_unpack_error(payload, self._limits)))
         raise BadMessageError("unexpected header frame in the middle of a stream")
 
 

@@ -5,7 +5,7 @@
 * :class:`BytesBudget`: request bytes being received before their digest is checked, across all
   requests; a request that does not fit is refused at once (503) instead of being buffered.
 * :class:`RateLimiter`: a token bucket per source address (handshakes cost a signature check).
-* :class:`StreamSlots`: concurrent streams per proven peer id and per source address.
+* :class:`StreamSlots`: concurrent streams, a share per proven peer id and per source address.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
+
+from dht.net.shares import FairBudget, OverShare
 
 logger = logging.getLogger(__name__)
 
@@ -158,29 +160,36 @@ class RateLimiter:
 
 
 class StreamSlots:
-    """Concurrent streams per proven peer id and per source address."""
+    """Concurrent streams: a share per proven peer id and per source address (an IPv6 /64 counts
+    as one address); a stream that came through this node's relay tunnel has no source address
+    (the relay holds its caller's address to its own per-address caps) and counts per peer only.
 
-    def __init__(self, *, max_per_peer: int, max_per_address: int):
+    Args:
+        max_per_peer: streams one proven peer id may hold open at once.
+        max_per_address: streams one source address may hold open at once.
+        max_total: streams open at once, from everyone together.
+    """
+
+    def __init__(self, *, max_per_peer: int, max_per_address: int, max_total: int):
         self.max_per_peer = max_per_peer
         self.max_per_address = max_per_address
-        self._per_peer: Counter[str] = Counter()
-        self._per_address: Counter[str] = Counter()
+        self._budget = FairBudget(
+            max_total=max_total,
+            max_per_peer=max_per_peer,
+            max_per_address=max_per_address,
+            unit="concurrent streams",
+        )
+
+    @property
+    def num_open(self) -> int:
+        return self._budget.in_use
 
     @contextmanager
-    def hold(self, peer: str, address: str):
+    def hold(self, peer: str, host: str):
         """Hold a slot for the ``with`` block; raises :class:`OverBudget` when none is free."""
-        if self._per_peer[peer] >= self.max_per_peer:
-            raise OverBudget(f"more than {self.max_per_peer} concurrent streams from this peer")
-        if self._per_address[address] >= self.max_per_address:
-            raise OverBudget(
-                f"more than {self.max_per_address} concurrent streams from this address"
-            )
-        self._per_peer[peer] += 1
-        self._per_address[address] += 1
-        try:
+        with self._budget.account(peer, host) as account:
+            try:
+                account.charge(1)
+            except OverShare as e:
+                raise OverBudget(str(e)) from None
             yield
-        finally:
-            for counter, key in ((self._per_peer, peer), (self._per_address, address)):
-                counter[key] -= 1
-                if not counter[key]:
-                    del counter[key]

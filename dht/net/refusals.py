@@ -11,11 +11,25 @@ import time
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from dht.errors import AuthError, BadMessageError, BusyError, DHTError, ValidationError
+from dht.errors import (
+    AuthError,
+    BadMessageError,
+    BusyError,
+    DHTError,
+    StreamAbortedError,
+    ValidationError,
+)
 from dht.net.client import RENEW_HEADER
 from dht.net.shares import Account
 
-_STATUS_OF = {BadMessageError: 400, AuthError: 401, ValidationError: 422, BusyError: 429}
+# A stream's caller that aborts it (an error frame) before the reply is refused input: 400.
+_STATUS_OF = {
+    BadMessageError: 400,
+    StreamAbortedError: 400,
+    AuthError: 401,
+    ValidationError: 422,
+    BusyError: 429,
+}
 
 
 class _MalformedHttpFilter(logging.Filter):

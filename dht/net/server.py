@@ -134,6 +134,7 @@ class HttpServer:
         self.slots = StreamSlots(
             max_per_peer=config.max_streams_per_peer,
             max_per_address=config.max_streams_per_address,
+            max_total=config.max_connections,  # each stream holds a connection
         )
         self.num_refused = 0
         self._last_log_s: dict[int, float] = {}

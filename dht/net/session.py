@@ -44,7 +44,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from dht.errors import AuthError, BadMessageError
-from dht.identity import PeerIdentity, is_peer_id, verify
+from dht.identity import PeerIdentity, is_peer_id, public_key_problem, verify
 from dht.net.wire import pack
 
 PROTOCOL_VERSION = 2
@@ -218,6 +218,9 @@ class PendingHello:
             AuthError: its signature does not verify.
         """
         reply = HelloReply.parse(reply_obj)
+        problem = public_key_problem(reply.peer)
+        if problem is not None:
+            raise AuthError(f"hello reply's peer id is not a usable Ed25519 key: {problem}")
         signed = _reply_signed_bytes(reply, self.request.eph, self.request.nonce)
         if not verify(reply.peer, signed, reply.sig):
             raise AuthError("hello reply signature does not verify")
@@ -277,6 +280,9 @@ class SessionIssuer:
         now_s = time.time() if now_s is None else now_s
         if abs(now_s - hello.ts) > self.max_hello_skew_s:
             raise AuthError(f"stale hello: timestamp {abs(now_s - hello.ts):.0f} s from now")
+        problem = public_key_problem(hello.peer)
+        if problem is not None:  # checked before the signature: under some, any one verifies
+            raise AuthError(f"hello's peer id is not a usable Ed25519 key: {problem}")
         signed = _hello_signed_bytes(hello.peer, hello.eph, hello.ts, hello.nonce)
         if not verify(hello.peer, signed, hello.sig):
             raise AuthError("hello signature does not verify")

@@ -18,7 +18,7 @@ import re
 
 from aiohttp import web
 
-from dht.errors import DHTError, TransportError
+from dht.errors import BadMessageError, DHTError, TransportError
 from dht.identity import is_peer_id
 from dht.net.client import API_VERSION, TUNNEL_HEADER
 from dht.net.config import TransportConfig
@@ -40,13 +40,22 @@ FORWARDED_HEADERS = ("content-type",)
 
 def forwarded_headers(headers) -> dict[str, str]:
     """The headers a relay carries across: the proof (``x-vp-*``) and the content type; never
-    the tunnel's own mark (a caller cannot pass for the relayed node's tunnel)."""
-    return {
+    the tunnel's own mark (a caller cannot pass for the relayed node's tunnel).
+
+    Raises:
+        BadMessageError: a value carried across is not printable ASCII (aiohttp decodes
+            request headers leniently, and would refuse such a value in an answer).
+    """
+    carried = {
         name.lower(): value
         for name, value in headers.items()
         if (name.lower().startswith("x-vp-") or name.lower() in FORWARDED_HEADERS)
         and name.lower() != TUNNEL_HEADER
     }
+    for name, value in carried.items():
+        if not (value.isascii() and value.isprintable()):
+            raise BadMessageError(f"header {name} is not printable ASCII")
+    return carried
 
 
 class RelayService:
@@ -147,6 +156,10 @@ class RelayService:
         mux = self._tunnels.get(peer_id)
         if mux is None:
             raise Refused(404, f"peer {peer_id[:16]} is not relayed here (not attached)")
+        try:
+            headers = forwarded_headers(request.headers)
+        except BadMessageError as e:
+            raise Refused(400, str(e)) from None
         host = peer_host(request.transport)
         if path == f"/{API_VERSION}/hello" and not self.server.hellos.allow(host):
             # the relayed node cannot tell its callers apart by address: the relay does
@@ -168,18 +181,18 @@ class RelayService:
                 except TransportError as e:
                     raise Refused(502, f"relayed peer went away: {e}") from None
                 try:
-                    return await self._relay(request, stream, path, rate)
+                    return await self._relay(request, stream, path, headers, rate)
                 finally:
                     await stream.close("the caller's request ended")
         except OverShareError as e:
             raise Refused(503, str(e)) from None
 
     async def _relay(
-        self, request: web.Request, stream: MuxStream, path: str, rate: ByteRate
+        self, request: web.Request, stream: MuxStream, path: str, headers: dict, rate: ByteRate
     ) -> web.StreamResponse:
         """Forward the request and stream its answer back; every byte that crosses, either
         way, is paid as it crosses into the caller's bucket and the relay's."""
-        opening = {"m": request.method, "p": path, "h": forwarded_headers(request.headers)}
+        opening = {"m": request.method, "p": path, "h": headers}
         up: asyncio.Task | None = None
         response: web.StreamResponse | None = None
         try:
