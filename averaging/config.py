@@ -106,6 +106,10 @@ class AveragerConfig:
             all-reduce; :mod:`averaging.levels`), in seconds; a row member waits at most this
             long (plus ``request_timeout_s``) for its delegate's word before it keeps its row's
             mean.
+        top_quiet_s: the delegates' search closes once the rows it holds stand for every ready
+            peer (``expected_peers``); short of that, past ``row_grace_s``, only once every
+            delegate seen is in and no delegate arrived or appeared for this long, in seconds
+            (an estimate of the ready peers too high, or a row that failed, costs this much).
     """
 
     target_group_size: int = 16
@@ -137,6 +141,7 @@ class AveragerConfig:
     num_partner_rounds: int = 8
     row_grace_s: float = 1.0
     top_round_timeout_s: float = 30.0
+    top_quiet_s: float = 1.0
 
     def __post_init__(self) -> None:
         try:
@@ -166,6 +171,7 @@ class AveragerConfig:
             "max_deadline_s",
             "row_grace_s",
             "top_round_timeout_s",
+            "top_quiet_s",
         ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
