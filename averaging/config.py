@@ -99,9 +99,10 @@ class AveragerConfig:
             it follows a partner's lead before a stranger's (leadership that fresh ids cannot
             grind; see :mod:`averaging.matchmaking.matchmaker`).
         row_grace_s: when a step says how many peers are ready (``expected_peers``), a leader
-            closes its row at the balanced size, or, once its search has run this long, at the
-            smaller balanced size (``floor(N / k)``; :mod:`averaging.matchmaking.rows`), in
-            seconds. The delegates' search of the second level closes the same way.
+            closes its row at the balanced size, or, once its search has run this long, at what
+            the last row holds (:mod:`averaging.matchmaking.rows`), in seconds. The delegates'
+            search of the second level waits at least this long before it closes short of
+            ``expected_peers`` (see ``top_quiet_s``).
         top_round_timeout_s: bound on a round's second level (the delegates' matchmaking and
             all-reduce; :mod:`averaging.levels`), in seconds; a row member waits at most this
             long (plus ``request_timeout_s``) for its delegate's word before it keeps its row's

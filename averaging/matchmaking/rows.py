@@ -5,9 +5,10 @@ groups of at most ``g`` (``target_group_size``). Rather than filling groups of `
 the rest to chance (24 peers, ``g`` 16: 16 + 8), the round takes ``k = ceil(N / g)`` *rows* of
 balanced sizes: a leader closes at ``ceil(N / k)`` members (24: 12 + 12), or, after a short
 grace, at what the last row holds when the others took ``ceil(N / k)`` (25: 13 + 12 without
-waiting for the matchmaking deadline). Leaders do not coordinate, and the best-ranked fill first:
-the rows differ by at most one when ``N mod k`` is 0 or ``k - 1`` (always with two rows), and
-otherwise the last row may hold up to ``k - 1`` fewer (10 peers, ``g`` 4: 4 + 4 + 2).
+waiting for the matchmaking deadline). Leaders do not coordinate, but a peer in a formed group
+tells whoever asks to join it which peers are in it (``full`` with ``formed``), so a later leader
+balances its row over the peers left (10 peers, ``g`` 4: 4 + 3 + 3, not 4 + 4 + 2); a peer
+that learns every other is taken goes to the top round at once as a row of one.
 
 Discovery does not grow with ``N``: above ``4 g`` peers the matchmaking key is sharded into
 ``B = N // (2 g)`` buckets, ``{key}.b{B}.{i}`` with ``i = sha256(key, peer id) mod B``, so a read
@@ -16,9 +17,8 @@ returns about ``2 g`` announcements, not ``N``. ``B`` is in the key: peers whose
 the peers it saw there (at least the ``N / B`` it expects).
 
 The rows' means are then combined by the delegates of the rows (:mod:`averaging.levels`), whose
-own search uses :class:`SizePlan` too: close once every delegate seen under the key is in and
-there are at least the expected rows, or after the grace at least the fewest rows that can hold
-``N`` peers (``ceil(N / g)``).
+own search uses :class:`SizePlan` too (:meth:`RoundPlan.top_sizes`): one group that closes once
+the delegates' counts sum to ``N``, whatever sizes the rows came out at.
 """
 
 from __future__ import annotations

@@ -203,6 +203,8 @@ class Search:
         (the caller goes to the top round as a row of one rather than wait for the deadline)."""
         return (
             self.sizes.num_left == 1
+            and bool(self.seen)
+            and self.seen <= self.taken  # known, not merely unseen
             and now >= self.started + self.sizes.grace_s
             and now >= self.last_arrival + self.sizes.grace_s  # and nobody new for as long
             and self.term is not None
