@@ -33,10 +33,9 @@ from averaging.allreduce.streams import StreamChooser
 from averaging.bounds import valid_weight
 from averaging.config import AveragerConfig, check_prefix, reducing_address
 from averaging.errors import AveragingError, ConfigError, ProtocolViolation, translate
-from averaging.levels import SecondLevel, Spreads
+from averaging.levels import SecondLevel, Spreads, TopRound
 from averaging.matchmaking.group import GroupInfo
 from averaging.matchmaking.matchmaker import Matchmaker, MatchmakingDHT
-from averaging.matchmaking.rows import RoundPlan
 from averaging.matchmaking.search import MatchResult, SearchOptions
 from averaging.result import RoundResult
 from averaging.rounds import result_of, round_plan, row_search
@@ -204,27 +203,29 @@ class DecentralizedAverager:
             key, options = row_search(self.config, self.peer_id, base, plan)
             waits = self.deadlines.snapshot()
             start = loop.time()
+            rows_s = min(waits["matchmaking_s"], timeout_s)
             match = await self._matchmaker.find_group(
                 key,
                 weight=weight,
                 numel=self.numel,
                 compression=compression,
-                timeout_s=min(waits["matchmaking_s"], timeout_s),
+                timeout_s=rows_s,
                 target_group_size=target_group_size,
                 options=options,
             )
             phase_s["matchmaking"] = loop.time() - start
+            # the latest any row search of this round gives up (the waits adapt per peer)
+            rows_end = start + min(self.config.matchmaking_time_s, timeout_s)
+            top = TopRound(f"{base}.top", plan, rows_end)
             if match.group is None and options is not None and options.top_rows:
-                solo = await self._solo(weight, f"{base}.top", plan, options.top_rows, deadline)
+                solo = await self._solo(weight, top, options.top_rows, deadline)
                 if solo is not None:
                     return await self._end(key, solo, phase_s, waits)
             if match.group is None:
                 result = RoundResult("alone", match.reason, phase_s=phase_s, deadlines_s=waits)
                 return self._finish(key, result, phase_s["matchmaking"])
             remaining_s = max(0.001, deadline - loop.time())
-            return await self._average(
-                key, match.group, phase_s, remaining_s, waits, top_key=f"{base}.top", plan=plan
-            )
+            return await self._average(key, match.group, phase_s, remaining_s, waits, top=top)
 
     async def step_in_group(
         self, group: GroupInfo, *, timeout_s: float | None = None
@@ -343,8 +344,7 @@ class DecentralizedAverager:
         timeout_s: float,
         waits: Mapping[str, float],
         *,
-        top_key: str = "",
-        plan: RoundPlan | None = None,
+        top: TopRound | None = None,
     ) -> RoundResult:
         """Average with ``group`` (and, when it is a row, at the second level), then scatter."""
         self._waits = waits
@@ -357,8 +357,14 @@ class DecentralizedAverager:
         try:
             result = await self._allreduce(group, timeout_s)
             if second is not None:
+                top = top or TopRound("", None, 0.0)
                 result = await second.run(
-                    group, result, top_key=top_key, plan=plan, deadline=deadline
+                    group,
+                    result,
+                    top_key=top.key,
+                    plan=top.plan,
+                    deadline=deadline,
+                    rows_end=top.rows_end,
                 )
             else:
                 result = dataclasses.replace(result, levels={"row": result.status})
@@ -368,12 +374,17 @@ class DecentralizedAverager:
         return await self._end(key, result, phase_s, waits)
 
     async def _solo(
-        self, weight: float, top_key: str, plan: RoundPlan, top_rows: int, deadline: float
+        self, weight: float, top: TopRound, top_rows: int, deadline: float
     ) -> RoundResult | None:
         """No row: join the top round as a row of one (:meth:`SecondLevel.solo`)."""
         self._waits = self.deadlines.snapshot()
         return await self._second.solo(
-            weight, top_key=top_key, plan=plan, top_rows=top_rows, deadline=deadline
+            weight,
+            top_key=top.key,
+            plan=top.plan,
+            top_rows=top_rows,
+            deadline=deadline,
+            rows_end=top.rows_end,
         )
 
     async def _end(

@@ -99,13 +99,18 @@ class AveragerConfig:
             it follows a partner's lead before a stranger's (leadership that fresh ids cannot
             grind; see :mod:`averaging.matchmaking.matchmaker`).
         row_grace_s: when a step says how many peers are ready (``expected_peers``), a leader
-            closes its row at the balanced size, or, once its search has run this long, at the
-            smaller balanced size (``floor(N / k)``; :mod:`averaging.matchmaking.rows`), in
-            seconds. The delegates' search of the second level closes the same way.
+            closes its row at the balanced size, or, once its search has run this long, at what
+            the last row holds (:mod:`averaging.matchmaking.rows`), in seconds. The delegates'
+            search of the second level waits at least this long before it closes short of
+            ``expected_peers`` (see ``top_quiet_s``).
         top_round_timeout_s: bound on a round's second level (the delegates' matchmaking and
             all-reduce; :mod:`averaging.levels`), in seconds; a row member waits at most this
             long (plus ``request_timeout_s``) for its delegate's word before it keeps its row's
             mean.
+        top_quiet_s: the delegates' search closes once the rows it holds stand for every ready
+            peer (``expected_peers``); short of that, past ``row_grace_s``, only once every
+            delegate seen is in and no delegate arrived or appeared for this long, in seconds
+            (an estimate of the ready peers too high, or a row that failed, costs this much).
     """
 
     target_group_size: int = 16
@@ -137,6 +142,7 @@ class AveragerConfig:
     num_partner_rounds: int = 8
     row_grace_s: float = 1.0
     top_round_timeout_s: float = 30.0
+    top_quiet_s: float = 1.0
 
     def __post_init__(self) -> None:
         try:
@@ -166,6 +172,7 @@ class AveragerConfig:
             "max_deadline_s",
             "row_grace_s",
             "top_round_timeout_s",
+            "top_quiet_s",
         ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):

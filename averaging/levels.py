@@ -6,8 +6,11 @@ When the ready peers do not fit in one group, matchmaking forms balanced rows
 1. **Row.** The row all-reduces as any group does: every member holds the row's mean ``A_j``,
    of weight ``W_j`` (the sum of the weights averaged).
 2. **Top.** The row's delegate (:attr:`GroupInfo.delegate`) looks for the other rows' delegates
-   under ``{key}.top`` with weight ``W_j`` and all-reduces the row means with them: the weighted
-   mean of the row means, weighted by the row weights, is the weighted mean of every peer.
+   under ``{key}.top`` with weight ``W_j`` and count ``n_j`` (the peers it stands for) and
+   all-reduces the row means with them: the weighted mean of the row means, weighted by the row
+   weights, is the weighted mean of every peer. One group holds them all: its leader closes once
+   the counts sum to ``N`` (short of that, only after the rows' deadline and ``top_quiet_s``;
+   :func:`top_sizes`).
 3. **Spread.** Every member asks its delegate (the ``spread`` request, a long poll bounded by
    ``top_round_timeout_s``) whether the top round averaged; if so the row all-reduces once more,
    over the same members under a group id derived from the row's, where the delegate weighs 1
@@ -30,11 +33,11 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from averaging.config import AveragerConfig, top_weight_ratio
 from averaging.matchmaking.group import MAX_COUNT, GroupInfo
-from averaging.matchmaking.rows import RoundPlan, SizePlan, num_rows
+from averaging.matchmaking.rows import RoundPlan, SizePlan
 from averaging.matchmaking.search import MatchResult, SearchOptions
 from averaging.result import RoundResult
 from dht.errors import DHTError
@@ -46,6 +49,15 @@ _STATUSES = ("ok", "partial", "failed", "alone", "unknown", "refused", "unreacha
 
 FindGroup = Callable[[str, float, float, SearchOptions], Awaitable[MatchResult]]
 AllReduce = Callable[[GroupInfo, float], Awaitable[RoundResult]]
+
+
+class TopRound(NamedTuple):
+    """Where a step's second level meets: the key, the round's plan, and the loop time at
+    which this peer's row search would have given up (see :meth:`SecondLevel.run`)."""
+
+    key: str
+    plan: RoundPlan | None
+    rows_end: float
 
 
 @dataclass(frozen=True)
@@ -191,15 +203,21 @@ class SecondLevel:
         top_key: str,
         plan: RoundPlan | None,
         deadline: float,
+        rows_end: float = 0.0,
     ) -> RoundResult:
-        """Steps 2 and 3 after the row's all-reduce (``row_result``): the round's result."""
+        """Steps 2 and 3 after the row's all-reduce (``row_result``): the round's result.
+        ``rows_end`` is the loop time at which this peer's row search would have given up:
+        short of every row, the top round waits at least until then (a row still forming, or
+        a peer that found none, comes to the top by then)."""
         loop = asyncio.get_running_loop()
         phase_s: dict[str, float] = {}
         top: RoundResult | None = None
         start = loop.time()
         if self.peer_id == row.delegate:
             try:
-                word, top = await self._top(row, row_result, top_key, plan, deadline, phase_s)
+                word, top = await self._top(
+                    row, row_result, top_key, plan, (deadline, rows_end), phase_s
+                )
                 self.spreads.answer(row.group_id, word)
             finally:  # (cancelled or a bug: the members must not wait for nothing)
                 self.spreads.answer(row.group_id, Word(False, "failed", "the top round ended"))
@@ -214,7 +232,14 @@ class SecondLevel:
         return merged(row_result, word, top, spread, phase_s)
 
     async def solo(
-        self, weight: float, *, top_key: str, plan: RoundPlan, top_rows: int, deadline: float
+        self,
+        weight: float,
+        *,
+        top_key: str,
+        plan: RoundPlan,
+        top_rows: int,
+        deadline: float,
+        rows_end: float = 0.0,
     ) -> RoundResult | None:
         """A peer that found no row takes part in the top round as a row of its own (None:
         no top group either; then it is alone)."""
@@ -222,7 +247,7 @@ class SecondLevel:
         budget_s = min(self.config.top_round_timeout_s, deadline - loop.time())
         end = loop.time() + budget_s
         options = SearchOptions(
-            sizes=_top_sizes(top_rows, plan, self.config.row_grace_s),
+            sizes=top_sizes(top_rows, plan, self.config, rows_end - loop.time()),
             max_weight_ratio=top_weight_ratio(self.config),
             with_partners=False,
         )
@@ -247,12 +272,13 @@ class SecondLevel:
         row_result: RoundResult,
         top_key: str,
         plan: RoundPlan | None,
-        deadline: float,
+        bounds: tuple[float, float],
         phase_s: dict[str, float],
     ) -> tuple[Word, RoundResult | None]:
         if not row_result.averaged:
             return Word(False, "failed", "the row's all-reduce failed at the delegate"), None
         loop = asyncio.get_running_loop()
+        deadline, rows_end = bounds
         averaged = row_result.averaged_with
         weight = sum(row_result.weights.get(p, 0.0) for p in averaged)
         if weight <= 0:
@@ -263,7 +289,7 @@ class SecondLevel:
         budget_s = min(self.config.top_round_timeout_s, remaining_s - spread_reserve_s)
         end = loop.time() + budget_s
         options = SearchOptions(
-            sizes=_top_sizes(row.top_rows, plan, self.config.row_grace_s),
+            sizes=top_sizes(row.top_rows, plan, self.config, rows_end - loop.time()),
             max_weight_ratio=top_weight_ratio(self.config),
             count=max(1, min(MAX_COUNT, len(averaged))),
             with_partners=False,  # every delegate must meet every other
@@ -282,13 +308,19 @@ class SecondLevel:
         return Word(True, top.status, top.reason, min(reached, MAX_COUNT)), top
 
 
-def _top_sizes(top_rows: int, plan: RoundPlan | None, grace_s: float) -> SizePlan:
-    """The delegates' search: close once every delegate seen is in and there are the rows the
-    group expects, or after the grace with every delegate seen and at least the fewest rows that
-    can hold the ready peers (this peer's plan; the group's count without one)."""
-    least = top_rows if plan is None else num_rows(plan.num_peers, plan.group_size)
+def top_sizes(
+    top_rows: int, plan: RoundPlan | None, config: AveragerConfig, rows_left_s: float
+) -> SizePlan:
+    """The delegates' search (:meth:`RoundPlan.top_sizes`): one group that closes once the
+    delegates' counts sum to this peer's ``N``; short of that, only once the row searches are
+    over (``rows_left_s`` from now, at least ``row_grace_s``), every delegate seen is in and
+    none arrived for ``top_quiet_s``. Without a plan (a row given to :meth:`step_in_group`),
+    at the rows the group expects too."""
+    grace_s = max(config.row_grace_s, rows_left_s)
+    if plan is not None:
+        return dataclasses.replace(plan.top_sizes(config.top_quiet_s), grace_s=grace_s)
     target = max(2, top_rows)
-    return SizePlan(target, max(2, min(least, target)), grace_s, wait_for_seen=True)
+    return SizePlan(target, 2, grace_s, wait_for_seen=True, quiet_s=config.top_quiet_s)
 
 
 def merged(

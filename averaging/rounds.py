@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 
 from averaging.allreduce.butterfly import AllReduceOutcome
 from averaging.config import AveragerConfig
 from averaging.errors import ConfigError
 from averaging.matchmaking.group import MAX_GROUP_SIZE, GroupInfo
-from averaging.matchmaking.rows import RoundPlan, SizePlan, bucket_key
+from averaging.matchmaking.rows import RoundPlan, SizePlan, bucket_key, bucket_of
 from averaging.matchmaking.search import SearchOptions
 from averaging.result import RoundResult
 from averaging.rules.robust import Aggregation
@@ -43,8 +44,16 @@ def row_search(
         return base, SearchOptions(sizes=SizePlan(target))
     exact = config.aggregation is Aggregation.MEAN  # see averaging.levels
     top_rows = min(plan.num_rows, MAX_GROUP_SIZE) if exact else 0
-    options = SearchOptions(sizes=plan.row_sizes(), top_rows=top_rows)
+    under_key = None
+    if plan.buckets > 1:  # partners of other buckets never come here
+        mine = bucket_of(base, peer_id, plan.buckets)
+        under_key = functools.partial(_in_bucket, base, plan.buckets, mine)
+    options = SearchOptions(sizes=plan.row_sizes(), top_rows=top_rows, under_key=under_key)
     return bucket_key(base, peer_id, plan.buckets), options
+
+
+def _in_bucket(base: str, buckets: int, bucket: int, peer_id: str) -> bool:
+    return bucket_of(base, peer_id, buckets) == bucket
 
 
 def result_of(

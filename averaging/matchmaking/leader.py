@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from averaging.bounds import is_number
@@ -63,17 +63,20 @@ class Leader:
         self._on_arrival = on_arrival
         self._num_streams = num_streams
         self._serves_at = serves_at
+        self.formed: tuple[str, tuple[str, ...]] = ("", ())  # the last group: key, members
 
     async def on_join(self, ctx, request: Any) -> dict[str, Any]:
         search = self._current()
-        if not isinstance(request, Mapping) or search is None or request.get("key") != search.key:
-            return {"status": "not_looking"}
+        if not isinstance(request, Mapping):
+            return {"status": "malformed"}
+        if search is None or request.get("key") != search.key:
+            return self.not_looking(request.get("key"))
         if search.term is None:
             leader = search.following.to_wire() if search.following else None
             return {"status": "following", "leader": leader}
         term = search.term
         if term.outcome.done():
-            return {"status": "full", "members": [search.me.peer_id]}
+            return _full(term, search)
         try:
             member = GroupMember.from_wire(request.get("member"))
         except ProtocolViolation:
@@ -86,7 +89,7 @@ class Leader:
             logger.debug("refused %s as a follower: %s", ctx.sender[:8], refusal)
             return {"status": "malformed", "reason": refusal}
         if term.outcome.done():
-            return {"status": "full", "members": [search.me.peer_id]}
+            return _full(term, search)
         # a seat is held no longer than this leader would wait itself, whatever is asked
         remaining_s = min(max(0.0, remaining_s), self._config.matchmaking_time_s)
         if request.get("numel") != search.numel:
@@ -95,8 +98,9 @@ class Leader:
         self._purge_reservations(term, now)
         if member.peer_id not in term.followers:
             # a partner's seat is kept for it: strangers (fresh ids among them) take the others,
-            # so they cannot fill a group before the partners arrive and split the swarm
-            partners = self._partners()
+            # so they cannot fill a group before the partners arrive and split the swarm (but
+            # not for a partner known to be in another group: it will not come)
+            partners = self._partners() - search.taken
             reserved = 0 if member.peer_id in partners else len(partners - term.followers.keys())
             if 1 + len(term.followers) + reserved >= search.target_group_size:
                 return {"status": "full", "members": [search.me.peer_id, *term.followers]}
@@ -107,6 +111,15 @@ class Leader:
         else:  # the same follower again (its answer was lost): refresh the seat
             follower.member, follower.deadline, follower.reserved_at = member, deadline, now
         return {"status": "accepted"}
+
+    def not_looking(self, key: Any) -> dict[str, Any]:
+        """The answer to a request under ``key`` when this peer is not looking there: "full"
+        with its group's members if it is in a group of that key (the asker counts them as
+        taken, :mod:`averaging.matchmaking.rows`)."""
+        formed_key, members = self.formed
+        if members and key == formed_key:
+            return formed_answer(members)
+        return {"status": "not_looking"}
 
     async def _check_member(self, search: Search, term: Term, member: GroupMember, ctx):
         """Why ``member`` cannot be seated (None: it can): it must prove itself at its address
@@ -154,7 +167,8 @@ class Leader:
                 del term.followers[ctx.sender]
             return _answer(term, ctx.sender)
         follower.waiting = True
-        self._on_arrival(asyncio.get_running_loop().time() - search.started)
+        search.last_arrival = asyncio.get_running_loop().time()
+        self._on_arrival(search.last_arrival - search.started)
         if search.should_close(asyncio.get_running_loop().time(), self._config.min_group_size):
             self.finalize(search)
         timeout_s = follower.deadline - asyncio.get_running_loop().time()
@@ -217,6 +231,21 @@ class Leader:
         logger.debug("formed group %s of %d under %s", group.group_id[:8], len(members), search.key)
 
 
+def _full(term: Term, search: Search) -> dict[str, Any]:
+    """The answer to a join after the term ended: the group's members when it formed (others
+    then count them as taken in their sizes, :mod:`averaging.matchmaking.rows`)."""
+    outcome = term.outcome.result()
+    if isinstance(outcome, GroupInfo):
+        return formed_answer(outcome.peer_ids)
+    return {"status": "full", "members": [search.me.peer_id]}
+
+
+def formed_answer(members: Iterable[str]) -> dict[str, Any]:
+    """ "full": these peers are in a group that formed under the key (the asker counts them as
+    taken; a "full" without ``formed`` names a group still forming, whose seats may yet free)."""
+    return {"status": "full", "members": list(members), "formed": True}
+
+
 def _answer(term: Term, peer_id: str) -> dict[str, Any]:
     if not term.outcome.done():
         return {"status": "left"}
@@ -224,7 +253,7 @@ def _answer(term: Term, peer_id: str) -> dict[str, Any]:
     if isinstance(outcome, GroupInfo):
         if peer_id in outcome.peer_ids:
             return {"status": "group", "group": outcome.to_wire()}
-        return {"status": "full", "members": list(outcome.peer_ids)}
+        return formed_answer(outcome.peer_ids)
     if isinstance(outcome, Candidate):
         return {"status": "redirect", "leader": outcome.to_wire()}
     return {"status": "disbanded", "reason": str(outcome)}

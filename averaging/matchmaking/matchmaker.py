@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -68,6 +69,15 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MAX_HOPS = 8  # redirects followed in one attempt; each goes to a better-ranked peer
+
+
+def _partners_under_key(partners: frozenset[str], options: SearchOptions) -> frozenset[str]:
+    """The partners this search may meet (see :class:`SearchOptions`)."""
+    if not options.with_partners:
+        return frozenset()
+    if options.under_key is None:
+        return partners
+    return frozenset(p for p in partners if options.under_key(p))
 
 
 class Matchmaker:
@@ -157,7 +167,10 @@ class Matchmaker:
                 # Announce before the first read: of two peers that start together, the later
                 # one then always sees the earlier one (and invites it or joins it).
                 await self._unless_formed(search, announce(self._dht, search, self._config))
-            return await self._look(search)
+            result = await self._look(search)
+            if result.group is not None:  # later joins under the key learn who is taken
+                self._leader.formed = (key, result.group.peer_ids)
+            return result
         finally:
             self._search = None
             if search.term is not None and not search.term.outcome.done():
@@ -188,10 +201,10 @@ class Matchmaker:
             target,
             sizes=options.sizes,
             max_weight_ratio=ratio,
-            partners=self.partners if options.with_partners else frozenset(),
+            partners=_partners_under_key(self.partners, options),
             top_rows=options.top_rows,
         )
-        search.started = loop.time()
+        search.started = search.last_arrival = loop.time()
         search.strangers_after = loop.time() + timeout_s / 2
         search.lead()
         return search
@@ -212,10 +225,15 @@ class Matchmaker:
                 )
                 if candidates is None:
                     continue  # our group formed meanwhile
-                search.seen.update(c.peer_id for c in candidates)
-                search.resize(1 + len(search.seen))
+                search.see((c.peer_id for c in candidates), loop.time())
+                search.resize()
             if search.should_close(loop.time(), self._config.min_group_size):
                 self._leader.finalize(search)  # at its target, or past the grace with enough
+                continue
+            if search.is_last(loop.time()):
+                # joins under the key count this peer as taken too (it goes to the top round)
+                self._leader.formed = (search.key, (self._peer_id,))
+                search.term.outcome.set_result("every other peer under the key is in a group")
                 continue
             candidates.extend(search.hints.values())
             search.hints.clear()
@@ -231,10 +249,14 @@ class Matchmaker:
             candidates = None
 
     def _until_next_check(self, search: Search) -> float:
-        """Seconds until the deadline, or until the grace ends if that comes first."""
+        """Seconds until the deadline, or until the grace (then the quiet) ends if that
+        comes first."""
         now = asyncio.get_running_loop().time()
         grace_end = search.started + search.sizes.grace_s
+        quiet_end = search.last_arrival + search.sizes.quiet_s
         wake_at = grace_end if now < grace_end else search.deadline
+        if now < quiet_end:
+            wake_at = min(wake_at, max(grace_end, quiet_end))
         return max(0.0, min(wake_at, search.deadline) - now)
 
     async def _unless_formed(self, search: Search, coro: Awaitable[T]) -> T | None:
@@ -266,23 +288,27 @@ class Matchmaker:
         their next read of the DHT."""
         if search.term is None:
             return
+        now = asyncio.get_running_loop().time()
+        # a row search asks again, a grace later, those not known to be in a group: a peer
+        # in one answers with its members, so the last peers of a key learn they are the last
+        again_s = search.sizes.grace_s if search.sizes.expected_in_key else math.inf
         for candidate in candidates:
             if (
                 candidate.rank > search.rank
-                and candidate.peer_id not in search.invited
+                and now >= search.invited.get(candidate.peer_id, -math.inf) + again_s
                 and candidate.peer_id not in search.term.followers
+                and candidate.peer_id not in search.taken
             ):
-                search.invited.add(candidate.peer_id)
-                request = {
-                    "key": search.key,
-                    "leader": search.me.address,
-                    "settled": search.settled,
-                }
-                task = asyncio.create_task(
-                    self._request(search, candidate, self._invite_name, request)
-                )
+                search.invited[candidate.peer_id] = now
+                task = asyncio.create_task(self._send_invite(search, candidate))
                 search.tasks.add(task)
                 task.add_done_callback(search.tasks.discard)
+
+    async def _send_invite(self, search: Search, candidate: Candidate) -> None:
+        request = {"key": search.key, "leader": search.me.address, "settled": search.settled}
+        answer = await self._request(search, candidate, self._invite_name, request)
+        if answer.get("status") == "full":
+            self._note_taken(search, answer)
 
     def _best_leader(self, search: Search, candidates: list[Candidate]) -> Candidate | None:
         """The best-ranked peer above this one to follow: among partners while any partner is
@@ -339,9 +365,8 @@ class Matchmaker:
                     return None  # a partner that follows a stranger: lead rather than go there
                 continue
             search.excluded.add(target.peer_id)
-            members = answer.get("members")
-            if status == "full" and isinstance(members, list):
-                search.excluded.update(p for p in members[:MAX_GROUP_SIZE] if is_peer_id(p))
+            if status == "full":
+                search.excluded.update(self._note_taken(search, answer))
             return None
         return None
 
@@ -371,6 +396,8 @@ class Matchmaker:
                 return group
             except (ProtocolViolation, KeyError, ValueError, TypeError) as e:
                 logger.warning("leader %s sent a bad group: %s", leader.peer_id[:8], e)
+        elif status == "full":
+            self._note_taken(search, answer)
         elif status == "redirect":
             redirect = search.parse_candidate(answer.get("leader"))
             if redirect is not None and (
@@ -382,6 +409,18 @@ class Matchmaker:
         search.excluded.add(leader.peer_id)
         search.lead()
         return None
+
+    def _note_taken(self, search: Search, answer: Mapping) -> set[str]:
+        """The peers a "full" answer names as in that leader's group; when it formed, they
+        count as taken in this search's sizes (only where they were also seen under the key)."""
+        members = answer.get("members")
+        if not isinstance(members, list):
+            return set()
+        named = {p for p in members[:MAX_GROUP_SIZE] if is_peer_id(p)} - {self._peer_id}
+        if answer.get("formed") is True:
+            search.taken.update(named)
+            search.resize()
+        return named
 
     async def _request(
         self,
@@ -409,8 +448,10 @@ class Matchmaker:
     async def _on_invite(self, ctx, request: Any) -> dict[str, Any]:
         """A better-ranked leader tells us it is looking: try it at once."""
         search = self._search
-        if not isinstance(request, Mapping) or search is None or request.get("key") != search.key:
-            return {"status": "not_looking"}
+        if not isinstance(request, Mapping):
+            return {"status": "malformed"}
+        if search is None or request.get("key") != search.key:
+            return self._leader.not_looking(request.get("key"))
         leader = search.parse_candidate(
             {"peer": ctx.sender, "addr": request.get("leader"), "settled": request.get("settled")}
         )

@@ -5,9 +5,10 @@ groups of at most ``g`` (``target_group_size``). Rather than filling groups of `
 the rest to chance (24 peers, ``g`` 16: 16 + 8), the round takes ``k = ceil(N / g)`` *rows* of
 balanced sizes: a leader closes at ``ceil(N / k)`` members (24: 12 + 12), or, after a short
 grace, at what the last row holds when the others took ``ceil(N / k)`` (25: 13 + 12 without
-waiting for the matchmaking deadline). Leaders do not coordinate, and the best-ranked fill first:
-the rows differ by at most one when ``N mod k`` is 0 or ``k - 1`` (always with two rows), and
-otherwise the last row may hold up to ``k - 1`` fewer (10 peers, ``g`` 4: 4 + 4 + 2).
+waiting for the matchmaking deadline). Leaders do not coordinate, but a peer in a formed group
+tells whoever asks to join it which peers are in it (``full`` with ``formed``), so a later leader
+balances its row over the peers left (10 peers, ``g`` 4: 4 + 3 + 3, not 4 + 4 + 2); a peer
+that learns every other is taken goes to the top round at once as a row of one.
 
 Discovery does not grow with ``N``: above ``4 g`` peers the matchmaking key is sharded into
 ``B = N // (2 g)`` buckets, ``{key}.b{B}.{i}`` with ``i = sha256(key, peer id) mod B``, so a read
@@ -16,9 +17,8 @@ returns about ``2 g`` announcements, not ``N``. ``B`` is in the key: peers whose
 the peers it saw there (at least the ``N / B`` it expects).
 
 The rows' means are then combined by the delegates of the rows (:mod:`averaging.levels`), whose
-own search uses :class:`SizePlan` too: close once every delegate seen under the key is in and
-there are at least the expected rows, or after the grace at least the fewest rows that can hold
-``N`` peers (``ceil(N / g)``).
+own search uses :class:`SizePlan` too (:meth:`RoundPlan.top_sizes`): one group that closes once
+the delegates' counts sum to ``N``, whatever sizes the rows came out at.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def bucket_key(key: str, peer_id: str, buckets: int) -> str:
 @dataclass(frozen=True)
 class SizePlan:
     """When a leader closes its group: at ``target`` members, or after ``grace_s`` with at least
-    ``floor`` (and the config's minimum).
+    ``floor`` (and the config's minimum), or, for the delegates' search, once the members'
+    counts reach ``expected_count``.
 
     Attributes:
         target: close as soon as the group has this many members.
@@ -81,10 +82,19 @@ class SizePlan:
         grace_s: seconds from the start of the search after which ``floor`` is enough
             (``inf``: never).
         expected_in_key: peers expected under the search's key; 0 when ``target`` is fixed.
-            Otherwise the target and floor follow the peers seen there (:meth:`resized`).
+            Otherwise the target and floor follow the peers seen there and those known to be
+            in other groups already (:meth:`resized`).
         group_size: the largest row (``g``), for :meth:`resized`.
+        sharded: ``expected_in_key`` is an estimate (a bucket's share of ``N``): the floor
+            follows the peers seen rather than the estimate.
+        num_left: peers of the key not known to be in another group, this one included (0:
+            unknown). 1 after the grace: this peer is the last, it need not wait for a row.
         wait_for_seen: close only once every peer seen under the key is in (the delegates'
             search: a row left out would end the round with a second model).
+        expected_count: the delegates' search: close once the members' counts (the peers each
+            one's contribution stands for) sum to this (``N``); 0: no such rule.
+        quiet_s: past the grace, close at the floor only once no peer arrived or was first
+            seen for this long (the delegates' search: ``top_quiet_s``).
     """
 
     target: int
@@ -92,12 +102,18 @@ class SizePlan:
     grace_s: float = math.inf
     expected_in_key: int = 0
     group_size: int = 0
+    sharded: bool = False
+    num_left: int = 0
     wait_for_seen: bool = False
+    expected_count: int = 0
+    quiet_s: float = 0.0
 
-    def resized(self, num_seen: int) -> SizePlan:
-        """The plan once ``num_seen`` peers (this one included) were seen under the key: the
-        target from at least the expected count, the floor from what was seen (or, waiting for
-        everyone seen, both at least ``num_seen``)."""
+    def resized(self, num_seen: int, num_taken: int = 0) -> SizePlan:
+        """The plan once ``num_seen`` peers (this one included) were seen under the key, of
+        which ``num_taken`` are known to be in other groups: rows are balanced over the peers
+        left (at least the expected count, less those taken), the floor from what is known to
+        be there (the expected count, or, with a sharded key, what was seen); waiting for
+        everyone seen, the target and floor are at least ``num_seen``."""
         if self.wait_for_seen:
             seen = min(num_seen, MAX_ROWS)
             return dataclasses.replace(
@@ -106,11 +122,15 @@ class SizePlan:
         if not self.expected_in_key:
             return self
         g = self.group_size
-        target = row_target(max(num_seen, self.expected_in_key), g)
-        floor = row_floor(num_seen, g)
-        if (target, floor) == (self.target, self.floor):
-            return self
-        return SizePlan(target, floor, self.grace_s, self.expected_in_key, g)
+        known = num_seen if self.sharded else max(num_seen, self.expected_in_key)
+        num_left = max(1, known - num_taken)
+        target = row_target(max(1, max(num_seen, self.expected_in_key) - num_taken), g)
+        return dataclasses.replace(
+            self,
+            target=max(2, target),
+            floor=row_floor(num_left, g),
+            num_left=num_left,
+        )
 
 
 @dataclass(frozen=True)
@@ -145,11 +165,24 @@ class RoundPlan:
         return self.buckets * num_rows(per_bucket, self.group_size)
 
     def row_sizes(self) -> SizePlan:
-        """The row search's sizes (followed by what it sees when the key is sharded)."""
-        n, g = self.num_peers, self.group_size
-        if self.buckets == 1:
-            return SizePlan(row_target(n, g), row_floor(n, g), self.grace_s)
-        per_bucket = self.num_peers // self.buckets
+        """The row search's sizes, followed by what it sees under its key and learns of the
+        groups already formed there (:meth:`SizePlan.resized`)."""
+        sharded = self.buckets > 1
+        expected = self.num_peers // self.buckets if sharded else self.num_peers
+        g = self.group_size
+        plan = SizePlan(row_target(expected, g), row_floor(expected, g), self.grace_s, expected, g)
+        # a sharded key's plan follows what its first read sees; the whole key's is known
+        return dataclasses.replace(plan, sharded=True) if sharded else plan.resized(1)
+
+    def top_sizes(self, quiet_s: float) -> SizePlan:
+        """The delegates' search: one group, closed once the delegates' counts sum to ``N``
+        (every row is in), or past the grace once every delegate seen is in and none arrived
+        for ``quiet_s`` (an estimate of ``N`` too high, a row lost), or at the deadline."""
         return SizePlan(
-            row_target(per_bucket, g), row_floor(per_bucket, g), self.grace_s, per_bucket, g
+            MAX_ROWS,
+            2,
+            self.grace_s,
+            wait_for_seen=True,
+            expected_count=self.num_peers,
+            quiet_s=quiet_s,
         )

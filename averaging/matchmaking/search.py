@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,6 +65,8 @@ class SearchOptions:
         count: peers this peer's contribution stands for (:attr:`GroupMember.count`).
         with_partners: follow partners first (see :mod:`averaging.matchmaking.matchmaker`);
             off for the second level, where every delegate must meet every other.
+        under_key: which partners can be under this search's key (None: all); with a sharded
+            key, those of the same bucket (the others never come: no seat is kept for them).
     """
 
     sizes: SizePlan | None = None
@@ -72,6 +74,7 @@ class SearchOptions:
     max_weight_ratio: float | None = None
     count: int = 1
     with_partners: bool = True
+    under_key: Callable[[str], bool] | None = None
 
 
 SETTLED, NEWCOMER = b"\x00", b"\x01"
@@ -147,7 +150,7 @@ class Search:
     excluded: set[str] = field(default_factory=set)
     skip_until: dict[str, float] = field(default_factory=dict)
     hints: dict[str, Candidate] = field(default_factory=dict)  # better leaders that invited us
-    invited: set[str] = field(default_factory=set)
+    invited: dict[str, float] = field(default_factory=dict)  # peer: loop time of the invite
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task] = field(default_factory=set)
     strangers_after: float = 0.0  # loop time from which a peer with partners follows others
@@ -156,28 +159,58 @@ class Search:
     max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO  # of the groups formed and accepted
     partners: frozenset[str] = frozenset()  # followed first, seats kept for them
     top_rows: int = 0  # written into a group this peer forms
+    taken: set[str] = field(default_factory=set)  # in other groups (their leaders said so)
+    last_arrival: float = 0.0  # loop time a follower last arrived or a peer was first seen
 
     def __post_init__(self) -> None:
         if self.sizes is None:
             self.sizes = SizePlan(self.target_group_size)
         self.target_group_size = self.sizes.target
 
-    def resize(self, num_seen: int) -> None:
-        """``num_seen`` peers (this one included) were seen under the key: follow them
+    def resize(self) -> None:
+        """Follow the peers seen under the key and those known to be in other groups
         (:meth:`averaging.matchmaking.rows.SizePlan.resized`)."""
-        self.sizes = self.sizes.resized(num_seen)
+        self.sizes = self.sizes.resized(1 + len(self.seen), len(self.taken & self.seen))
         self.target_group_size = self.sizes.target
 
+    def see(self, peer_ids: Iterable[str], now: float) -> None:
+        """``peer_ids`` were read under the key: the last arrival is now if any is new."""
+        new = set(peer_ids) - self.seen - {self.me.peer_id}
+        if new:
+            self.seen.update(new)
+            self.last_arrival = now
+
     def should_close(self, now: float, min_group_size: int) -> bool:
-        """Whether this leader's group, as it stands, is complete: at its target, or past the
-        grace with at least the floor."""
+        """Whether this leader's group, as it stands, is complete: at its target, at the
+        expected count, or past the grace (and quiet) with at least the floor."""
         if self.term is None or self.term.outcome.done():
             return False
-        size = 1 + self.term.num_waiting
-        if size >= self.sizes.target:
+        waiting = [f.member for f in self.term.followers.values() if f.waiting]
+        size = 1 + len(waiting)
+        sizes = self.sizes
+        if size >= sizes.target:
             return True
-        grace_over = now >= self.started + self.sizes.grace_s
-        return grace_over and size >= max(self.sizes.floor, min_group_size)
+        if sizes.expected_count and size >= min_group_size:
+            if self.me.count + sum(m.count for m in waiting) >= sizes.expected_count:
+                return True
+        if now < self.started + sizes.grace_s or size < max(sizes.floor, min_group_size):
+            return False
+        return now >= self.last_arrival + sizes.quiet_s
+
+    def is_last(self, now: float) -> bool:
+        """Past the grace, every other peer seen under the key is in another group, nobody new
+        was seen for a grace, and nobody asked this leader for a seat: no row is left to form
+        (the caller goes to the top round as a row of one rather than wait for the deadline)."""
+        return (
+            self.sizes.num_left == 1
+            and bool(self.seen)
+            and self.seen <= self.taken  # known, not merely unseen
+            and now >= self.started + self.sizes.grace_s
+            and now >= self.last_arrival + self.sizes.grace_s  # and nobody new for as long
+            and self.term is not None
+            and not self.term.outcome.done()
+            and not self.term.followers
+        )
 
     @property
     def settled(self) -> bool:

@@ -45,7 +45,7 @@ def test_rows_are_balanced_and_the_key_is_sharded_only_for_large_rounds():
     assert [row_target(24, 16), row_floor(24, 16)] == [12, 12]
     assert [row_target(25, 16), row_floor(25, 16)] == [13, 12]
     assert [row_target(8, 3), row_floor(8, 3)] == [3, 2]
-    assert [row_target(10, 4), row_floor(10, 4)] == [4, 2]  # 4 + 4 + 2: leaders fill first
+    assert [row_target(10, 4), row_floor(10, 4)] == [4, 2]  # the first leader's view
     assert RoundPlan.of(16, 16, 1.0).single and not RoundPlan.of(17, 16, 1.0).single
     assert RoundPlan.of(63, 16, 1.0).buckets == 1
     plan = RoundPlan.of(256, 16, 1.0)
@@ -59,6 +59,25 @@ def test_rows_are_balanced_and_the_key_is_sharded_only_for_large_rounds():
     assert (sizes.target, sizes.floor) == (16, 16)
     assert (sizes.resized(40).target, sizes.resized(40).floor) == (14, 12)
     assert sizes.resized(20).target == 16 and sizes.resized(20).floor == 10
+
+
+def test_rows_are_sized_from_the_peers_left_once_formed_groups_are_known():
+    rows = RoundPlan.of(10, 4, 1.0).row_sizes()  # one key: N is what is there
+    assert (rows.target, rows.floor, rows.num_left) == (4, 2, 10)
+    after_first = rows.resized(10, 4)  # a row of 4 formed: 6 left in two rows, so 4 + 3 + 3
+    assert (after_first.target, after_first.floor, after_first.num_left) == (3, 3, 6)
+    assert RoundPlan.of(7, 3, 1.0).row_sizes().resized(7, 3).target == 2  # 3 + 2 + 2
+    assert rows.resized(10, 9).num_left == 1  # the last peer: to the top as a row of one
+    sharded = RoundPlan.of(16, 3, 1.0).row_sizes()  # 2 buckets of about 8: follows the seen
+    assert sharded.sharded and (sharded.target, sharded.floor) == (3, 2)
+    assert sharded.resized(5).floor == 2 and sharded.resized(5, 4).num_left == 1
+
+
+def test_the_delegates_search_closes_on_the_counts_it_holds():
+    top = RoundPlan.of(16, 3, 1.0).top_sizes(quiet_s=2.0)
+    assert top.expected_count == 16 and top.target >= 256 and top.wait_for_seen
+    assert top.resized(7).floor == 7  # every delegate seen must be in before a short close
+    assert (top.quiet_s, top.grace_s) == (2.0, 1.0)
 
 
 def test_the_delegates_answer_is_parsed_as_hostile():
@@ -95,6 +114,48 @@ async def test_every_peer_ends_with_the_global_weighted_mean(make_swarm, num_pee
         assert result.levels == {"row": "ok", "top": "ok", "spread": "ok"}
     first = peers[0].tensors[0]
     assert all(np.array_equal(p.tensors[0], first) for p in peers)  # one model, bit for bit
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("num_peers", "group_size"), [(16, 3), (20, 4)])
+async def test_a_sharded_round_ends_with_one_model(make_swarm, num_peers, group_size):
+    """Above 4 g peers the key is sharded into buckets, rows come out as discovery allows
+    (smaller than planned, or a peer with no row), and still every peer ends every round with
+    the exact weighted mean, bit for bit the same: one top group holds every row."""
+    plan = RoundPlan.of(num_peers, group_size, 1.0)
+    assert plan.buckets == 2
+    vectors = vectors_for(num_peers, 5_000, num_peers)
+    weights = [float(1 + i % 4) for i in range(num_peers)]  # within the weight bound of any row
+    config = fast_config(  # generous waits: a loaded machine must not make a fault here
+        target_group_size=group_size,
+        row_grace_s=1.0,
+        matchmaking_time_s=4.0,
+        adaptive_deadlines=False,
+        sender_timeout_s=5.0,
+        reducer_timeout_s=10.0,
+        group_wait_s=4.0,
+    )
+    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+    expected = exact_mean(vectors, weights)
+
+    for epoch in range(2):  # the second round has partners from the first
+        for peer, vector in zip(peers, vectors, strict=True):
+            peer.tensors[0][:] = vector
+        results = await asyncio.gather(
+            *(
+                p.averager.step(weight=w, epoch=epoch, expected_peers=num_peers)
+                for p, w in zip(peers, weights, strict=True)
+            )
+        )
+
+        assert [r.status for r in results] == ["ok"] * num_peers, [r.reason for r in results]
+        assert [r.num_reached for r in results] == [num_peers] * num_peers
+        in_rows = [r for r in results if r.levels.get("row") == "ok"]
+        assert sum(len(row) for row in rows_of(in_rows)) == len(in_rows)  # one row each
+        first = peers[0].tensors[0]
+        for peer in peers:
+            np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
+            assert np.array_equal(peer.tensors[0], first)  # one model, bit for bit
 
 
 async def test_a_round_that_fits_one_group_has_one_level(make_swarm):
@@ -220,4 +281,6 @@ async def test_a_peer_left_without_a_row_joins_the_top_round_as_a_row_of_one(mak
     for peer, result in zip(peers, results, strict=True):
         np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
         assert result.num_reached == 7
-    assert sum(r.levels.get("row") == "alone" for r in results) <= 1
+    # a peer that learns every other is in a row goes to the top at once; one that had not
+    # yet seen the last peer may leave it the last too (two rows of one: exact all the same)
+    assert sum(r.levels.get("row") == "alone" for r in results) <= 2
