@@ -249,6 +249,8 @@ async def _download_from(
     async with transport.open_stream(address, STREAM_NAME, request) as stream:
         await stream.finish_sending()
         header = await stream.reply_header()
+        if isinstance(header, dict) and header.get("epoch") is None and header.get("busy"):
+            raise StateSyncError(f"the donor is busy: {str(header['busy'])[:200]}")
         if not isinstance(header, dict) or header.get("epoch") is None:
             raise StateSyncError("the donor has no state that recent")
         epoch, layout = header["epoch"], header.get("tensors")
