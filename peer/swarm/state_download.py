@@ -18,7 +18,7 @@ import asyncio
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from dht.kademlia.node import DHTNode
 from dht.net.transport import Transport
 from peer.records.schema import MAX_COUNT
 from peer.records.state import StateAnnouncement, agreed_digests, parse_state, state_key
+from peer.swarm.state_serve import byte_view
 from peer.swarm.state_sync import (
     DTYPES,
     MIN_ANNOUNCE_GAP_S,
@@ -38,7 +39,6 @@ from peer.swarm.state_sync import (
     StateSnapshot,
     StateSyncConfig,
     StateSyncError,
-    byte_view,
     default_digest,
     wire_name,
 )
@@ -85,12 +85,22 @@ async def read_agreement(dht: DHTNode, prefix: str, config: StateSyncConfig) -> 
 
 
 def donor_order(
-    agreement: Agreement, *, min_epoch: int, bf16: bool, rng: random.Random
+    agreement: Agreement,
+    *,
+    min_epoch: int,
+    bf16: bool,
+    rng: random.Random,
+    only: Collection[str] | None = None,
 ) -> list[StateAnnouncement]:
     """Donors to try: those serving an agreed state of ``min_epoch`` or later first (the state
     most peers announce first, then the newest), then others at ``min_epoch`` or later (their
-    digest may be on its way), then the rest; at random within each."""
-    donors = [a for a in agreement.announcements if a.address is not None]
+    digest may be on its way), then the rest; at random within each. ``only``: just these
+    peers."""
+    donors = [
+        a
+        for a in agreement.announcements
+        if a.address is not None and (only is None or a.peer_id in only)
+    ]
     rng.shuffle(donors)
 
     def priority(donor: StateAnnouncement) -> tuple[int, int, int]:
@@ -118,6 +128,7 @@ async def download_state(
     rng: random.Random | None = None,
     digest_of: DigestFn = default_digest,
     verify: Verify | None = None,
+    donors: Collection[str] | None = None,
 ) -> StateSnapshot:
     """Download a verified state of ``min_epoch`` or later, trying donors in turn.
 
@@ -126,6 +137,7 @@ async def download_state(
     only under ``extra_prefix`` and up to ``max_extra_bytes`` in all; without ``extra_prefix``
     only the expected tensors are asked for. The state's digest (``digest_of``, computed here
     from what arrived) must be agreed for its epoch, and ``verify`` (if given) must not raise.
+    ``donors``: download only from these peers (their digest still has to be agreed).
 
     Raises:
         StateSyncError: no donor, or ``max_attempts`` donors failed (each one's reason in it).
@@ -133,11 +145,11 @@ async def download_state(
     rng = rng or random.Random()
     bf16 = config.compression == "bf16"
     agreement = await read_agreement(dht, prefix, config)
-    donors = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng)
-    if not donors:
+    order = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng, only=donors)
+    if not order:
         raise StateSyncError(f"no peer serves state of epoch >= {min_epoch}")
     reasons = []
-    for attempt, donor in enumerate(donors[: config.max_attempts]):
+    for attempt, donor in enumerate(order[: config.max_attempts]):
         if attempt:
             await asyncio.sleep(config.backoff_s * 2 ** (attempt - 1))
         address = donor.address

@@ -40,7 +40,7 @@ from dht.periodic import Periodic
 from peer.records.schema import MAX_COUNT
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, state_key
 from peer.swarm.state_digest import state_digest
-from peer.swarm.state_serve import ServeLimits, bf16_wire_bytes, byte_view, send_tensors
+from peer.swarm.state_serve import ServeLimits, send_tensors
 
 logger = logging.getLogger(__name__)
 STREAM_NAME = "state.get"
