@@ -29,7 +29,7 @@ from dht.kademlia.node import DHTNode
 from dht.net.transport import Transport
 from peer.records.schema import MAX_COUNT
 from peer.records.state import StateAnnouncement, agreed_digests, parse_state, state_key
-from peer.swarm.state_serve import byte_view
+from peer.swarm.state_serve import byte_view, wire_name
 from peer.swarm.state_sync import (
     DTYPES,
     MIN_ANNOUNCE_GAP_S,
@@ -40,7 +40,6 @@ from peer.swarm.state_sync import (
     StateSyncConfig,
     StateSyncError,
     default_digest,
-    wire_name,
 )
 
 logger = logging.getLogger(__name__)

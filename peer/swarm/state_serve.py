@@ -29,6 +29,7 @@ import torch
 
 from dht.net.shares import FairBudget, OverShare
 from dht.net.transport import IncomingStream
+from peer.records.schema import MAX_COUNT
 from peer.swarm.state_digest import bf16_rounded_bits
 
 
@@ -40,6 +41,63 @@ def bf16_wire_bytes(tensor: torch.Tensor) -> bytes:
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+COMPRESSIONS = ("none", "bf16")
+# A download split across donors asks each for one of at most this many parts.
+MAX_PARTS = 16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def wire_name(dtype: torch.dtype, compress: bool) -> str:
+    """How a tensor of ``dtype`` travels: bfloat16 for float32 under compression, else as is."""
+    return "bfloat16" if compress and dtype == torch.float32 else dtype_name(dtype)
+
+
+def wire_item_bytes(tensor: torch.Tensor, compress: bool) -> int:
+    """Bytes per element of ``tensor`` on the wire."""
+    return 2 if compress and tensor.dtype == torch.float32 else tensor.element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A well-typed ``state.get`` request: a state of ``min_epoch`` or later, the tensors
+    ``names`` (None: all), float32 as bfloat16 when ``compress``, and only the bytes of
+    ``part`` ``(index, count)`` (None: all; see :func:`part_ranges`)."""
+
+    min_epoch: int
+    names: list[str] | None
+    compress: bool
+    part: tuple[int, int] | None
+
+
+def parse_request(header: object) -> Request | None:
+    """The request in a stream's header, or None when anything in it is not well typed."""
+    if not isinstance(header, dict):
+        return None
+    wanted, names = header.get("min_epoch", 0), header.get("names")
+    compression, part = header.get("compression", "none"), header.get("part")
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 <= wanted <= MAX_COUNT:
+        return None
+    if names is not None and not (
+        isinstance(names, list) and all(isinstance(n, str) for n in names)
+    ):
+        return None
+    if compression not in COMPRESSIONS:
+        return None
+    if part is not None:
+        if not (
+            isinstance(part, list)
+            and len(part) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in part)
+            and 0 <= part[0] < part[1] <= MAX_PARTS
+        ):
+            return None
+        part = (part[0], part[1])
+    return Request(wanted, names, compression == "bf16", part)
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,6 +141,7 @@ class ServeLimits:
         self.max_chunk_bytes_held = 0  # the most ever held at once
         self.num_busy = 0  # streams refused for their share
         self.num_cut = 0  # streams cut because their snapshot was too old
+        self.bytes_served = 0  # tensor bytes sent, all streams together
 
     @property
     def num_streams(self) -> int:
@@ -136,6 +195,29 @@ class ServeLimits:
             self.chunk_bytes_held -= num_bytes
 
 
+def part_ranges(sizes: list[tuple[int, int]], index: int, count: int) -> list[tuple[int, int, int]]:
+    """The byte ranges of part ``index`` of ``count`` of a state whose tensors take ``sizes``
+    ``(wire bytes, wire item size)`` in order: ``(tensor index, start, end)`` in the tensor's
+    wire bytes. The parts split the concatenated bytes into runs of about equal length, each
+    boundary rounded down to a whole element within its tensor, so the parts tile the state
+    exactly (a huge tensor is shared by several donors)."""
+    total = sum(num_bytes for num_bytes, _ in sizes)
+    low, high = total * index // count, total * (index + 1) // count
+    ranges, offset = [], 0
+    for tensor_index, (num_bytes, item_bytes) in enumerate(sizes):
+        start = _local(low - offset, num_bytes, item_bytes)
+        end = _local(high - offset, num_bytes, item_bytes) if index + 1 < count else num_bytes
+        if end > start:
+            ranges.append((tensor_index, start, end))
+        offset += num_bytes
+    return ranges
+
+
+def _local(boundary: int, num_bytes: int, item_bytes: int) -> int:
+    clamped = min(max(boundary, 0), num_bytes)
+    return clamped - clamped % item_bytes if clamped < num_bytes else num_bytes
+
+
 async def send_tensors(
     stream: IncomingStream,
     tensors: list[torch.Tensor],
@@ -146,16 +228,71 @@ async def send_tensors(
 ) -> None:
     """Send ``tensors``' bytes in order, ``chunk_bytes`` at a time (float32 as bfloat16 when
     ``compress``, encoded one chunk at a time)."""
-    for tensor in tensors:
+    ranges = [(tensor, 0, -1) for tensor in tensors]
+    await send_ranges(stream, ranges, compress=compress, chunk_bytes=chunk_bytes, limits=limits)
+
+
+async def send_ranges(
+    stream: IncomingStream,
+    ranges: list[tuple[torch.Tensor, int, int]],
+    *,
+    compress: bool,
+    chunk_bytes: int,
+    limits: ServeLimits,
+) -> None:
+    """Send the wire bytes ``[start, end)`` of each tensor in order (``end`` -1: to its end),
+    ``chunk_bytes`` at a time; see :func:`send_tensors`."""
+    for tensor, start, end in ranges:
         if compress and tensor.dtype == torch.float32:
             flat = tensor.reshape(-1)
+            first, last = start // 2, (flat.numel() if end < 0 else end // 2)
             step = max(1, chunk_bytes // 2)
-            for start in range(0, flat.numel(), step):
-                piece = await asyncio.to_thread(bf16_wire_bytes, flat[start : start + step])
+            for begin in range(first, last, step):
+                piece = await asyncio.to_thread(
+                    bf16_wire_bytes, flat[begin : min(last, begin + step)]
+                )
                 with limits.holding(len(piece)):
                     await stream.send(piece)
+                limits.bytes_served += len(piece)
                 del piece  # released before the next one is encoded
         else:
             view = byte_view(tensor)
-            for start in range(0, len(view), chunk_bytes):
-                await stream.send(view[start : start + chunk_bytes])
+            view = view[start : len(view) if end < 0 else end]
+            for begin in range(0, len(view), chunk_bytes):
+                piece = view[begin : begin + chunk_bytes]
+                await stream.send(piece)
+                limits.bytes_served += len(piece)
+
+
+async def serve_snapshot(
+    stream: IncomingStream,
+    snapshot,
+    request: Request,
+    *,
+    chunk_bytes: int,
+    limits: ServeLimits,
+) -> None:
+    """Reply with ``snapshot``'s layout (of the tensors asked for) and metadata, then their
+    bytes (only those of the part asked for), within the stream's share; :class:`OverShare`
+    before anything is sent when the share is taken."""
+    wanted = None if request.names is None else set(request.names)
+    chosen = {n: t for n, t in snapshot.tensors.items() if wanted is None or n in wanted}
+    size = sum(t.numel() * t.element_size() for t in snapshot.tensors.values())
+    compress = request.compress
+    async with limits.admit(stream, snapshot, size):
+        layout = [
+            [name, dtype_name(t.dtype), list(t.shape), wire_name(t.dtype, compress)]
+            for name, t in chosen.items()
+        ]
+        reply = {"epoch": snapshot.epoch, "tensors": layout, "metadata": snapshot.metadata}
+        tensors = list(chosen.values())
+        ranges = [(tensor, 0, -1) for tensor in tensors]
+        if request.part is not None:  # the whole layout, and the bytes of this part only
+            reply["part"] = list(request.part)
+            sizes = [
+                (t.numel() * wire_item_bytes(t, compress), wire_item_bytes(t, compress))
+                for t in tensors
+            ]
+            ranges = [(tensors[i], a, b) for i, a, b in part_ranges(sizes, *request.part)]
+        await stream.reply(reply)
+        await send_ranges(stream, ranges, compress=compress, chunk_bytes=chunk_bytes, limits=limits)

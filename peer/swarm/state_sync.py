@@ -37,14 +37,17 @@ from dht.kademlia.validation import owner_subkey
 from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
-from peer.records.schema import MAX_COUNT
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, state_key
 from peer.swarm.state_digest import state_digest
-from peer.swarm.state_serve import ServeLimits, send_tensors
+from peer.swarm.state_serve import (
+    COMPRESSIONS,
+    ServeLimits,
+    parse_request,
+    serve_snapshot,
+)
 
 logger = logging.getLogger(__name__)
 STREAM_NAME = "state.get"
-COMPRESSIONS = ("none", "bf16")
 DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -184,35 +187,6 @@ def default_digest(snapshot: StateSnapshot, bf16: bool) -> str:
     return state_digest(snapshot.epoch, snapshot.tensors, bf16=bf16)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def wire_name(dtype: torch.dtype, compress: bool) -> str:
-    """How a tensor of ``dtype`` travels: bfloat16 for float32 under compression, else as is."""
-    return "bfloat16" if compress and dtype == torch.float32 else dtype_name(dtype)
-
-
-def _request(header: object) -> tuple[int, list | None, bool] | None:
-    """``(min_epoch, names or None, bf16)`` of a well-typed ``state.get`` request, else None."""
-    if not isinstance(header, dict):
-        return None
-    wanted, names, compression = (
-        header.get("min_epoch", 0),
-        header.get("names"),
-        header.get("compression", "none"),
-    )
-    if isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 <= wanted <= MAX_COUNT:
-        return None
-    if names is not None and not (
-        isinstance(names, list) and all(isinstance(n, str) for n in names)
-    ):
-        return None
-    if compression not in COMPRESSIONS:
-        return None
-    return wanted, names, compression == "bf16"
-
-
 class StateServer:
     """Serves the snapshot of this peer's epoch on the transport and announces its digests.
 
@@ -319,39 +293,19 @@ class StateServer:
         return self.digest_fn(snapshot, False), self.digest_fn(snapshot, True)
 
     async def _serve(self, stream: IncomingStream) -> None:
-        request = _request(stream.header)
+        request = parse_request(stream.header)
         snapshot = self.snapshot
         served = self.served
-        fits = served is not None and request is not None and served.epoch >= request[0]
+        fits = served is not None and request is not None and served.epoch >= request.min_epoch
         if fits and not self._newest_verifiable():
             snapshot = served
-        if snapshot is None or request is None or snapshot.epoch < request[0]:
+        if snapshot is None or request is None or snapshot.epoch < request.min_epoch:
             await stream.reply({"epoch": None})
             return
-        _, names, compress = request
-        wanted = None if names is None else set(names)
-        chosen = {
-            name: tensor
-            for name, tensor in snapshot.tensors.items()
-            if wanted is None or name in wanted
-        }
-        size = sum(t.numel() * t.element_size() for t in snapshot.tensors.values())
         try:
-            async with self.limits.admit(stream, snapshot, size):
-                layout = [
-                    [name, dtype_name(t.dtype), list(t.shape), wire_name(t.dtype, compress)]
-                    for name, t in chosen.items()
-                ]
-                await stream.reply(
-                    {"epoch": snapshot.epoch, "tensors": layout, "metadata": snapshot.metadata}
-                )
-                await send_tensors(
-                    stream,
-                    list(chosen.values()),
-                    compress=compress,
-                    chunk_bytes=self.config.chunk_bytes,
-                    limits=self.limits,
-                )
+            await serve_snapshot(
+                stream, snapshot, request, chunk_bytes=self.config.chunk_bytes, limits=self.limits
+            )
         except OverShare as e:  # before anything was sent: the downloader tries another donor
             await stream.reply({"epoch": None, "busy": str(e)})
 
