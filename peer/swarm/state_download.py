@@ -16,22 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from dht.errors import DHTError
 from dht.kademlia.node import DHTNode
 from dht.net.transport import Transport
-from peer.records.schema import MAX_COUNT
 from peer.records.state import StateAnnouncement, agreed_digests, parse_state, state_key
-from peer.swarm.state_serve import byte_view, wire_name
+from peer.swarm.state_receive import (
+    Assembly,
+    Layout,
+    Template,
+    check_header,
+    layout_of,
+    read_into,
+)
 from peer.swarm.state_sync import (
-    DTYPES,
     MIN_ANNOUNCE_GAP_S,
     STREAM_NAME,
     DigestFn,
@@ -43,16 +44,10 @@ from peer.swarm.state_sync import (
 )
 
 logger = logging.getLogger(__name__)
-MAX_DIMS = 16
 # Reads of the announcements (0.5, 1 and 2 s apart) before a state's digest counts as unagreed.
 AGREEMENT_READS = 3
-Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 Verify = Callable[[StateSnapshot], None]
-
-
-def layout_of(tensors: dict[str, torch.Tensor]) -> Layout:
-    """What a downloader expects: each tensor's dtype and shape, by name."""
-    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+__all__ = ["Layout", "download_state", "layout_of", "read_announcements"]
 
 
 async def read_announcements(dht: DHTNode, prefix: str) -> list[StateAnnouncement]:
@@ -154,7 +149,7 @@ async def download_state(
         address = donor.address
         try:
             async with asyncio.timeout(config.download_timeout_s):
-                template = _Template(expected, extra_prefix, max_extra_bytes, bf16)
+                template = Template(expected, extra_prefix, max_extra_bytes, bf16)
                 snapshot = await _download_from(transport, address, min_epoch, template)
                 agreement = await _check_digest(snapshot, dht, prefix, config, agreement, digest_of)
                 if verify is not None:
@@ -205,90 +200,16 @@ async def _check_digest(
     return agreement
 
 
-@dataclass
-class _Template:
-    """What a download may contain; counts the extra bytes allocated so far."""
-
-    expected: Layout
-    extra_prefix: str | None
-    max_extra_bytes: int
-    compress: bool = False
-    extra_bytes: int = 0
-
-    def allocate(self, item: Any) -> tuple[str, torch.Tensor, torch.Tensor | None]:
-        """The tensor an entry of the donor's layout fills, and the buffer its bytes arrive in
-        when they travel in another dtype (None: straight into the tensor)."""
-        try:
-            name, dtype_name, shape, wire = item
-            dtype, shape = DTYPES[dtype_name], tuple(shape)
-        except (TypeError, ValueError, KeyError):
-            raise StateSyncError(f"malformed tensor entry {str(item)[:80]}") from None
-        if (
-            not isinstance(name, str)
-            or len(shape) > MAX_DIMS
-            or not all(
-                isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= MAX_COUNT
-                for size in shape
-            )
-        ):
-            raise StateSyncError(f"malformed tensor entry {str(item)[:80]}")
-        if wire != wire_name(dtype, self.compress):
-            raise StateSyncError(f"tensor {name[:80]} sent as {str(wire)[:16]}")
-        if name in self.expected:
-            if self.expected[name] != (dtype, shape):
-                raise StateSyncError(f"unexpected tensor {name[:80]} {dtype_name} {list(shape)}")
-        elif self.extra_prefix is not None and name.startswith(self.extra_prefix):
-            self.extra_bytes += math.prod(shape) * dtype.itemsize
-            if self.extra_bytes > self.max_extra_bytes:
-                raise StateSyncError(f"the donor's state exceeds {self.max_extra_bytes} bytes")
-        else:
-            raise StateSyncError(f"unexpected tensor {name[:80]}")
-        tensor = torch.empty(shape, dtype=dtype)
-        buffer = torch.empty(shape, dtype=DTYPES[wire]) if wire != dtype_name else None
-        return name, tensor, buffer
-
-
 async def _download_from(
-    transport: Transport, address: str, min_epoch: int, template: _Template
+    transport: Transport, address: str, min_epoch: int, template: Template
 ) -> StateSnapshot:
-    names = list(template.expected) if template.extra_prefix is None else None
-    request = {
-        "min_epoch": min_epoch,
-        "names": names,
-        "compression": "bf16" if template.compress else "none",
-    }
-    async with transport.open_stream(address, STREAM_NAME, request) as stream:
+    async with transport.open_stream(address, STREAM_NAME, template.request(min_epoch)) as stream:
         await stream.finish_sending()
         header = await stream.reply_header()
-        if isinstance(header, dict) and header.get("epoch") is None and header.get("busy"):
-            raise StateSyncError(f"the donor is busy: {str(header['busy'])[:200]}")
-        if not isinstance(header, dict) or header.get("epoch") is None:
-            raise StateSyncError("the donor has no state that recent")
-        epoch, layout = header["epoch"], header.get("tensors")
-        if (
-            isinstance(epoch, bool)
-            or not isinstance(epoch, int)
-            or not min_epoch <= epoch <= MAX_COUNT
-            or not isinstance(layout, list)
-        ):
-            raise StateSyncError("malformed state header")
-        tensors = {}
-        for item in layout:
-            name, tensor, buffer = template.allocate(item)
-            if name in tensors:
-                raise StateSyncError(f"tensor {name[:80]!r} sent twice")
-            view, filled = byte_view(tensor if buffer is None else buffer), 0
-            while filled < len(view):
-                num_bytes = await stream.recv_into(view[filled:])
-                if num_bytes is None:
-                    raise StateSyncError(f"state cut short inside tensor {name[:80]!r}")
-                filled += num_bytes
-            if buffer is not None:
-                await asyncio.to_thread(tensor.copy_, buffer)
-            tensors[name] = tensor
+        epoch, layout = check_header(header, min_epoch)
+        assembly = Assembly.allocate(template, layout)
+        for name, view in zip(assembly.names, assembly.views, strict=True):
+            await read_into(stream, view, name)
         if await stream.recv() is not None:
             raise StateSyncError("more state bytes than the header announced")
-        if missing := set(template.expected) - set(tensors):
-            raise StateSyncError(f"the donor lacks {len(missing)} tensors, e.g. {min(missing)!r}")
-    metadata = header.get("metadata")
-    return StateSnapshot(epoch, tensors, metadata if isinstance(metadata, dict) else {})
+    return await assembly.finish(epoch, header.get("metadata"))
