@@ -4,7 +4,10 @@ A downloader reads every announcement (:mod:`peer.records.state`), and the diges
 ``min_agreement`` distinct peers announce for an epoch (fewer only when fewer peers announce at
 all: a lone donor is all a newcomer to a swarm of one has). It tries donors whose current state
 is such an agreed digest first (newest epoch first, at random within an epoch, so that newcomers
-spread over donors), then the others. From each it reads every tensor into fresh buffers,
+spread over donors), then the others. When several donors serve the same agreed state, it first
+downloads one part from each of up to ``max_split_donors`` of them at once
+(:mod:`peer.swarm.state_split`), and falls back to one donor at a time when that fails. From
+each it reads every tensor into fresh buffers (:mod:`peer.swarm.state_receive`),
 checking each against the layout it expects (a donor cannot make it allocate more), then
 computes the digest of what arrived itself and accepts the state only if that digest is agreed
 for the state's epoch, and the caller's checks pass (finite values, typed metadata:
@@ -15,9 +18,10 @@ tried after a backoff; the caller's model is never half-loaded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 from dht.errors import DHTError
@@ -32,6 +36,7 @@ from peer.swarm.state_receive import (
     layout_of,
     read_into,
 )
+from peer.swarm.state_split import download_split, split_donors
 from peer.swarm.state_sync import (
     MIN_ANNOUNCE_GAP_S,
     STREAM_NAME,
@@ -47,6 +52,17 @@ logger = logging.getLogger(__name__)
 # Reads of the announcements (0.5, 1 and 2 s apart) before a state's digest counts as unagreed.
 AGREEMENT_READS = 3
 Verify = Callable[[StateSnapshot], None]
+# What a download may raise because of a donor (its bytes, its answers, its silence).
+DOWNLOAD_ERRORS = (
+    DHTError,
+    StateSyncError,
+    TimeoutError,
+    ValueError,
+    TypeError,
+    KeyError,
+    RuntimeError,
+    RecursionError,
+)
 __all__ = ["Layout", "download_state", "layout_of", "read_announcements"]
 
 
@@ -142,30 +158,59 @@ async def download_state(
     order = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng, only=donors)
     if not order:
         raise StateSyncError(f"no peer serves state of epoch >= {min_epoch}")
+
+    async def verified(fetch: Callable[[Template], Awaitable[StateSnapshot]]) -> StateSnapshot:
+        nonlocal agreement
+        async with asyncio.timeout(config.download_timeout_s):
+            snapshot = await fetch(Template(expected, extra_prefix, max_extra_bytes, bf16))
+            agreement = await _check_digest(snapshot, dht, prefix, config, agreement, digest_of)
+            if verify is not None:
+                await asyncio.to_thread(verify, snapshot)
+        return snapshot
+
+    group = split_donors(
+        agreement.announcements,
+        agreement.agreed,
+        min_epoch=min_epoch,
+        bf16=bf16,
+        rng=rng,
+        max_donors=config.max_split_donors,
+        only=donors,
+    )
     reasons = []
+    if len(group) >= 2:
+        try:
+            snapshot = await verified(
+                lambda template: download_split(
+                    transport, group, min_epoch=min_epoch, template=template
+                )
+            )
+            logger.info("downloaded state of epoch %d from %d donors", snapshot.epoch, len(group))
+            return snapshot
+        except DOWNLOAD_ERRORS as e:
+            reasons.append(f"{len(group)} donors at once: {_reason(e)}")
+            logger.warning("state download from %d donors failed: %s", len(group), _reason(e))
     for attempt, donor in enumerate(order[: config.max_attempts]):
         if attempt:
             await asyncio.sleep(config.backoff_s * 2 ** (attempt - 1))
         address = donor.address
         try:
-            async with asyncio.timeout(config.download_timeout_s):
-                template = Template(expected, extra_prefix, max_extra_bytes, bf16)
-                snapshot = await _download_from(transport, address, min_epoch, template)
-                agreement = await _check_digest(snapshot, dht, prefix, config, agreement, digest_of)
-                if verify is not None:
-                    await asyncio.to_thread(verify, snapshot)
+            snapshot = await verified(
+                functools.partial(_download_from, transport, address, min_epoch)
+            )
             logger.info("downloaded state of epoch %d from %s", snapshot.epoch, address)
             return snapshot
-        except (DHTError, StateSyncError, TimeoutError) as e:
-            reason = str(e) or type(e).__name__
-            reasons.append(f"{address}: {reason}")
-            logger.warning("state download from %s failed: %s", address, reason)
-        except (ValueError, TypeError, KeyError, RuntimeError, RecursionError) as e:
-            # what a donor's bytes made a check or a conversion raise: that donor's fault
-            reason = f"{type(e).__name__}: {str(e)[:200]}"
-            reasons.append(f"{address}: {reason}")
-            logger.warning("state download from %s failed: %s", address, reason)
+        except DOWNLOAD_ERRORS as e:
+            reasons.append(f"{address}: {_reason(e)}")
+            logger.warning("state download from %s failed: %s", address, _reason(e))
     raise StateSyncError("every donor failed: " + "; ".join(reasons))
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, (DHTError, StateSyncError, TimeoutError)):
+        return str(error) or type(error).__name__
+    # what a donor's bytes made a check or a conversion raise: that donor's fault
+    return f"{type(error).__name__}: {str(error)[:200]}"
 
 
 async def _check_digest(

@@ -41,6 +41,7 @@ from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, stat
 from peer.swarm.state_digest import state_digest
 from peer.swarm.state_serve import (
     COMPRESSIONS,
+    MAX_PARTS,
     ServeLimits,
     parse_request,
     serve_snapshot,
@@ -100,6 +101,8 @@ class StateSyncConfig:
         max_streams: state streams a donor serves at once, in all.
         max_streams_per_peer: of those, at most this many per proven peer id.
         max_streams_per_address: and this many per source address (an IPv6 /64 is one).
+        max_split_donors: a download asks up to this many donors that serve the same agreed
+            state for one part of it each (:mod:`peer.swarm.state_split`); 1 never splits.
         max_old_snapshots: snapshots the donor has moved past that its streams may still keep
             in memory; the streams of older ones are cut (:mod:`peer.swarm.state_serve`).
         serve_timeout_s: the longest a donor serves one stream, in seconds.
@@ -124,6 +127,7 @@ class StateSyncConfig:
     max_streams_per_address: int = 4
     max_old_snapshots: int = 2
     serve_timeout_s: float = 600.0
+    max_split_donors: int = 3
     resync_min_epochs: int = 2
     resync_max_epochs: int = 64
     resync_check_s: float = 1.0
@@ -145,12 +149,15 @@ class StateSyncConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in (
             "max_streams",
+            "max_split_donors",
             "max_streams_per_peer",
             "max_streams_per_address",
             "resync_min_epochs",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_split_donors > MAX_PARTS:
+            raise ConfigError(f"max_split_donors must be <= {MAX_PARTS}")
         if self.max_old_snapshots < 0:
             raise ConfigError(f"max_old_snapshots must be >= 0, got {self.max_old_snapshots}")
         if self.resync_max_epochs < self.resync_min_epochs:
