@@ -44,6 +44,8 @@ MAX_READS_PER_EPOCH = 3
 # re-synced: one read can catch a peer that is re-syncing itself between its old digest and its
 # new one (its old one would win a tie), or before everyone announced the epoch.
 NUM_CONFIRMATIONS = 2
+# The longest the check waits after failures, in check intervals.
+MAX_BACKOFF = 64
 
 
 class Resyncer(Protocol):
@@ -91,6 +93,7 @@ class ReplicaCheck:
         self._gap_epochs = config.resync_min_epochs
         self._next_allowed_epoch = 0
         self.num_reads = 0
+        self.num_failures = 0  # checks that raised (a bug), logged once
         self._task: asyncio.Task | None = None
 
     # ---- the training thread's side ----------------------------------------------------------
@@ -121,12 +124,19 @@ class ReplicaCheck:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _run(self) -> None:
+        backoff = 1
         while True:
-            await asyncio.sleep(self.config.resync_check_s)
+            await asyncio.sleep(self.config.resync_check_s * backoff)
             try:
                 await self.check()
+                backoff = 1
             except DHTError as e:  # the next check reads again
                 logger.debug("replica check: %s", str(e) or type(e).__name__)
+            except Exception:  # a bug: said once, counted, and the check goes on, slower
+                self.num_failures += 1
+                if self.num_failures == 1:
+                    logger.exception("the replica check failed; it goes on with backoff")
+                backoff = min(2 * backoff, MAX_BACKOFF)
 
     async def check(self) -> ResyncTarget | None:
         """One look: the target set (None when the replica stands or nothing is known yet).
