@@ -18,6 +18,9 @@ announcements at most every ``resync_check_s`` and only when this peer announced
 (a few reads, when nobody else announces it), none while a re-sync would not be allowed. Each
 re-sync is counted and logged as one WARNING line.
 
+A peer that downloaded its state as bfloat16 (``--state-compression bf16``) holds a replica
+rounded away from everyone's: it differs, and re-syncs once, exactly.
+
 Only in ``grad`` mode: in ``params`` mode the next round's average brings replicas together by
 itself, and in ``diloco`` each peer's outer momentum (which no digest covers, since it is not
 served) makes honest replicas' digests differ.
