@@ -169,13 +169,7 @@ async def download_state(
         return snapshot
 
     group = split_donors(
-        agreement.announcements,
-        agreement.agreed,
-        min_epoch=min_epoch,
-        bf16=bf16,
-        rng=rng,
-        max_donors=config.max_split_donors,
-        only=donors,
+        order, agreement.agreed, min_epoch=min_epoch, bf16=bf16, max_donors=config.max_split_donors
     )
     reasons = []
     if len(group) >= 2:

@@ -1,9 +1,10 @@
 """One state from several donors at once (issue 24, item 4): many newcomers download from many
 donors, not all from one.
 
-When at least two donors serve the same agreed state (the same digest at the same epoch, their
-current one), a downloader asks each of up to ``max_split_donors`` of them for one part of it
-(``part: [index, count]`` in the ``state.get`` request): every donor replies with the whole
+When the donor a downloader would try first and at least one other serve the same agreed state
+(the same digest at the same epoch, their current one), the downloader asks each of up to
+``max_split_donors`` of them for one part of it (``part: [index, count]`` in the ``state.get``
+request): every donor replies with the whole
 layout and the bytes of its part only, a byte range of each tensor's wire bytes
 (:func:`peer.swarm.state_serve.part_ranges`: the parts tile the state exactly, and a huge tensor
 is shared by several donors). The parts are read at once into one :class:`Assembly`; every
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
-from collections.abc import Collection
 
 from dht.errors import DHTError
 from dht.net.transport import Transport
@@ -32,38 +31,28 @@ logger = logging.getLogger(__name__)
 
 
 def split_donors(
-    announcements: list[StateAnnouncement],
+    order: list[StateAnnouncement],
     agreed: dict[tuple[int, str], int],
     *,
     min_epoch: int,
     bf16: bool,
-    rng: random.Random,
     max_donors: int,
-    only: Collection[str] | None = None,
 ) -> list[StateAnnouncement]:
-    """Up to ``max_donors`` donors (at random) whose current state is the same agreed digest,
-    of ``min_epoch`` or later (the state most peers announce, then the newest); [] when fewer
-    than two serve one."""
-    groups: dict[tuple[int, str], list[StateAnnouncement]] = {}
-    for donor in announcements:
+    """Up to ``max_donors`` donors, in ``order``, that serve the same agreed state as the first
+    donor to try (the download's own choice: :func:`peer.swarm.state_download.donor_order`),
+    of ``min_epoch`` or later; [] when fewer than two do."""
+
+    def key(donor: StateAnnouncement) -> tuple[int, str] | None:
         latest = donor.latest
-        if (
-            donor.address is None
-            or latest is None
-            or (only is not None and donor.peer_id not in only)
-        ):
-            continue
+        if donor.address is None or latest is None or latest.epoch != donor.epoch:
+            return None
         digest = latest.digest_bf16 if bf16 else latest.digest
-        key = (donor.epoch, digest)
-        if latest.epoch == donor.epoch >= min_epoch and digest is not None and key in agreed:
-            groups.setdefault(key, []).append(donor)
-    groups = {key: donors for key, donors in groups.items() if len(donors) >= 2}
-    if not groups:
+        return None if digest is None else (donor.epoch, digest)
+
+    if not order or order[0].epoch < min_epoch or key(order[0]) not in agreed:
         return []
-    best = max(groups, key=lambda key: (agreed[key], key[0]))
-    donors = list(groups[best])
-    rng.shuffle(donors)
-    return donors[:max_donors]
+    group = [donor for donor in order if key(donor) == key(order[0])][:max_donors]
+    return group if len(group) >= 2 else []
 
 
 class _Parts:

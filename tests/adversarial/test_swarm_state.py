@@ -36,11 +36,7 @@ from peer.swarm.state_sync import (
 from peer.train.checkpoint import Progress, pack_state, unpack_state
 
 pytestmark = pytest.mark.timeout(90)
-# one donor at a time, so that each poisoned donor is tried and refused (a download split across
-# donors takes the two honest ones that agree first: tests/peer/swarm/test_state_split.py)
-CONFIG = StateSyncConfig(
-    chunk_bytes=64 * 1024, backoff_s=0.05, announce_interval_s=0.5, max_split_donors=1
-)
+CONFIG = StateSyncConfig(chunk_bytes=64 * 1024, backoff_s=0.05, announce_interval_s=0.5)
 SCOPE = digest_scope("grad")
 
 
