@@ -141,6 +141,7 @@ class Session:
             lr_schedule=config.lr_schedule_fn(),
             state=self.state if on_behind is None else _CatchUp(on_behind),
             newcomer_hold=NewcomerHold(config.newcomer_hold_config()),
+            replicas=self.state if on_behind is None else None,
         )
 
     def _initial_epoch(self, start_epoch: int) -> int:

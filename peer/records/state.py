@@ -12,7 +12,8 @@ Version 1 (``{epoch, address}``, no digest) is dropped: its state cannot be chec
 
 A downloader accepts a state only if its digest is one that enough distinct peers announce for
 that epoch (:func:`agreed_digests`); the dashboard marks a peer whose newest digest differs from
-the one most peers at that epoch announce (:func:`replica_outliers`). Torch-free.
+the one most peers at that epoch announce (:func:`replica_outliers`); a peer whose own digest
+loses to another one (:func:`resync_target`) downloads that state. Torch-free.
 """
 
 from __future__ import annotations
@@ -132,3 +133,49 @@ def replica_outliers(announcements: Iterable[StateAnnouncement]) -> set[str]:
         if latest.digest != ranked[0][0]:
             outliers.add(announcement.peer_id)
     return outliers
+
+
+@dataclass(frozen=True)
+class ResyncTarget:
+    """The state a peer's replica should be replaced by: ``digest`` at ``epoch``, which the
+    peers ``donors`` announce."""
+
+    epoch: int
+    digest: str
+    donors: frozenset[str]
+
+
+def resync_target(
+    announcements: Iterable[StateAnnouncement],
+    *,
+    own: EpochDigest,
+    own_id: str,
+    partners: frozenset[str] = frozenset(),
+    min_peers: int = 2,
+) -> ResyncTarget | None:
+    """The digest that replaces this peer's ``own`` at its epoch, or None when its own stands.
+
+    Each peer votes once for its newest digest of that epoch (this peer, ``own_id``, for
+    ``own``; the ``announcements`` are the others'). Another digest can win only if at least
+    ``min_peers`` peers announce it or one of them is a partner (a peer this one averaged with
+    lately): a stranger alone never can. It wins with more votes than ``own``, or as many and
+    the smallest peer id among its voters: a rule every peer applies alike, epoch after epoch,
+    so that of two partners that disagree one by one, the same one yields every time.
+    """
+    voters: dict[str, set[str]] = {}
+    for announcement in {a.peer_id: a for a in announcements}.values():
+        if announcement.peer_id == own_id:
+            continue
+        digest = {d.epoch: d.digest for d in announcement.digests}.get(own.epoch)
+        if digest is not None:
+            voters.setdefault(digest, set()).add(announcement.peer_id)
+    voters.setdefault(own.digest, set()).add(own_id)
+    ranked = sorted(
+        (-len(peers), min(peers), digest)
+        for digest, peers in voters.items()
+        if digest == own.digest or len(peers) >= min_peers or peers & partners
+    )
+    best = ranked[0][2]  # the most votes, then the smallest peer id
+    if best == own.digest:
+        return None
+    return ResyncTarget(own.epoch, best, frozenset(voters[best]))

@@ -11,11 +11,15 @@ checkpoint) and :meth:`StateCatchUp.catch_up` when the swarm's epoch passes this
 failed download is retried only after ``RESYNC_COOLDOWN_S`` of training (a donor may be busy);
 one that worked but landed behind again (epochs faster than a download) is retried at once, and
 a lone peer ahead holds its epoch for this one meanwhile (:mod:`peer.swarm.newcomer_hold`).
+
+In ``grad`` mode it also checks that this peer's replica is the one the swarm agrees on
+(:mod:`peer.swarm.state_resync`), and :meth:`StateCatchUp.resync` replaces one that is not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -36,6 +40,7 @@ from peer.swarm.state_digest import (
     state_digest,
 )
 from peer.swarm.state_download import download_state, layout_of
+from peer.swarm.state_resync import ReplicaCheck
 from peer.swarm.state_sync import StateRejected, StateSnapshot, StateSyncError
 from peer.train.checkpoint import CheckpointError, Progress, pack_state, unpack_state
 from peer.train.trainer import Trainer
@@ -88,6 +93,47 @@ class StateCatchUp:
             iter(pack_state(model=self.model, optimizer=None, progress=Progress())[1])
         )
         services.state_server.digest_fn = self.digest
+        self.num_resyncs = 0  # re-syncs tried (a replica that differed from the agreed one)
+        self.replicas: ReplicaCheck | None = None
+        if self._shares_optimizer:  # grad mode: see peer.swarm.state_resync
+            self.replicas = ReplicaCheck(
+                dht=services.node,
+                prefix=config.run_id,
+                server=services.state_server,
+                partners=lambda: services.tracker.partners,
+                config=config.state_sync_config(),
+            )
+            loop_thread.run(self._start_replica_check())
+
+    async def _start_replica_check(self) -> None:
+        self.replicas.start()  # its owner is the services' stack, which closes it first
+        self.services.stack.push_async_callback(self.replicas.close)
+
+    def resync_due(self) -> bool:
+        """Whether this peer's replica differs from the agreed one (cheap: no I/O)."""
+        return self.replicas is not None and self.replicas.due()
+
+    def resync(self, epoch: int) -> int | None:
+        """Replace this peer's replica (at ``epoch``) by the agreed state of ``epoch`` or later,
+        from the peers that announce it, exactly (no bf16); the epoch loaded, or None."""
+        target = self.replicas.take(epoch) if self.replicas is not None else None
+        if target is None:
+            return None
+        self.num_resyncs += 1
+        logger.warning(
+            "epoch %d: this replica differs from the state %d peer(s) announce for epoch %d "
+            "(digest %s); downloading it (re-sync %d)",
+            epoch,
+            len(target.donors),
+            target.epoch,
+            target.digest[:12],
+            self.num_resyncs,
+        )
+        reached = self._download(epoch, fallback=epoch - 1, donors=target.donors, exact=True)
+        if reached < epoch:
+            return None
+        self.services.state_server.update(self.snapshot(reached))
+        return reached
 
     def download(self, min_epoch: int, *, fallback: int) -> int:
         """Load the state of epoch >= ``min_epoch`` from a donor; the epoch reached, or
@@ -143,7 +189,14 @@ class StateCatchUp:
             with_optimizer=self._shares_optimizer,
         )
 
-    def _download(self, min_epoch: int, *, fallback: int) -> int:
+    def _download(
+        self,
+        min_epoch: int,
+        *,
+        fallback: int,
+        donors: frozenset[str] | None = None,
+        exact: bool = False,
+    ) -> int:
         tensors, _ = pack_state(
             model=self.model,
             optimizer=self.optimizer,
@@ -151,6 +204,9 @@ class StateCatchUp:
         )
         model_layout = {k: v for k, v in layout_of(tensors).items() if k.startswith("model/")}
         model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        config = self.config.state_sync_config()
+        if exact:  # a bf16 copy would differ from every donor's digest, and re-sync again
+            config = dataclasses.replace(config, compression="none")
         with self.clock.phase("state_sync"):
             try:
                 snapshot = self.loop_thread.run(
@@ -161,11 +217,12 @@ class StateCatchUp:
                             self.config.run_id,
                             min_epoch=min_epoch,
                             expected=model_layout,
-                            config=self.config.state_sync_config(),
+                            config=config,
                             extra_prefix=OPTIMIZER_PREFIX if self._shares_optimizer else None,
                             max_extra_bytes=4 * model_bytes + 2**20,
                             digest_of=self.digest,
                             verify=self._loadable,
+                            donors=donors,
                         )
                     )
                 )

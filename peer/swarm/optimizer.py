@@ -47,6 +47,7 @@ from peer.swarm.round import (
     TensorAverager,
     alone,
 )
+from peer.swarm.state_resync import Resyncer
 from peer.train.trainer import StepContext
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class CollaborativeOptimizer:
             catches up).
         newcomer_hold: when alone at its epoch, hold the boundary for a peer catching up
             (:mod:`peer.swarm.newcomer_hold`); None never holds.
+        replicas: replaces this peer's replica when it differs from the swarm's agreed one
+            (:mod:`peer.swarm.state_resync`); None never re-syncs.
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class CollaborativeOptimizer:
         lr_schedule: Callable[[int], float] | None = None,
         state: StateSource | None = None,
         newcomer_hold: NewcomerHold | None = None,
+        replicas: Resyncer | None = None,
     ):
         self.optimizer = optimizer
         self.averager = averager
@@ -137,6 +141,7 @@ class CollaborativeOptimizer:
         self.lr_schedule = lr_schedule
         self.state = state
         self.newcomer_hold = newcomer_hold
+        self.replicas = replicas
         self.contribution = contribution or make_contribution(model, optimizer, config)
         self.epoch_counter = epoch if epoch is not None else Epoch()
         self.epoch_counter.subscribe(self._entered)
@@ -174,6 +179,8 @@ class CollaborativeOptimizer:
         self._clock = context.clock
         if self._pending is not None and self._pending.done():
             self.flush()
+        if self.replicas is not None and self.replicas.resync_due():
+            self._resync()
         if not self._gate.due(self.progress.version, self.samples):
             return  # the tracker hears of these samples with the next estimate
         self.progress.report_local_progress(self.epoch, self.samples)
@@ -296,8 +303,8 @@ class CollaborativeOptimizer:
         ran out with this round): then the lone peer steps on alone, its record lags again,
         and the two never meet. The state download (``_behind``) puts it where the swarm is,
         the averaged tensors dropped; a download that reached nothing steps alone as before."""
-        if self.state is None or result.status != "alone" or result.members:
-            return False
+        if self.state is None or result.status not in ("alone", "failed"):
+            return False  # a failed round, too, averaged nobody's values with this peer's
         swarm = self._estimate_after_round()
         if not self._behind(swarm):
             return False
@@ -320,6 +327,12 @@ class CollaborativeOptimizer:
         if reached > self.epoch:  # the downloaded state replaces what was accumulated
             self.contribution.discard()
             self.epoch_counter.advance_to(reached)
+
+    def _resync(self) -> None:
+        self.flush()  # a round in flight applies to the replica it was computed on
+        reached = self.replicas.resync(self.epoch)
+        if reached is not None:
+            self.jump_to(reached)
 
     def jump_to(self, epoch: int) -> None:
         """The model now holds the state of ``epoch`` from outside a round (a download the

@@ -4,7 +4,10 @@ A downloader reads every announcement (:mod:`peer.records.state`), and the diges
 ``min_agreement`` distinct peers announce for an epoch (fewer only when fewer peers announce at
 all: a lone donor is all a newcomer to a swarm of one has). It tries donors whose current state
 is such an agreed digest first (newest epoch first, at random within an epoch, so that newcomers
-spread over donors), then the others. From each it reads every tensor into fresh buffers,
+spread over donors), then the others. When several donors serve the same agreed state, it first
+downloads one part from each of up to ``max_split_donors`` of them at once
+(:mod:`peer.swarm.state_split`), and falls back to one donor at a time when that fails. From
+each it reads every tensor into fresh buffers (:mod:`peer.swarm.state_receive`),
 checking each against the layout it expects (a donor cannot make it allocate more), then
 computes the digest of what arrived itself and accepts the state only if that digest is agreed
 for the state's epoch, and the caller's checks pass (finite values, typed metadata:
@@ -15,22 +18,26 @@ tried after a backoff; the caller's model is never half-loaded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import math
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from dht.errors import DHTError
 from dht.kademlia.node import DHTNode
 from dht.net.transport import Transport
-from peer.records.schema import MAX_COUNT
 from peer.records.state import StateAnnouncement, agreed_digests, parse_state, state_key
+from peer.swarm.state_receive import (
+    Assembly,
+    Layout,
+    Template,
+    check_header,
+    layout_of,
+    read_into,
+)
+from peer.swarm.state_split import download_split, split_donors
 from peer.swarm.state_sync import (
-    DTYPES,
     MIN_ANNOUNCE_GAP_S,
     STREAM_NAME,
     DigestFn,
@@ -38,22 +45,25 @@ from peer.swarm.state_sync import (
     StateSnapshot,
     StateSyncConfig,
     StateSyncError,
-    byte_view,
     default_digest,
-    wire_name,
 )
 
 logger = logging.getLogger(__name__)
-MAX_DIMS = 16
 # Reads of the announcements (0.5, 1 and 2 s apart) before a state's digest counts as unagreed.
 AGREEMENT_READS = 3
-Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 Verify = Callable[[StateSnapshot], None]
-
-
-def layout_of(tensors: dict[str, torch.Tensor]) -> Layout:
-    """What a downloader expects: each tensor's dtype and shape, by name."""
-    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+# What a download may raise because of a donor (its bytes, its answers, its silence).
+DOWNLOAD_ERRORS = (
+    DHTError,
+    StateSyncError,
+    TimeoutError,
+    ValueError,
+    TypeError,
+    KeyError,
+    RuntimeError,
+    RecursionError,
+)
+__all__ = ["Layout", "download_state", "layout_of", "read_announcements"]
 
 
 async def read_announcements(dht: DHTNode, prefix: str) -> list[StateAnnouncement]:
@@ -85,12 +95,22 @@ async def read_agreement(dht: DHTNode, prefix: str, config: StateSyncConfig) -> 
 
 
 def donor_order(
-    agreement: Agreement, *, min_epoch: int, bf16: bool, rng: random.Random
+    agreement: Agreement,
+    *,
+    min_epoch: int,
+    bf16: bool,
+    rng: random.Random,
+    only: Collection[str] | None = None,
 ) -> list[StateAnnouncement]:
     """Donors to try: those serving an agreed state of ``min_epoch`` or later first (the state
     most peers announce first, then the newest), then others at ``min_epoch`` or later (their
-    digest may be on its way), then the rest; at random within each."""
-    donors = [a for a in agreement.announcements if a.address is not None]
+    digest may be on its way), then the rest; at random within each. ``only``: just these
+    peers."""
+    donors = [
+        a
+        for a in agreement.announcements
+        if a.address is not None and (only is None or a.peer_id in only)
+    ]
     rng.shuffle(donors)
 
     def priority(donor: StateAnnouncement) -> tuple[int, int, int]:
@@ -118,6 +138,7 @@ async def download_state(
     rng: random.Random | None = None,
     digest_of: DigestFn = default_digest,
     verify: Verify | None = None,
+    donors: Collection[str] | None = None,
 ) -> StateSnapshot:
     """Download a verified state of ``min_epoch`` or later, trying donors in turn.
 
@@ -126,6 +147,7 @@ async def download_state(
     only under ``extra_prefix`` and up to ``max_extra_bytes`` in all; without ``extra_prefix``
     only the expected tensors are asked for. The state's digest (``digest_of``, computed here
     from what arrived) must be agreed for its epoch, and ``verify`` (if given) must not raise.
+    ``donors``: download only from these peers (their digest still has to be agreed).
 
     Raises:
         StateSyncError: no donor, or ``max_attempts`` donors failed (each one's reason in it).
@@ -133,33 +155,56 @@ async def download_state(
     rng = rng or random.Random()
     bf16 = config.compression == "bf16"
     agreement = await read_agreement(dht, prefix, config)
-    donors = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng)
-    if not donors:
+    order = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng, only=donors)
+    if not order:
         raise StateSyncError(f"no peer serves state of epoch >= {min_epoch}")
+
+    async def verified(fetch: Callable[[Template], Awaitable[StateSnapshot]]) -> StateSnapshot:
+        nonlocal agreement
+        async with asyncio.timeout(config.download_timeout_s):
+            snapshot = await fetch(Template(expected, extra_prefix, max_extra_bytes, bf16))
+            agreement = await _check_digest(snapshot, dht, prefix, config, agreement, digest_of)
+            if verify is not None:
+                await asyncio.to_thread(verify, snapshot)
+        return snapshot
+
+    group = split_donors(
+        order, agreement.agreed, min_epoch=min_epoch, bf16=bf16, max_donors=config.max_split_donors
+    )
     reasons = []
-    for attempt, donor in enumerate(donors[: config.max_attempts]):
+    if len(group) >= 2:
+        try:
+            snapshot = await verified(
+                lambda template: download_split(
+                    transport, group, min_epoch=min_epoch, template=template
+                )
+            )
+            logger.info("downloaded state of epoch %d from %d donors", snapshot.epoch, len(group))
+            return snapshot
+        except DOWNLOAD_ERRORS as e:
+            reasons.append(f"{len(group)} donors at once: {_reason(e)}")
+            logger.warning("state download from %d donors failed: %s", len(group), _reason(e))
+    for attempt, donor in enumerate(order[: config.max_attempts]):
         if attempt:
             await asyncio.sleep(config.backoff_s * 2 ** (attempt - 1))
         address = donor.address
         try:
-            async with asyncio.timeout(config.download_timeout_s):
-                template = _Template(expected, extra_prefix, max_extra_bytes, bf16)
-                snapshot = await _download_from(transport, address, min_epoch, template)
-                agreement = await _check_digest(snapshot, dht, prefix, config, agreement, digest_of)
-                if verify is not None:
-                    await asyncio.to_thread(verify, snapshot)
+            snapshot = await verified(
+                functools.partial(_download_from, transport, address, min_epoch)
+            )
             logger.info("downloaded state of epoch %d from %s", snapshot.epoch, address)
             return snapshot
-        except (DHTError, StateSyncError, TimeoutError) as e:
-            reason = str(e) or type(e).__name__
-            reasons.append(f"{address}: {reason}")
-            logger.warning("state download from %s failed: %s", address, reason)
-        except (ValueError, TypeError, KeyError, RuntimeError, RecursionError) as e:
-            # what a donor's bytes made a check or a conversion raise: that donor's fault
-            reason = f"{type(e).__name__}: {str(e)[:200]}"
-            reasons.append(f"{address}: {reason}")
-            logger.warning("state download from %s failed: %s", address, reason)
+        except DOWNLOAD_ERRORS as e:
+            reasons.append(f"{address}: {_reason(e)}")
+            logger.warning("state download from %s failed: %s", address, _reason(e))
     raise StateSyncError("every donor failed: " + "; ".join(reasons))
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, (DHTError, StateSyncError, TimeoutError)):
+        return str(error) or type(error).__name__
+    # what a donor's bytes made a check or a conversion raise: that donor's fault
+    return f"{type(error).__name__}: {str(error)[:200]}"
 
 
 async def _check_digest(
@@ -194,88 +239,16 @@ async def _check_digest(
     return agreement
 
 
-@dataclass
-class _Template:
-    """What a download may contain; counts the extra bytes allocated so far."""
-
-    expected: Layout
-    extra_prefix: str | None
-    max_extra_bytes: int
-    compress: bool = False
-    extra_bytes: int = 0
-
-    def allocate(self, item: Any) -> tuple[str, torch.Tensor, torch.Tensor | None]:
-        """The tensor an entry of the donor's layout fills, and the buffer its bytes arrive in
-        when they travel in another dtype (None: straight into the tensor)."""
-        try:
-            name, dtype_name, shape, wire = item
-            dtype, shape = DTYPES[dtype_name], tuple(shape)
-        except (TypeError, ValueError, KeyError):
-            raise StateSyncError(f"malformed tensor entry {str(item)[:80]}") from None
-        if (
-            not isinstance(name, str)
-            or len(shape) > MAX_DIMS
-            or not all(
-                isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= MAX_COUNT
-                for size in shape
-            )
-        ):
-            raise StateSyncError(f"malformed tensor entry {str(item)[:80]}")
-        if wire != wire_name(dtype, self.compress):
-            raise StateSyncError(f"tensor {name[:80]} sent as {str(wire)[:16]}")
-        if name in self.expected:
-            if self.expected[name] != (dtype, shape):
-                raise StateSyncError(f"unexpected tensor {name[:80]} {dtype_name} {list(shape)}")
-        elif self.extra_prefix is not None and name.startswith(self.extra_prefix):
-            self.extra_bytes += math.prod(shape) * dtype.itemsize
-            if self.extra_bytes > self.max_extra_bytes:
-                raise StateSyncError(f"the donor's state exceeds {self.max_extra_bytes} bytes")
-        else:
-            raise StateSyncError(f"unexpected tensor {name[:80]}")
-        tensor = torch.empty(shape, dtype=dtype)
-        buffer = torch.empty(shape, dtype=DTYPES[wire]) if wire != dtype_name else None
-        return name, tensor, buffer
-
-
 async def _download_from(
-    transport: Transport, address: str, min_epoch: int, template: _Template
+    transport: Transport, address: str, min_epoch: int, template: Template
 ) -> StateSnapshot:
-    names = list(template.expected) if template.extra_prefix is None else None
-    request = {
-        "min_epoch": min_epoch,
-        "names": names,
-        "compression": "bf16" if template.compress else "none",
-    }
-    async with transport.open_stream(address, STREAM_NAME, request) as stream:
+    async with transport.open_stream(address, STREAM_NAME, template.request(min_epoch)) as stream:
         await stream.finish_sending()
         header = await stream.reply_header()
-        if not isinstance(header, dict) or header.get("epoch") is None:
-            raise StateSyncError("the donor has no state that recent")
-        epoch, layout = header["epoch"], header.get("tensors")
-        if (
-            isinstance(epoch, bool)
-            or not isinstance(epoch, int)
-            or not min_epoch <= epoch <= MAX_COUNT
-            or not isinstance(layout, list)
-        ):
-            raise StateSyncError("malformed state header")
-        tensors = {}
-        for item in layout:
-            name, tensor, buffer = template.allocate(item)
-            if name in tensors:
-                raise StateSyncError(f"tensor {name[:80]!r} sent twice")
-            view, filled = byte_view(tensor if buffer is None else buffer), 0
-            while filled < len(view):
-                num_bytes = await stream.recv_into(view[filled:])
-                if num_bytes is None:
-                    raise StateSyncError(f"state cut short inside tensor {name[:80]!r}")
-                filled += num_bytes
-            if buffer is not None:
-                await asyncio.to_thread(tensor.copy_, buffer)
-            tensors[name] = tensor
+        epoch, layout = check_header(header, min_epoch)
+        assembly = Assembly.allocate(template, layout)
+        for name, view in zip(assembly.names, assembly.views, strict=True):
+            await read_into(stream, view, name)
         if await stream.recv() is not None:
             raise StateSyncError("more state bytes than the header announced")
-        if missing := set(template.expected) - set(tensors):
-            raise StateSyncError(f"the donor lacks {len(missing)} tensors, e.g. {min(missing)!r}")
-    metadata = header.get("metadata")
-    return StateSnapshot(epoch, tensors, metadata if isinstance(metadata, dict) else {})
+    return await assembly.finish(epoch, header.get("metadata"))

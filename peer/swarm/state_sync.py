@@ -34,15 +34,21 @@ from dht.config import get_dht_time
 from dht.errors import ConfigError, DHTError
 from dht.kademlia.node import DHTNode
 from dht.kademlia.validation import owner_subkey
+from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
-from peer.records.schema import MAX_COUNT
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, state_key
-from peer.swarm.state_digest import bf16_rounded_bits, state_digest
+from peer.swarm.state_digest import state_digest
+from peer.swarm.state_serve import (
+    COMPRESSIONS,
+    MAX_PARTS,
+    ServeLimits,
+    parse_request,
+    serve_snapshot,
+)
 
 logger = logging.getLogger(__name__)
 STREAM_NAME = "state.get"
-COMPRESSIONS = ("none", "bf16")
 DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -92,6 +98,20 @@ class StateSyncConfig:
             peers at its epoch (fewer when fewer peers announce at all).
         compression: how a downloader asks for float32 tensors: ``none`` (exact) or ``bf16``
             (half the bytes; see the module docstring).
+        max_streams: state streams a donor serves at once, in all.
+        max_streams_per_peer: of those, at most this many per proven peer id.
+        max_streams_per_address: and this many per source address (an IPv6 /64 is one).
+        max_split_donors: a download asks up to this many donors that serve the same agreed
+            state for one part of it each (:mod:`peer.swarm.state_split`); 1 never splits.
+        max_old_snapshots: snapshots the donor has moved past that its streams may still keep
+            in memory; the streams of older ones are cut (:mod:`peer.swarm.state_serve`).
+        serve_timeout_s: the longest a donor serves one stream, in seconds.
+        resync_min_epochs: a replica that differs from the agreed one is re-synced at most once
+            per this many epochs, twice as many after each re-sync that did not bring it in
+            line (:mod:`peer.swarm.state_resync`).
+        resync_max_epochs: the most epochs between two re-syncs.
+        resync_check_s: how often a peer looks whether its replica differs, in seconds (one
+            read of the announcements per epoch at most).
     """
 
     announce_interval_s: float = 5.0
@@ -102,15 +122,46 @@ class StateSyncConfig:
     backoff_s: float = 0.5
     min_agreement: int = 2
     compression: str = "none"
+    max_streams: int = 16
+    max_streams_per_peer: int = 2
+    max_streams_per_address: int = 4
+    max_old_snapshots: int = 2
+    serve_timeout_s: float = 600.0
+    max_split_donors: int = 3
+    resync_min_epochs: int = 2
+    resync_max_epochs: int = 64
+    resync_check_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ConfigError(
                 f"compression must be one of {COMPRESSIONS}, got {self.compression!r}"
             )
-        for name in ("announce_interval_s", "record_ttl_s", "download_timeout_s", "backoff_s"):
+        for name in (
+            "announce_interval_s",
+            "record_ttl_s",
+            "download_timeout_s",
+            "backoff_s",
+            "serve_timeout_s",
+            "resync_check_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in (
+            "max_streams",
+            "max_split_donors",
+            "max_streams_per_peer",
+            "max_streams_per_address",
+            "resync_min_epochs",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_split_donors > MAX_PARTS:
+            raise ConfigError(f"max_split_donors must be <= {MAX_PARTS}")
+        if self.max_old_snapshots < 0:
+            raise ConfigError(f"max_old_snapshots must be >= 0, got {self.max_old_snapshots}")
+        if self.resync_max_epochs < self.resync_min_epochs:
+            raise ConfigError("resync_max_epochs must be >= resync_min_epochs")
         if self.chunk_bytes < 1024:
             raise ConfigError(f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
         if self.max_attempts < 1:
@@ -141,45 +192,6 @@ DigestFn = Callable[[StateSnapshot, bool], str]
 def default_digest(snapshot: StateSnapshot, bf16: bool) -> str:
     """The digest of every tensor of ``snapshot`` (no optimizer structure)."""
     return state_digest(snapshot.epoch, snapshot.tensors, bf16=bf16)
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def bf16_wire_bytes(tensor: torch.Tensor) -> bytes:
-    """A float32 tensor as bfloat16 on the wire (little-endian), rounded as the bf16 digest
-    rounds it, in numpy: off torch's thread pool, since this runs beside the training thread."""
-    return (bf16_rounded_bits(tensor) >> 16).astype("<u2").tobytes()
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def wire_name(dtype: torch.dtype, compress: bool) -> str:
-    """How a tensor of ``dtype`` travels: bfloat16 for float32 under compression, else as is."""
-    return "bfloat16" if compress and dtype == torch.float32 else dtype_name(dtype)
-
-
-def _request(header: object) -> tuple[int, list | None, bool] | None:
-    """``(min_epoch, names or None, bf16)`` of a well-typed ``state.get`` request, else None."""
-    if not isinstance(header, dict):
-        return None
-    wanted, names, compression = (
-        header.get("min_epoch", 0),
-        header.get("names"),
-        header.get("compression", "none"),
-    )
-    if isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 <= wanted <= MAX_COUNT:
-        return None
-    if names is not None and not (
-        isinstance(names, list) and all(isinstance(n, str) for n in names)
-    ):
-        return None
-    if compression not in COMPRESSIONS:
-        return None
-    return wanted, names, compression == "bf16"
 
 
 class StateServer:
@@ -221,6 +233,13 @@ class StateServer:
         self._last_announce = -math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
         self._announcer = Periodic(self.announce, config.announce_interval_s, "state-announce")
+        self.limits = ServeLimits(
+            max_streams=config.max_streams,
+            max_streams_per_peer=config.max_streams_per_peer,
+            max_streams_per_address=config.max_streams_per_address,
+            max_old_snapshots=config.max_old_snapshots,
+            serve_timeout_s=config.serve_timeout_s,
+        )
         transport.add_stream_handler(STREAM_NAME, self._serve)
 
     def update(self, snapshot: StateSnapshot) -> None:
@@ -241,6 +260,7 @@ class StateServer:
 
     def _start_digesting(self, snapshot: StateSnapshot) -> None:
         self._pending.append(snapshot)
+        self.limits.moved_on(self._current_ids())
         if self._digest_task is None or self._digest_task.done():
             self._digest_task = asyncio.create_task(
                 self._digest_and_announce(), name="state-digest"
@@ -264,6 +284,8 @@ class StateServer:
             if wait_s <= 0:
                 break
             await asyncio.sleep(wait_s)  # then digest what came meanwhile, and announce it all
+            if not self._pending and self.served is self._digested:
+                return  # the periodic announcement (more frequent than the gap) published it
         await self.announce()
 
     async def settle(self) -> None:
@@ -278,37 +300,26 @@ class StateServer:
         return self.digest_fn(snapshot, False), self.digest_fn(snapshot, True)
 
     async def _serve(self, stream: IncomingStream) -> None:
-        request = _request(stream.header)
+        request = parse_request(stream.header)
         snapshot = self.snapshot
         served = self.served
-        fits = served is not None and request is not None and served.epoch >= request[0]
+        fits = served is not None and request is not None and served.epoch >= request.min_epoch
         if fits and not self._newest_verifiable():
             snapshot = served
-        if snapshot is None or request is None or snapshot.epoch < request[0]:
+        if snapshot is None or request is None or snapshot.epoch < request.min_epoch:
             await stream.reply({"epoch": None})
             return
-        _, names, compress = request
-        wanted = None if names is None else set(names)
-        chosen = {
-            name: tensor
-            for name, tensor in snapshot.tensors.items()
-            if wanted is None or name in wanted
-        }
-        layout = [
-            [name, dtype_name(t.dtype), list(t.shape), wire_name(t.dtype, compress)]
-            for name, t in chosen.items()
-        ]
-        await stream.reply(
-            {"epoch": snapshot.epoch, "tensors": layout, "metadata": snapshot.metadata}
-        )
-        step = self.config.chunk_bytes
-        for tensor in chosen.values():
-            if compress and tensor.dtype == torch.float32:
-                view = memoryview(await asyncio.to_thread(bf16_wire_bytes, tensor))
-            else:
-                view = byte_view(tensor)
-            for start in range(0, len(view), step):
-                await stream.send(view[start : start + step])
+        try:
+            await serve_snapshot(
+                stream, snapshot, request, chunk_bytes=self.config.chunk_bytes, limits=self.limits
+            )
+        except OverShare as e:  # before anything was sent: the downloader tries another donor
+            await stream.reply({"epoch": None, "busy": str(e)})
+
+    def _current_ids(self) -> set[int]:
+        """The snapshots the server itself keeps (streams of others are "old")."""
+        held = [self.snapshot, self.served, self._digested, *self._pending]
+        return {id(s) for s in held if s is not None}
 
     async def announce(self) -> None:
         """Publish the epoch served, the address and the digests of the last epochs once (with
@@ -316,7 +327,9 @@ class StateServer:
         snapshot = self._digested
         if snapshot is None or not self.digests:
             return
-        self.served = snapshot
+        if snapshot is not self.served:
+            self.served = snapshot
+            self.limits.moved_on(self._current_ids())
         self._last_announce = asyncio.get_running_loop().time()
         announcement = StateAnnouncement(
             self.dht.peer_id, snapshot.epoch, self.dht.address, tuple(self.digests)

@@ -15,7 +15,8 @@ from averaging.bounds import MAX_BANDWIDTH, MAX_WEIGHT, check_address
 from averaging.errors import ProtocolViolation
 from averaging.matchmaking.group import GroupInfo
 from averaging.matchmaking.search import CLIENT_RANK, Search
-from peer.swarm.state_sync import _request as parse_state_request
+from peer.swarm.state_serve import MAX_PARTS
+from peer.swarm.state_serve import parse_request as parse_state_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,6 +131,7 @@ def test_a_named_candidate_is_well_formed_or_ignored(raw):
             "min_epoch": st.integers(0, 10) | values,
             "names": st.lists(st.text(max_size=5), max_size=3) | values,
             "compression": st.sampled_from(["none", "bf16"]) | values,
+            "part": st.lists(st.integers(-2, 20), max_size=3) | values,
         },
     )
     | values
@@ -137,7 +139,7 @@ def test_a_named_candidate_is_well_formed_or_ignored(raw):
 def test_a_state_request_is_typed_or_answered_with_nothing(raw):
     request = parse_state_request(raw)
     if request is not None:
-        min_epoch, names, bf16 = request
-        assert isinstance(min_epoch, int) and 0 <= min_epoch < 2**53
-        assert names is None or all(isinstance(n, str) for n in names)
-        assert isinstance(bf16, bool)
+        assert isinstance(request.min_epoch, int) and 0 <= request.min_epoch < 2**53
+        assert request.names is None or all(isinstance(n, str) for n in request.names)
+        assert isinstance(request.compress, bool)
+        assert request.part is None or 0 <= request.part[0] < request.part[1] <= MAX_PARTS

@@ -37,12 +37,12 @@ def trained_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 @asynccontextmanager
-async def peer(initial: list[str], faults: Faults | None = None):
+async def peer(initial: list[str], faults: Faults | None = None, config: StateSyncConfig = CONFIG):
     identity = PeerIdentity.generate()
     http = HttpTransport(identity, TransportConfig())
     transport = FaultyTransport(http, faults) if faults else http
     node = DHTNode(transport=transport, identity=identity, config=DHTConfig(initial_peers=initial))
-    server = StateServer(transport=transport, dht=node, prefix="run", config=CONFIG)
+    server = StateServer(transport=transport, dht=node, prefix="run", config=config)
     async with http, node, server:
         yield transport, node, server
 

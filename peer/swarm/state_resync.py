@@ -1,0 +1,185 @@
+"""Replicas that disagree re-sync: a peer whose state differs from the one its swarm agrees on
+downloads that state instead of stepping on apart (issue 29, item 4).
+
+In ``grad`` mode every member of a full round applies the same averaged gradient to the same
+replica, so the digests honest peers announce for an epoch are equal bit for bit; one that
+differs stays apart for good (a round that failed and stepped alone, a group split, one level of
+a reduce lost). :class:`ReplicaCheck` runs on the event loop: after this peer's digest of an
+epoch is announced, it reads the announcements (:mod:`peer.records.state`) and asks
+:func:`peer.records.state.resync_target` whether another digest of that epoch beats its own
+(more peers, or as many and a smaller peer id, and never a stranger's alone). If so on two
+decisions in a row (a read apart, on later and later epochs), the training thread downloads that
+state between two steps from the peers that announce it
+(:meth:`peer.swarm.catch_up.StateCatchUp.resync`: exact, with every check of a download).
+
+Bounded: at most one re-sync per ``resync_min_epochs`` epochs, twice as many after each re-sync
+until an epoch's digest agrees again (up to ``resync_max_epochs``); a read of the
+announcements at most every ``resync_check_s`` and only when this peer announced a new epoch
+(a few reads, when nobody else announces it), none while a re-sync would not be allowed. Each
+re-sync is counted and logged as one WARNING line.
+
+A peer that downloaded its state as bfloat16 (``--state-compression bf16``) holds a replica
+rounded away from everyone's: it differs, and re-syncs once, exactly.
+
+Only in ``grad`` mode: in ``params`` mode the next round's average brings replicas together by
+itself, and in ``diloco`` each peer's outer momentum (which no digest covers, since it is not
+served) makes honest replicas' digests differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from dht.errors import DHTError
+from dht.kademlia.node import DHTNode
+from peer.records.state import ResyncTarget, resync_target
+from peer.swarm.state_download import read_announcements
+from peer.swarm.state_sync import StateServer, StateSyncConfig
+
+logger = logging.getLogger(__name__)
+# Reads of an epoch's announcements while nobody else has announced it, before it is let go.
+MAX_READS_PER_EPOCH = 3
+# Decisions in a row (each on a later epoch, a read apart) that this replica lost, before it is
+# re-synced: one read can catch a peer that is re-syncing itself between its old digest and its
+# new one (its old one would win a tie), or before everyone announced the epoch.
+NUM_CONFIRMATIONS = 2
+# The longest the check waits after failures, in check intervals.
+MAX_BACKOFF = 64
+
+
+class Resyncer(Protocol):
+    """What the collaborative optimizer asks between steps (:mod:`peer.swarm.catch_up`)."""
+
+    def resync_due(self) -> bool:
+        """Whether this peer's replica should be replaced now (cheap: no I/O)."""
+        ...
+
+    def resync(self, epoch: int) -> int | None:
+        """Download the agreed state of ``epoch`` or later; the epoch loaded, or None."""
+        ...
+
+
+class ReplicaCheck:
+    """Decides, on the event loop, whether this peer's replica should be re-synced.
+
+    Args:
+        dht: the node that reads the announcements.
+        prefix: the run's key prefix.
+        server: this peer's state server (its digests, and what it has announced).
+        partners: the peers this one averaged with lately (read on the event loop).
+        config: the re-sync's bounds and the check's interval.
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: DHTNode,
+        prefix: str,
+        server: StateServer,
+        partners: Callable[[], frozenset[str]],
+        config: StateSyncConfig,
+    ):
+        self.dht = dht
+        self.prefix = prefix
+        self.server = server
+        self.partners = partners
+        self.config = config
+        self._lock = threading.Lock()
+        self._target: ResyncTarget | None = None
+        self._settled_epoch = -1  # the newest epoch decided
+        self._num_lost = 0  # decisions in a row that another digest beat this replica's
+        self._reads: dict[int, int] = {}  # epoch -> reads that found nobody else there
+        self._gap_epochs = config.resync_min_epochs
+        self._next_allowed_epoch = 0
+        self.num_reads = 0
+        self.num_failures = 0  # checks that raised (a bug), logged once
+        self._task: asyncio.Task | None = None
+
+    # ---- the training thread's side ----------------------------------------------------------
+
+    def due(self) -> bool:
+        return self._target is not None
+
+    def take(self, epoch: int) -> ResyncTarget | None:
+        """The target to re-sync to now (at ``epoch``), cleared; the next re-sync waits
+        ``_gap_epochs`` epochs, and the gap doubles until an epoch agrees again."""
+        with self._lock:
+            target, self._target = self._target, None
+            if target is not None:
+                self._num_lost = 0
+                self._next_allowed_epoch = epoch + self._gap_epochs
+                self._gap_epochs = min(2 * self._gap_epochs, self.config.resync_max_epochs)
+            return target
+
+    # ---- the event loop's side ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="replica-check")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        backoff = 1
+        while True:
+            await asyncio.sleep(self.config.resync_check_s * backoff)
+            try:
+                await self.check()
+                backoff = 1
+            except DHTError as e:  # the next check reads again
+                logger.debug("replica check: %s", str(e) or type(e).__name__)
+            except Exception:  # a bug: said once, counted, and the check goes on, slower
+                self.num_failures += 1
+                if self.num_failures == 1:
+                    logger.exception("the replica check failed; it goes on with backoff")
+                backoff = min(2 * backoff, MAX_BACKOFF)
+
+    async def check(self) -> ResyncTarget | None:
+        """One look: the target set (None when the replica stands or nothing is known yet).
+
+        It decides on this peer's newest announced epoch that others announced too (with
+        epochs shorter than the check's interval, the newest may not be announced by others
+        yet, and the one before it is)."""
+        served = self.server.served
+        announced = served.epoch if served is not None else -1
+        own = [d for d in list(self.server.digests) if d.epoch <= announced]
+        if not own or own[-1].epoch <= self._settled_epoch:
+            return None  # nothing new announced since the last decision
+        if own[-1].epoch < self._next_allowed_epoch:
+            return None  # a re-sync would not be allowed: no read
+        self.num_reads += 1
+        announcements = await read_announcements(self.dht, self.prefix)
+        theirs = {d.epoch for a in announcements for d in a.digests}
+        decided = next((d for d in reversed(own) if d.epoch in theirs), None)
+        if decided is None or decided.epoch <= self._settled_epoch:
+            newest = own[-1].epoch
+            self._reads[newest] = self._reads.get(newest, 0) + 1
+            if self._reads[newest] >= MAX_READS_PER_EPOCH:
+                self._settle(newest)  # nobody else is at this epoch: let it go
+            return None
+        target = resync_target(
+            announcements,
+            own=decided,
+            own_id=self.dht.peer_id,
+            partners=self.partners(),
+            min_peers=self.config.min_agreement,
+        )
+        self._settle(decided.epoch)
+        self._num_lost = self._num_lost + 1 if target is not None else 0
+        with self._lock:
+            if target is None:
+                self._gap_epochs = self.config.resync_min_epochs  # in line again
+            elif self._num_lost >= NUM_CONFIRMATIONS:
+                self._target = target
+        return target
+
+    def _settle(self, epoch: int) -> None:
+        self._settled_epoch = epoch
+        self._reads = {e: n for e, n in self._reads.items() if e > epoch}
