@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from averaging.allreduce.butterfly import run_allreduce
@@ -155,6 +155,7 @@ class DecentralizedAverager:
         compression: Compression | str | None = None,
         target_group_size: int | None = None,
         expected_peers: int | None = None,
+        stop_when: Callable[[], str | None] | None = None,
     ) -> RoundResult:
         """Find a group and average the tensors with it, in place.
 
@@ -173,6 +174,11 @@ class DecentralizedAverager:
                 and when they cannot all fit in one group the rows' means are averaged at a
                 second level so that every row ends with the global mean
                 (:mod:`averaging.levels`; the weighted mean only).
+            stop_when: asked on the event loop between the search's reads of the DHT while
+                this peer is in no group in the making (:class:`SearchOptions`); a reason ends
+                the search at once with an "alone" result giving that reason. For a caller
+                that learns nobody will come (its epoch's peers moved on) before the
+                matchmaking time is out. Cheap and non-blocking.
 
         Returns:
             The round's result; "alone" when no group formed (the tensors are untouched).
@@ -201,6 +207,8 @@ class DecentralizedAverager:
             self._compression = compression
             base = self.matchmaking_key(epoch)
             key, options = row_search(self.config, self.peer_id, base, plan)
+            if stop_when is not None:
+                options = dataclasses.replace(options or SearchOptions(), stop_when=stop_when)
             waits = self.deadlines.snapshot()
             start = loop.time()
             rows_s = min(waits["matchmaking_s"], timeout_s)
@@ -217,7 +225,7 @@ class DecentralizedAverager:
             # the latest any row search of this round gives up (the waits adapt per peer)
             rows_end = start + min(self.config.matchmaking_time_s, timeout_s)
             top = TopRound(f"{base}.top", plan, rows_end)
-            if match.group is None and options is not None and options.top_rows:
+            if match.group is None and not match.stopped and options and options.top_rows:
                 solo = await self._solo(weight, top, options.top_rows, deadline)
                 if solo is not None:
                     return await self._end(key, solo, phase_s, waits)
@@ -254,13 +262,14 @@ class DecentralizedAverager:
         compression: Compression | str | None = None,
         target_group_size: int | None = None,
         expected_peers: int | None = None,
+        stop_when: Callable[[], str | None] | None = None,
     ) -> RoundResult:
         """:meth:`step` from a thread outside the event loop (the training loop's facade).
 
         Args:
             runner: the event-loop thread this averager's transport runs on.
-            weight, epoch, timeout_s, compression, target_group_size, expected_peers: as for
-                :meth:`step`.
+            weight, epoch, timeout_s, compression, target_group_size, expected_peers,
+                stop_when: as for :meth:`step`.
 
         Raises:
             PeerTimeoutError: the step did not end within its own bound plus a few seconds.
@@ -275,6 +284,7 @@ class DecentralizedAverager:
             compression=compression,
             target_group_size=target_group_size,
             expected_peers=expected_peers,
+            stop_when=stop_when,
         )
         try:
             return runner.run(step, timeout_s=bound_s)

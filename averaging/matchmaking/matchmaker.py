@@ -203,6 +203,7 @@ class Matchmaker:
             max_weight_ratio=ratio,
             partners=_partners_under_key(self.partners, options),
             top_rows=options.top_rows,
+            stop_when=options.stop_when,
         )
         search.started = search.last_arrival = loop.time()
         search.strangers_after = loop.time() + timeout_s / 2
@@ -219,6 +220,9 @@ class Matchmaker:
             remaining_s = search.deadline - loop.time()
             if remaining_s <= 0:
                 return self._close(search)
+            stop_reason = search.stop_reason()
+            if stop_reason is not None:
+                return MatchResult(None, stop_reason, stopped=True)
             if candidates is None:
                 candidates = await self._unless_formed(
                     search, read_candidates(self._dht, search, self._config, remaining_s)

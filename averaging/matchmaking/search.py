@@ -42,10 +42,12 @@ class Candidate:
 
 @dataclass(frozen=True)
 class MatchResult:
-    """A formed group, or None and why not (the caller then steps alone)."""
+    """A formed group, or None and why not (the caller then steps alone); ``stopped`` when the
+    caller's ``stop_when`` ended the search before its time."""
 
     group: GroupInfo | None
     reason: str = ""
+    stopped: bool = False
 
     @classmethod
     def of(cls, outcome: Any) -> MatchResult:
@@ -67,6 +69,11 @@ class SearchOptions:
             off for the second level, where every delegate must meet every other.
         under_key: which partners can be under this search's key (None: all); with a sharded
             key, those of the same bucket (the others never come: no seat is kept for them).
+        stop_when: asked between reads of the key while this peer neither follows a leader
+            nor has followers; a reason ends the search at once ("alone", ``stopped``), None
+            goes on. The caller's way to learn that nobody will come any more (e.g. the peers
+            of this epoch moved on) without waiting out the matchmaking time. Runs on the
+            event loop: it must be cheap and must not block.
     """
 
     sizes: SizePlan | None = None
@@ -75,6 +82,7 @@ class SearchOptions:
     count: int = 1
     with_partners: bool = True
     under_key: Callable[[str], bool] | None = None
+    stop_when: Callable[[], str | None] | None = None
 
 
 SETTLED, NEWCOMER = b"\x00", b"\x01"
@@ -161,6 +169,16 @@ class Search:
     top_rows: int = 0  # written into a group this peer forms
     taken: set[str] = field(default_factory=set)  # in other groups (their leaders said so)
     last_arrival: float = 0.0  # loop time a follower last arrived or a peer was first seen
+    stop_when: Callable[[], str | None] | None = None  # see SearchOptions
+
+    def stop_reason(self) -> str | None:
+        """Why the caller ends this search now, or None: asked only while this peer neither
+        follows a leader nor has followers (a group in the making is never abandoned)."""
+        if self.stop_when is None or self.following is not None:
+            return None
+        if self.term is not None and self.term.followers:
+            return None
+        return self.stop_when()
 
     def __post_init__(self) -> None:
         if self.sizes is None:

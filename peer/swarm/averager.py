@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,6 +21,8 @@ from peer.swarm.round import failed
 
 # How much longer than the round's own bound the training thread waits for it.
 FACADE_SLACK_S = 5.0
+# The reason of a round that stopped looking because the swarm had left its epoch.
+MOVED_ON = "the swarm moved on to epoch"
 
 
 class SwarmAverager:
@@ -31,7 +33,9 @@ class SwarmAverager:
     averager reports when it returns, then moves to ``allreduce``. ``expected_peers`` (the
     peers known to be at this epoch) goes to the averager: one group when they fit in one,
     else balanced rows whose means are averaged again so that every row ends with the same
-    model (:mod:`averaging.levels`).
+    model (:mod:`averaging.levels`). ``moved_on`` (the swarm's epoch once it has left the
+    round's epoch for good, else None) ends a search for a group as soon as it says so: an
+    "alone" result whose reason starts with :data:`MOVED_ON` (nobody is coming).
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class SwarmAverager:
         epoch: int,
         timeout_s: float,
         expected_peers: int,
+        moved_on: Callable[[], int | None] | None = None,
     ) -> RoundResult:
         self._check(tensors)
         with self.clock.phase("matchmaking"):
@@ -65,6 +70,7 @@ class SwarmAverager:
                     epoch=epoch,
                     timeout_s=timeout_s,
                     expected_peers=max(1, expected_peers),
+                    stop_when=None if moved_on is None else _stop_when(moved_on),
                 )
             except AveragingError as e:
                 return failed(epoch, str(e) or type(e).__name__)
@@ -90,6 +96,25 @@ class SwarmAverager:
         )
         future = self.loop_thread.submit(asyncio.wait_for(step, timeout_s + FACADE_SLACK_S))
         return PendingRound(self, future, epoch)
+
+
+def _stop_when(moved_on: Callable[[], int | None]) -> Callable[[], str | None]:
+    def stop_when() -> str | None:
+        swarm_epoch = moved_on()
+        return None if swarm_epoch is None else f"{MOVED_ON} {swarm_epoch}"
+
+    return stop_when
+
+
+def moved_on_to(result: RoundResult) -> int | None:
+    """The swarm's epoch when ``result`` is a round that stopped looking because the swarm had
+    left its epoch (``moved_on``), else None."""
+    if result.status != "alone" or not result.reason.startswith(MOVED_ON):
+        return None
+    try:
+        return int(result.reason[len(MOVED_ON) :])
+    except ValueError:
+        return None
 
 
 class PendingRound:

@@ -28,6 +28,7 @@ from typing import TypeVar
 
 import torch
 
+from dht.errors import DHTError
 from dht.runtime import EventLoopThread
 from peer.profiling.phases import PhaseClock
 from peer.run.config import PeerConfig
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 RESYNC_COOLDOWN_S = 2.0
 # How often a download in progress looks whether the peer was told to stop.
 STOP_POLL_S = 0.2
+# Bound on publishing this peer's record and reading the others' right after a download.
+ARRIVAL_REFRESH_TIMEOUT_S = 2.0
 T = TypeVar("T")
 
 
@@ -145,7 +148,20 @@ class StateCatchUp:
             self._last_failed_s = time.monotonic()
         else:  # serve (and vouch for) the state this peer now holds
             self.services.state_server.update(self.snapshot(reached))
+            self._announce_arrival(reached)
         return reached
+
+    def _announce_arrival(self, epoch: int) -> None:
+        """Publish at once that this peer is at ``epoch`` now, and read the swarm anew. With
+        epochs shorter than a publishing interval or two, the peers of ``epoch`` would start
+        its round before they saw this peer there (a round sized for them alone closes
+        without it), and this peer would go by an estimate from before its download."""
+        tracker = self.services.tracker
+        tracker.report_local_progress(epoch, 0)
+        try:  # publishing and reading warn and go on when the network fails
+            self.loop_thread.run(tracker.refresh(), timeout_s=ARRIVAL_REFRESH_TIMEOUT_S)
+        except DHTError as e:  # the next periodic refresh tries again
+            logger.debug("refresh after the download: %s", e)
 
     def catch_up(self, swarm_epoch: int, *, epoch: int) -> int:
         """This peer at ``epoch`` is behind the swarm's ``swarm_epoch``: download, unless a

@@ -261,6 +261,8 @@ class CollaborativeOptimizer:
         if self._alone:  # nobody else in the swarm: no matchmaking wait for a group of one
             result = alone(self.epoch)
         else:
+            # nobody comes once the swarm has left this epoch: stop looking, catch up at once
+            round_args["moved_on"] = _moved_on(self.progress, self.epoch)
             result = self.averager.average(tensors, **round_args)
             for _ in range(MAX_EARLY_ROUNDS - 1):
                 if not self._early(result):
@@ -393,6 +395,25 @@ def make_contribution(
         outer_lr=config.outer_lr,
         outer_momentum=config.outer_momentum,
     )
+
+
+def has_left(swarm: GlobalProgress, epoch: int) -> bool:
+    """Whether the swarm has left ``epoch`` for good: two or more epochs on, or one on with
+    nobody else's record still at ``epoch`` (as ``CollaborativeOptimizer._behind`` reads it)."""
+    if swarm.epoch <= epoch:
+        return False
+    return swarm.epoch > epoch + 1 or not any(peer.epoch == epoch for peer in swarm.peers[1:])
+
+
+def _moved_on(progress: ProgressSource, epoch: int) -> Callable[[], int | None]:
+    """Asked on the event loop while a round of ``epoch`` looks for a group: the swarm's epoch
+    once it has left ``epoch`` (nobody will come any more), else None."""
+
+    def moved_on() -> int | None:
+        swarm = progress.current()
+        return swarm.epoch if has_left(swarm, epoch) else None
+
+    return moved_on
 
 
 def _step_s(swarm: GlobalProgress, context: StepContext) -> float:

@@ -9,7 +9,7 @@ that the round record publishes (the hivemind backend builds its results the sam
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,7 +47,11 @@ class TensorAverager(Protocol):
         epoch: int,
         timeout_s: float,
         expected_peers: int,
-    ) -> RoundResult: ...
+        moved_on: Callable[[], int | None] | None = None,
+    ) -> RoundResult:
+        """``moved_on``: asked while looking for a group; an epoch once the swarm has left
+        this one (nobody will come), which ends the search at once ("alone")."""
+        ...
 
     def start_average(
         self,
