@@ -66,6 +66,10 @@ async def _run_peer(peer: SwarmPeer) -> None:
 
 def _process_facts(peers: list[SwarmPeer], since: dict[str, Any]) -> dict[str, Any]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    by_rpc: dict[str, int] = {}
+    for peer, before in zip(peers, since["rpc"], strict=True):
+        for name, moved in peer.rpc_bytes().items():
+            by_rpc[name] = by_rpc.get(name, 0) + moved - before.get(name, 0)
     nodes = []
     for peer, (sent0, recv0), mm0 in zip(peers, since["dht"], since["mm"], strict=True):
         sent, recv = peer.dht_bytes()
@@ -83,6 +87,7 @@ def _process_facts(peers: list[SwarmPeer], since: dict[str, Any]) -> dict[str, A
         "wall_s": time.monotonic() - since["wall_s"],
         "rss_peak_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
         "nodes": nodes,
+        "rpc_bytes": by_rpc,
     }
 
 
@@ -110,6 +115,7 @@ async def main() -> None:
             "wall_s": time.monotonic(),
             "dht": [p.dht_bytes() for p in peers],
             "mm": [p.matchmaking_bytes() for p in peers],
+            "rpc": [p.rpc_bytes() for p in peers],
         }
         tasks = [asyncio.create_task(_run_peer(p)) for p in peers]
         try:

@@ -110,6 +110,10 @@ class SwarmPeer:
         """Stop publishing, leave the DHT, stop serving (in that order)."""
         await self._stack.aclose()
 
+    def rpc_bytes(self) -> dict[str, int]:
+        """Body bytes sent and received so far by this node's RPCs, both sides, per name."""
+        return {n: c.sent + c.recv for n, c in list(self.transport.counters.per_rpc.items())}
+
     def dht_bytes(self) -> tuple[int, int]:
         """(sent, received) body bytes of this node's DHT RPCs so far, both sides."""
         sent = recv = 0

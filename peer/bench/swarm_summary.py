@@ -8,6 +8,7 @@ import base64
 import itertools
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,11 @@ def _percentile(values: list[float], fraction: float) -> float | None:
 
 def _significant(value: float) -> float:
     return float(f"{value:.3g}")
+
+
+def _largest(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return _significant(max(values)) if values else None
 
 
 def _in_group(fact: dict[str, Any]) -> bool:
@@ -78,6 +84,15 @@ def _node_rates(processes: list[dict]) -> list[float]:
     return rates
 
 
+def _rpc_rates(processes: list[dict], peer_seconds: float) -> dict[str, int]:
+    """Body bytes per peer and second of each RPC (both sides), by name, busiest first."""
+    totals: dict[str, int] = defaultdict(int)
+    for process in processes:
+        for name, moved in process["rpc_bytes"].items():
+            totals[name] += moved
+    return {n: round(b / peer_seconds) for n, b in sorted(totals.items(), key=lambda x: -x[1])}
+
+
 def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """The benchmark's JSON object (the contract fields are in docs/BENCHMARKS.md)."""
     num_peers, seed, size = config["num_peers"], config["seed"], config["size"]
@@ -99,11 +114,9 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
         "round_s_p95": _percentile([f["round_s"] for f in measured], 0.95),
         "matchmaking_s_p50": _percentile([f["matchmaking_s"] for f in averaged], 0.5),
         "in_group_fraction": round(len(averaged) / len(measured), 4) if measured else None,
-        "replica_spread": _significant(max((d["replica_spread"] for d in details), default=0.0)),
+        "replica_spread": _largest(d["replica_spread"] for d in details),
         "replica_spread_p50": _percentile([d["replica_spread"] for d in details], 0.5),
-        "exact_rel_err_max": _significant(
-            max((d["exact_rel_err_max"] for d in details), default=0.0)
-        ),
+        "exact_rel_err_max": _largest(d["exact_rel_err_max"] for d in details),
         "bytes_sent_per_peer_per_round": (
             round(statistics.mean(f["bytes_sent"] for f in measured)) if measured else None
         ),
@@ -114,6 +127,7 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
             sum(n["matchmaking_bytes"] for p in processes for n in p["nodes"])
             / max(num_peers * wall_s, 1e-9)
         ),
+        "rpc_bytes_per_peer_per_s": _rpc_rates(processes, num_peers * max(wall_s, 1e-9)),
         "cpu_s_per_peer_per_round": (
             round(cpu_s / num_peer_rounds, 4) if num_peer_rounds else None
         ),
@@ -137,7 +151,7 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
         "seconds": round(wall_s, 2),
         "round_details": [
             {
-                k: (round(v, 6) if isinstance(v, float) else v)
+                k: (_significant(v) if isinstance(v, float) else v)
                 for k, v in d.items()
                 if k != "end_time"
             }
