@@ -47,9 +47,13 @@ class SwarmBenchConfig:
         epoch_s: the epoch length the default target batch size aims at, in seconds.
         step_s: one local step, in seconds (the peer reads the swarm's estimate after each).
         publish_interval_s: how often a peer publishes and reads progress, in seconds.
-        matchmaking_time_s: the averager's bound on looking for a group, in seconds.
+        matchmaking_time_s: the averager's bound on looking for a group, in seconds (None: 5,
+            and num_peers / 5 above 25 peers: on one host every DHT request of the swarm
+            shares its cores; at 64 peers on 2 cores the announce and the first read of the
+            matchmaking key took about 3 s each, and 5 s formed no group at all).
         allreduce_timeout_s: the averager's bound on one all-reduce, in seconds.
-        rpc_timeout_s: bound on one DHT request, in seconds.
+        rpc_timeout_s: bound on one DHT request, in seconds (None: 5, and num_peers / 16 above
+            80 peers).
         seed: seeds the peers' rates and vectors.
         timeout_s: bound on the whole run, in seconds (None: from the other settings).
         log_level: the peers' log level (their lines go to stderr).
@@ -67,9 +71,9 @@ class SwarmBenchConfig:
     epoch_s: float = 8.0
     step_s: float = 0.5
     publish_interval_s: float = 2.0
-    matchmaking_time_s: float = 5.0
+    matchmaking_time_s: float | None = None
     allreduce_timeout_s: float = 30.0
-    rpc_timeout_s: float = 5.0
+    rpc_timeout_s: float | None = None
     seed: int = 0
     timeout_s: float | None = None
     log_level: str = "ERROR"
@@ -85,11 +89,13 @@ class SwarmBenchConfig:
         if self.num_warmup_rounds < 0:
             raise ValueError(f"num_warmup_rounds must be >= 0, got {self.num_warmup_rounds}")
         for name in ("samples_per_s", "epoch_s", "step_s", "publish_interval_s",
-                     "matchmaking_time_s", "allreduce_timeout_s", "rpc_timeout_s"):  # fmt: skip
+                     "allreduce_timeout_s"):  # fmt: skip
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
-        if self.seconds is not None and not 0 < self.seconds < math.inf:
-            raise ValueError(f"seconds must be positive, got {self.seconds}")
+        for name in ("seconds", "matchmaking_time_s", "rpc_timeout_s", "timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number, got {value}")
         if self.target_batch_size is not None and self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
 
@@ -101,6 +107,20 @@ class SwarmBenchConfig:
         return max(1, round(self.num_peers * self.samples_per_s * self.epoch_s))
 
     @property
+    def matchmaking_s(self) -> float:
+        """The matchmaking time used (given, or scaled with the swarm)."""
+        if self.matchmaking_time_s is not None:
+            return self.matchmaking_time_s
+        return max(5.0, self.num_peers / 5)
+
+    @property
+    def rpc_s(self) -> float:
+        """The DHT request timeout used (given, or scaled with the swarm)."""
+        return (
+            self.rpc_timeout_s if self.rpc_timeout_s is not None else max(5.0, self.num_peers / 16)
+        )
+
+    @property
     def num_processes(self) -> int:
         return math.ceil(self.num_peers / self.peers_per_process)
 
@@ -110,7 +130,7 @@ class SwarmBenchConfig:
             return self.timeout_s
         startup_s = 60.0 + 0.5 * self.num_peers
         epoch_s = self.batch_size / (self.num_peers * self.samples_per_s)
-        round_s = self.matchmaking_time_s + self.allreduce_timeout_s
+        round_s = self.matchmaking_s + self.allreduce_timeout_s
         if self.seconds is not None:
             return startup_s + self.seconds + round_s + 60.0
         num_epochs = self.num_rounds + self.num_warmup_rounds
@@ -132,12 +152,12 @@ class SwarmBenchConfig:
             },
             "averager": {
                 "target_group_size": self.target_group_size,
-                "matchmaking_time_s": self.matchmaking_time_s,
+                "matchmaking_time_s": self.matchmaking_s,
                 "allreduce_timeout_s": self.allreduce_timeout_s,
-                "request_timeout_s": self.rpc_timeout_s,
+                "request_timeout_s": self.rpc_s,
             },
-            "step_timeout_s": self.matchmaking_time_s + self.allreduce_timeout_s,
-            "rpc_timeout_s": self.rpc_timeout_s,
+            "step_timeout_s": self.matchmaking_s + self.allreduce_timeout_s,
+            "rpc_timeout_s": self.rpc_s,
         }
 
 
@@ -268,7 +288,12 @@ async def run_swarm_bench_async(config: SwarmBenchConfig) -> dict[str, Any]:
             await asyncio.wait_for(child.process.wait(), _STOP_TIMEOUT_S)
     finally:
         await asyncio.gather(*(child.stop() for child in children))
-    return summarize(collected, dataclasses.asdict(config) | {"batch_size": config.batch_size})
+    resolved = {
+        "batch_size": config.batch_size,
+        "matchmaking_s": config.matchmaking_s,
+        "rpc_s": config.rpc_s,
+    }
+    return summarize(collected, dataclasses.asdict(config) | resolved)
 
 
 def run_swarm_bench(config: SwarmBenchConfig) -> dict[str, Any]:

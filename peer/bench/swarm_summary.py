@@ -62,6 +62,9 @@ def epoch_detail(facts: list[dict[str, Any]], seed: int, size: int) -> dict[str,
         "replica_spread": float(spread),
         "exact_rel_err_max": float(errors.max()),
         "end_time": max(f["end_time"] for f in facts),
+        # seconds between the first and the last peer of the epoch starting its round
+        "start_spread_s": max(f["end_time"] - f["round_s"] for f in facts)
+        - min(f["end_time"] - f["round_s"] for f in facts),
     }
 
 
@@ -148,6 +151,8 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
         "target_group_size": config["target_group_size"],
         "target_batch_size": config["batch_size"],
         "samples_per_s": config["samples_per_s"],
+        "matchmaking_time_s": config["matchmaking_s"],
+        "rpc_timeout_s": config["rpc_s"],
         "seconds": round(wall_s, 2),
         "round_details": [
             {

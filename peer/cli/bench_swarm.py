@@ -89,8 +89,18 @@ def add_bench_swarm_command(bench_sub) -> None:
         default=2.0,
         help="progress publishing interval, s (default: 2)",
     )
-    parser.add_argument("--matchmaking-time-s", type=positive_float, default=5.0, help="default: 5")
-    parser.add_argument("--rpc-timeout-s", type=positive_float, default=5.0, help="default: 5")
+    parser.add_argument(
+        "--matchmaking-time-s",
+        type=positive_float,
+        default=None,
+        help="the averager's matchmaking bound, s (default: 5, or peers / 5 when larger)",
+    )
+    parser.add_argument(
+        "--rpc-timeout-s",
+        type=positive_float,
+        default=None,
+        help="one DHT request's bound, s (default: 5, or peers / 16 when larger)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     parser.add_argument(
         "--timeout-s", type=positive_float, default=None, help="bound on the whole run"
