@@ -27,6 +27,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 _NUM_INITIAL_PEERS = 4  # the first process's first peers bootstrap the others
 _LINE_LIMIT_BYTES = 2**26  # a round line carries the replica (base64 float32)
 _STOP_TIMEOUT_S = 60.0  # a child answers "stop" with its facts within this
+_STATUS_INTERVAL_S = 30.0  # a line on stderr this often while the peers run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,6 +245,7 @@ async def _collect(children: list[_Child], config: SwarmBenchConfig, deadline: f
     started = time.monotonic()
     end = deadline if config.seconds is None else min(deadline, started + config.seconds)
     stopped = False
+    next_status_s = started + _STATUS_INTERVAL_S
     try:
         for child in children:
             child.send({"cmd": "go"})
@@ -261,6 +263,9 @@ async def _collect(children: list[_Child], config: SwarmBenchConfig, deadline: f
                 continue
             if isinstance(message, Exception):
                 raise message
+            if time.monotonic() >= next_status_s:  # a long run shows that it moves
+                next_status_s += _STATUS_INTERVAL_S
+                _print_status(collected, done, started)
             kind = message.get("type")
             if kind == "done":
                 done.add(message["rank"])
@@ -272,6 +277,18 @@ async def _collect(children: list[_Child], config: SwarmBenchConfig, deadline: f
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
     return collected
+
+
+def _print_status(collected: dict[str, list], done: set[int], started: float) -> None:
+    rounds: dict[int, int] = {}
+    for fact in collected["round"]:
+        rounds[fact["epoch"]] = rounds.get(fact["epoch"], 0) + 1
+    print(
+        f"peer bench swarm: {time.monotonic() - started:.0f} s, rounds per epoch {rounds}, "
+        f"{len(done)} peers done",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def run_swarm_bench_async(config: SwarmBenchConfig) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import itertools
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,6 +57,7 @@ def epoch_detail(facts: list[dict[str, Any]], seed: int, size: int) -> dict[str,
         "epoch": epoch,
         "ready": len(facts),
         "in_group": sum(_in_group(f) for f in facts),
+        "statuses": dict(sorted(Counter(f["status"] for f in facts).items())),
         "group_sizes": sorted(groups.values(), reverse=True),
         "expected_peers_p50": statistics.median(f["expected_peers"] for f in facts),
         "replica_spread": float(spread),
