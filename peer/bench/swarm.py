@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 from peer.bench.swarm_summary import summarize
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-_NUM_INITIAL_PEERS = 4  # the first process's first peers bootstrap the others
+_NUM_INITIAL_PEERS = 4  # a process's peers join through this many peers started before
 _LINE_LIMIT_BYTES = 2**26  # a round line carries the replica (base64 float32)
 _STOP_TIMEOUT_S = 60.0  # a child answers "stop" with its facts within this
 _STATUS_INTERVAL_S = 30.0  # a line on stderr this often while the peers run
@@ -207,17 +208,23 @@ async def _hello(child: _Child, timeout_s: float) -> list[str]:
 
 
 async def _start_children(config: SwarmBenchConfig) -> list[_Child]:
+    """The processes, one after another: each joins through peers of those before it (one
+    node that every peer bootstraps from at once answered none of them at 256 peers)."""
     ranks, per = list(range(config.num_peers)), config.peers_per_process
     chunks = [ranks[i : i + per] for i in range(0, len(ranks), per)]
     spec = config.child_spec()
     startup_s = 60.0 + 0.5 * config.num_peers
-    children = [await _Child.start(0, chunks[0], spec | {"initial_peers": []}, config.log_level)]
+    chooser = random.Random(config.seed)
+    children: list[_Child] = []
+    addresses: list[str] = []
     try:
-        addresses = await _hello(children[0], startup_s)
-        spec = spec | {"initial_peers": addresses[:_NUM_INITIAL_PEERS]}
-        for index, chunk in enumerate(chunks[1:], start=1):
-            children.append(await _Child.start(index, chunk, spec, config.log_level))
-        await asyncio.gather(*(_hello(child, startup_s) for child in children[1:]))
+        for index, chunk in enumerate(chunks):
+            initial = chooser.sample(addresses, min(_NUM_INITIAL_PEERS, len(addresses)))
+            child = await _Child.start(
+                index, chunk, spec | {"initial_peers": initial}, config.log_level
+            )
+            children.append(child)
+            addresses += await _hello(child, startup_s)
     except BaseException:
         await asyncio.gather(*(child.stop() for child in children))
         raise

@@ -99,7 +99,7 @@ async def main() -> None:
     peers: list[SwarmPeer] = []
     try:
         initial_peers = message["initial_peers"]
-        if not initial_peers:  # the first process: its first peer bootstraps everyone
+        if not initial_peers:  # the first process: its first peer bootstraps the others
             peers.append(SwarmPeer(ranks[0], spec, []))
             await peers[0].start()
             initial_peers = [peers[0].transport.address]
