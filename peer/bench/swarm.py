@@ -160,6 +160,8 @@ class SwarmBenchConfig:
             },
             "step_timeout_s": self.matchmaking_s + self.allreduce_timeout_s,
             "rpc_timeout_s": self.rpc_s,
+            # a process joins while the others' peers keep the host busy
+            "bootstrap_timeout_s": max(10.0, 2 * self.rpc_s),
         }
 
 

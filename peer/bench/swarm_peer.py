@@ -6,7 +6,9 @@ in that time; after each step it reports its progress and reads the swarm's esti
 collaborative optimizer does (:mod:`peer.swarm.optimizer`): when the swarm is ready (or will be
 before its next step), it puts its epoch's vector (:mod:`peer.bench.swarm_vectors`) into the
 averager's tensor and averages with the peers at its epoch, weighted by its samples. A peer
-that finds the swarm ahead of it jumps to the swarm's epoch (a real one downloads the state).
+that finds the swarm one epoch ahead averages at once with whoever is still at its epoch; one
+that finds it further ahead, or nobody left at its epoch, jumps to the swarm's epoch (a real one
+downloads the state there).
 Every round becomes one fact for the parent (:meth:`SwarmPeer.round_fact`), the replica it got
 included.
 """
@@ -60,6 +62,7 @@ class PeerSpec:
         averager: the averager's config (its target_group_size is the group size cap).
         step_timeout_s: bound on one averaging step, in seconds.
         rpc_timeout_s: bound on one DHT request, in seconds.
+        bootstrap_timeout_s: bound on reaching the initial peers when joining, in seconds.
     """
 
     size: int
@@ -71,6 +74,7 @@ class PeerSpec:
     averager: AveragerConfig
     step_timeout_s: float
     rpc_timeout_s: float
+    bootstrap_timeout_s: float
 
 
 class SwarmPeer:
@@ -81,7 +85,11 @@ class SwarmPeer:
         self.spec = spec
         identity = PeerIdentity.generate()
         self.transport = HttpTransport(identity, TransportConfig(host="127.0.0.1"))
-        dht_config = DHTConfig(initial_peers=tuple(initial_peers), rpc_timeout_s=spec.rpc_timeout_s)
+        dht_config = DHTConfig(
+            initial_peers=tuple(initial_peers),
+            rpc_timeout_s=spec.rpc_timeout_s,
+            bootstrap_timeout_s=spec.bootstrap_timeout_s,
+        )
         self.node = DHTNode(transport=self.transport, identity=identity, config=dht_config)
         self.tensor = np.zeros(spec.size, dtype=np.float32)
         self.averager = DecentralizedAverager(
@@ -141,17 +149,25 @@ class SwarmPeer:
             self.samples += batch
             self.tracker.report_local_progress(self.epoch, int(self.samples))
             swarm = self.tracker.current()
-            if swarm.epoch > self.epoch:  # behind: a real peer downloads the state here
+            num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
+            if self._behind(swarm, num_at_epoch):  # a real peer downloads the state here
                 report({"type": "caught_up", "rank": self.rank, "epoch": self.epoch,
                         "to_epoch": swarm.epoch})  # fmt: skip
                 self._enter(swarm.epoch)
-                continue
-            num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
-            if self._ready(swarm, num_at_epoch):
+            elif self._ready(swarm, num_at_epoch):
                 report(await self._average(num_at_epoch))
 
+    def _behind(self, swarm: GlobalProgress, num_at_epoch: int) -> bool:
+        # as the optimizer: more than one epoch behind, or one with nobody left at this epoch
+        if swarm.epoch <= self.epoch:
+            return False
+        return swarm.epoch > self.epoch + 1 or num_at_epoch <= 1
+
     def _ready(self, swarm: GlobalProgress, num_at_epoch: int) -> bool:
-        # as the optimizer: the target is reached, or nearer now than after the next step
+        # as the optimizer: the swarm moved on (average what we have with those still here),
+        # the target is reached, or it is nearer now than after the next step
+        if swarm.epoch > self.epoch:
+            return True
         if swarm.ready or num_at_epoch <= 1:
             return swarm.ready
         own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
