@@ -76,6 +76,7 @@ def _fact(rank: int, weight: float, replica: np.ndarray, group: str | None) -> d
         "averaged_with": ["a", "b"] if group else [],
         "expected_peers": 4,
         "end_time": 0.0,
+        "round_s": 0.0,
         "replica": base64.b64encode(replica.astype(np.float32).tobytes()).decode(),
     }
 
