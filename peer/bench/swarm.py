@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -249,7 +250,8 @@ async def _collect(children: list[_Child], config: SwarmBenchConfig, deadline: f
                 return
 
     pumps = [asyncio.create_task(pump(child)) for child in children]
-    collected: dict[str, list] = {"round": [], "caught_up": [], "process": [], "error": []}
+    collected: dict[str, Any] = {"round": [], "caught_up": [], "process": [], "error": []}
+    collected["status"] = {}  # the last status line of each process
     done: set[int] = set()
     started = time.monotonic()
     end = deadline if config.seconds is None else min(deadline, started + config.seconds)
@@ -272,14 +274,16 @@ async def _collect(children: list[_Child], config: SwarmBenchConfig, deadline: f
                 continue
             if isinstance(message, Exception):
                 raise message
-            if time.monotonic() >= next_status_s:  # a long run shows that it moves
-                next_status_s += _STATUS_INTERVAL_S
-                _print_status(collected, done, started)
             kind = message.get("type")
-            if kind == "done":
+            if kind == "status":
+                collected["status"][message["index"]] = message
+            elif kind == "done":
                 done.add(message["rank"])
             elif kind in collected:
                 collected[kind].append(message)
+            if time.monotonic() >= next_status_s:  # a long run shows that it moves
+                next_status_s += _STATUS_INTERVAL_S
+                _print_status(collected, done, started)
         collected["timed_out"] = config.seconds is None and len(done) < config.num_peers
     finally:
         for task in pumps:
@@ -288,13 +292,23 @@ async def _collect(children: list[_Child], config: SwarmBenchConfig, deadline: f
     return collected
 
 
-def _print_status(collected: dict[str, list], done: set[int], started: float) -> None:
+def _print_status(collected: dict[str, Any], done: set[int], started: float) -> None:
     rounds: dict[int, int] = {}
     for fact in collected["round"]:
         rounds[fact["epoch"]] = rounds.get(fact["epoch"], 0) + 1
+    epochs: dict[int, int] = {}
+    seen, fractions = [], []
+    for status in collected["status"].values():
+        for epoch, count in status["epochs"].items():
+            epochs[int(epoch)] = epochs.get(int(epoch), 0) + count
+        seen += status["peers_seen"]
+        fractions += status["target_fraction"]
+    median = statistics.median
     print(
-        f"peer bench swarm: {time.monotonic() - started:.0f} s, rounds per epoch {rounds}, "
-        f"{len(done)} peers done",
+        f"peer bench swarm: {time.monotonic() - started:.0f} s, peers per epoch "
+        f"{dict(sorted(epochs.items()))}, rounds per epoch {dict(sorted(rounds.items()))}, "
+        f"{len(done)} peers done; peers seen p50 {median(seen) if seen else None}, "
+        f"target reached p50 {median(fractions) if fractions else None}",
         file=sys.stderr,
         flush=True,
     )

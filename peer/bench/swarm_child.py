@@ -27,6 +27,7 @@ from peer.swarm.progress import ProgressConfig
 # How many peers of a process join the DHT at once (all at once would send every join to the
 # bootstrap nodes in the same instant).
 STARTS_AT_ONCE = 8
+STATUS_INTERVAL_S = 30.0  # a status line to the parent this often
 
 
 def peer_spec(message: dict[str, Any]) -> PeerSpec:
@@ -63,6 +64,30 @@ async def _start_all(peers: list[SwarmPeer]) -> None:
 async def _run_peer(peer: SwarmPeer) -> None:
     await peer.run(_send)
     _send({"type": "done", "rank": peer.rank})
+
+
+def _status(peers: list[SwarmPeer]) -> dict[str, Any]:
+    """Where this process's peers are: epochs, and what their estimates see (a long run shows
+    why it does not move: e.g. peers that see few others never reach the target)."""
+    estimates = [p.last_estimate for p in peers if p.last_estimate is not None]
+    epochs: dict[int, int] = {}
+    for peer in peers:
+        epochs[peer.epoch] = epochs.get(peer.epoch, 0) + 1
+    return {
+        "type": "status",
+        "index": peers[0].rank,  # the process's first rank names it
+        "epochs": epochs,
+        "peers_seen": [e.num_peers for e in estimates],
+        "target_fraction": [
+            round(e.samples_accumulated / e.target_batch_size, 3) for e in estimates
+        ],
+    }
+
+
+async def _send_status(peers: list[SwarmPeer]) -> None:
+    while True:
+        await asyncio.sleep(STATUS_INTERVAL_S)
+        _send(_status(peers))
 
 
 def _process_facts(peers: list[SwarmPeer], since: dict[str, Any]) -> dict[str, Any]:
@@ -119,13 +144,15 @@ async def main() -> None:
             "rpc": [p.rpc_bytes() for p in peers],
         }
         tasks = [asyncio.create_task(_run_peer(p)) for p in peers]
+        status = asyncio.create_task(_send_status(peers))
         try:
             await _receive()  # stop, or the parent is gone
             facts = _process_facts(peers, since)
         finally:
-            for task in tasks:
+            for task in [*tasks, status]:
                 task.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(status, return_exceptions=True)
         for peer, outcome in zip(peers, results, strict=True):
             if isinstance(outcome, Exception):
                 _send({"type": "error", "rank": peer.rank, "error": repr(outcome)})

@@ -103,6 +103,7 @@ class SwarmPeer:
         self.rate_per_s = peer_rate(spec.seed, rank, spec.samples_per_s)
         self.epoch = 0
         self.samples = 0.0
+        self.last_estimate: GlobalProgress | None = None  # what the last step read
         self._stack = AsyncExitStack()
 
     @property
@@ -148,7 +149,7 @@ class SwarmPeer:
             await asyncio.sleep(spec.step_s)
             self.samples += batch
             self.tracker.report_local_progress(self.epoch, int(self.samples))
-            swarm = self.tracker.current()
+            swarm = self.last_estimate = self.tracker.current()
             num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
             if self._behind(swarm, num_at_epoch):  # a real peer downloads the state here
                 report({"type": "caught_up", "rank": self.rank, "epoch": self.epoch,
