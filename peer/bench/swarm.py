@@ -282,7 +282,7 @@ async def _collect(children: list[_Child], config: SwarmBenchConfig, deadline: f
             elif kind in collected:
                 collected[kind].append(message)
             if time.monotonic() >= next_status_s:  # a long run shows that it moves
-                next_status_s += _STATUS_INTERVAL_S
+                next_status_s = time.monotonic() + _STATUS_INTERVAL_S
                 _print_status(collected, done, started)
         collected["timed_out"] = config.seconds is None and len(done) < config.num_peers
     finally:
