@@ -215,6 +215,7 @@ class SwarmPeer:
             "weight": weight,
             "expected_peers": num_at_epoch,
             "status": result.status,
+            "reason": result.reason,
             "group_id": result.group_id,
             "members": list(result.members),
             "averaged_with": list(result.averaged_with),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -21,6 +22,9 @@ def _percentile(values: list[float], fraction: float) -> float | None:
     if not values:
         return None
     return round(float(np.quantile(np.asarray(values), fraction)), 4)
+
+
+_REASON_NUMBERS = re.compile(r"[0-9a-f]{8,}|\d+(\.\d+)?")
 
 
 def _significant(value: float) -> float:
@@ -58,6 +62,12 @@ def epoch_detail(facts: list[dict[str, Any]], seed: int, size: int) -> dict[str,
         "ready": len(facts),
         "in_group": sum(_in_group(f) for f in facts),
         "statuses": dict(sorted(Counter(f["status"] for f in facts).items())),
+        # why rounds did not average, most frequent first (numbers and ids blanked)
+        "reasons": dict(
+            Counter(
+                _REASON_NUMBERS.sub("N", f["reason"]) for f in facts if f.get("reason")
+            ).most_common(3)
+        ),
         "group_sizes": sorted(groups.values(), reverse=True),
         "expected_peers_p50": statistics.median(f["expected_peers"] for f in facts),
         "replica_spread": float(spread),
