@@ -24,6 +24,7 @@ def _percentile(values: list[float], fraction: float) -> float | None:
     return round(float(np.quantile(np.asarray(values), fraction)), 4)
 
 
+_MAX_REASON_CHARS = 100  # a reason's first clause, cut here
 _REASON_NUMBERS = re.compile(r"[0-9a-f]{8,}|\d+(\.\d+)?")
 
 
@@ -62,10 +63,13 @@ def epoch_detail(facts: list[dict[str, Any]], seed: int, size: int) -> dict[str,
         "ready": len(facts),
         "in_group": sum(_in_group(f) for f in facts),
         "statuses": dict(sorted(Counter(f["status"] for f in facts).items())),
-        # why rounds did not average, most frequent first (numbers and ids blanked)
+        # why rounds did not fully average, most frequent first (the first clause, numbers and
+        # ids blanked)
         "reasons": dict(
             Counter(
-                _REASON_NUMBERS.sub("N", f["reason"]) for f in facts if f.get("reason")
+                _REASON_NUMBERS.sub("N", f["reason"].split("; ")[0])[:_MAX_REASON_CHARS]
+                for f in facts
+                if f.get("reason")
             ).most_common(3)
         ),
         "group_sizes": sorted(groups.values(), reverse=True),
