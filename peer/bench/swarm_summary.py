@@ -160,14 +160,7 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
         "num_caught_up": len(collected["caught_up"]),
         "errors": [e["error"] for e in collected["error"]][:5],
         "timed_out": collected.get("timed_out", False),
-        "step_group_hint": "expected_peers" if STEP_TAKES_EXPECTED_PEERS else "target_group_size",
-        "processes": len(processes),
-        "peers_per_process": config["peers_per_process"],
-        "target_group_size": config["target_group_size"],
-        "target_batch_size": config["batch_size"],
-        "samples_per_s": config["samples_per_s"],
-        "matchmaking_time_s": config["matchmaking_s"],
-        "rpc_timeout_s": config["rpc_s"],
+        **_settings(config, len(processes)),
         "seconds": round(wall_s, 2),
         "round_details": [
             {
@@ -177,4 +170,18 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
             }
             for d in details
         ],
+    }
+
+
+def _settings(config: dict[str, Any], num_processes: int) -> dict[str, Any]:
+    """The run's settings as the peers used them."""
+    return {
+        "step_group_hint": "expected_peers" if STEP_TAKES_EXPECTED_PEERS else "target_group_size",
+        "processes": num_processes,
+        "peers_per_process": config["peers_per_process"],
+        "target_group_size": config["target_group_size"],
+        "target_batch_size": config["batch_size"],
+        "samples_per_s": config["samples_per_s"],
+        "matchmaking_time_s": config["matchmaking_s"],
+        "rpc_timeout_s": config["rpc_s"],
     }
