@@ -333,6 +333,7 @@ class HttpTransport:
             ) from None
         self.counters.add_sent(remote, len(body))
         self.counters.add_recv(remote, len(data))
+        self.counters.add_rpc(name, len(body), len(data))
         if max(len(body), len(data)) <= SMALL_RPC_BYTES:
             self.counters.add_rtt(remote, time.monotonic() - sent_s)
         return unpack(data, self.limits)

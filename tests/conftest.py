@@ -45,6 +45,7 @@ PROCESS_HEAVY_FILES = {
     "api/test_examples.py",
     "experiments/test_local_sweep.py",
     "experiments/launch/test_ray.py",
+    "peer/bench/test_bench_swarm.py",
     "peer/cli/test_cli.py",
     "peer/hivemind/test_hivemind_dashboard.py",
     "peer/run/test_kill_mid_round.py",

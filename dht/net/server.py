@@ -309,6 +309,7 @@ class HttpServer:
             "x-vp-mac": response_mac(proven.key, proven.nonce, 200, digest(out)),
         }
         self.counters.add_sent(proven.peer_id, len(out))
+        self.counters.add_rpc(request.match_info["name"], len(out), len(body))
         return web.Response(body=out, content_type=MSGPACK, headers=headers)
 
     async def _handle_stream(self, request: web.Request) -> web.StreamResponse:

@@ -67,6 +67,10 @@ class ByteCounters:
     sent: int = 0
     recv: int = 0
     per_peer: dict[str, PeerBytes] = field(default_factory=dict)
+    # bytes of request/response bodies per RPC name (both sides), e.g. "dht.find": what the DHT
+    # costs apart from matchmaking and tensor streams; names are the registered handlers' and
+    # this side's own calls, so the map stays small
+    per_rpc: dict[str, PeerBytes] = field(default_factory=dict)
     # (monotonic time, peer, seconds) of each small request this side made
     rtt_samples: collections.deque[tuple[float, str, float]] = field(
         default_factory=lambda: collections.deque(maxlen=MAX_RTT_SAMPLES)
@@ -98,6 +102,13 @@ class ByteCounters:
     def add_recv(self, peer: str, num_bytes: int) -> None:
         self.recv += num_bytes
         self.per_peer.setdefault(peer, PeerBytes()).recv += num_bytes
+
+    def add_rpc(self, name: str, sent_bytes: int, recv_bytes: int) -> None:
+        """One RPC named ``name`` sent ``sent_bytes`` and received ``recv_bytes`` (body bytes,
+        counted as well by :meth:`add_sent` and :meth:`add_recv`)."""
+        counted = self.per_rpc.setdefault(name, PeerBytes())
+        counted.sent += sent_bytes
+        counted.recv += recv_bytes
 
 
 class IncomingStream(Protocol):

@@ -233,6 +233,7 @@ class MemoryTransport:
             ) from None
         self.counters.add_sent(remote, len(body))
         self.counters.add_recv(remote, len(answer))
+        self.counters.add_rpc(name, len(body), len(answer))
         return unpack(answer, self.limits)
 
     async def serve(self, sender: str, name: str, body: bytes, sender_address: str = "") -> bytes:
@@ -255,4 +256,5 @@ class MemoryTransport:
         self.counters.add_recv(sender, len(body))
         answer = pack(result)
         self.counters.add_sent(sender, len(answer))
+        self.counters.add_rpc(name, len(answer), len(body))
         return answer

@@ -16,6 +16,7 @@ from experiments.command import add_experiment_command
 from monitor.command import add_monitor_command
 from peer.cli import bench as commands_bench
 from peer.cli import bench_allreduce as commands_bench_allreduce
+from peer.cli import bench_swarm as commands_bench_swarm
 from peer.cli import dht as commands_dht
 from peer.cli import experiment as commands_experiment
 from peer.cli import hivemind as commands_hivemind
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands_bench_allreduce.add_bench_allreduce_command(bench_sub)
     commands_bench.add_bench_train_command(bench_sub)
     commands_bench.add_bench_compare_command(bench_sub)
+    commands_bench_swarm.add_bench_swarm_command(bench_sub)
     commands_profile.add_bench_profiler_command(bench_sub)
     return parser
 

@@ -71,6 +71,11 @@ async def test_rpc_roundtrip_and_counters(make_transport, swarm_key):
     assert client.counters.recv == server.counters.sent > 0
     assert set(client.counters.per_peer) == {server.peer_id}
     assert set(server.counters.per_peer) == {client.peer_id}
+    # per RPC name, both sides: what a benchmark tells the DHT's bytes apart by
+    for side in (client, server):
+        assert set(side.counters.per_rpc) == {"echo"}
+        assert side.counters.per_rpc["echo"].sent == side.counters.sent
+        assert side.counters.per_rpc["echo"].recv == side.counters.recv
 
 
 @pytest.mark.parametrize("swarm_key", [None, KEY])

@@ -1,0 +1,187 @@
+"""The figures of ``peer bench swarm`` from what its processes reported (see
+:mod:`peer.bench.swarm`): per epoch, who was ready, who averaged in which group, and how far the
+replicas are from each other and from the exact weighted mean in float64."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import re
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from peer.bench.swarm_peer import STEP_TAKES_EXPECTED_PEERS
+from peer.bench.swarm_vectors import exact_weighted_mean
+
+
+def _percentile(values: list[float], fraction: float) -> float | None:
+    if not values:
+        return None
+    return round(float(np.quantile(np.asarray(values), fraction)), 4)
+
+
+_MAX_REASON_CHARS = 100  # a reason's first clause, cut here
+_REASON_NUMBERS = re.compile(r"[0-9a-f]{8,}|\d+(\.\d+)?")
+
+
+def _significant(value: float) -> float:
+    return float(f"{value:.3g}")
+
+
+def _largest(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return _significant(max(values)) if values else None
+
+
+def _in_group(fact: dict[str, Any]) -> bool:
+    return fact["status"] in ("ok", "partial") and len(fact["averaged_with"]) > 1
+
+
+def epoch_detail(facts: list[dict[str, Any]], seed: int, size: int) -> dict[str, Any]:
+    """One epoch: peers ready, in a group, the groups' sizes, the replicas' spread (largest
+    ||x_i - mean|| / ||mean|| over replicas, mean = their plain mean) and their largest
+    relative error against the exact weighted mean of every ready peer's vector."""
+    epoch = facts[0]["epoch"]
+    weights = {fact["rank"]: fact["weight"] for fact in facts}
+    exact = exact_weighted_mean(seed, size, epoch, weights)
+    replicas = np.stack(
+        [np.frombuffer(base64.b64decode(f["replica"]), dtype=np.float32) for f in facts]
+    ).astype(np.float64)
+    mean = replicas.mean(axis=0)
+    spread = np.linalg.norm(replicas - mean, axis=1).max() / max(np.linalg.norm(mean), 1e-300)
+    errors = np.linalg.norm(replicas - exact, axis=1) / max(np.linalg.norm(exact), 1e-300)
+    groups: dict[str, int] = {}
+    for fact in facts:
+        if _in_group(fact):
+            groups[fact["group_id"]] = len(fact["members"])
+    return {
+        "epoch": epoch,
+        "ready": len(facts),
+        "in_group": sum(_in_group(f) for f in facts),
+        "statuses": dict(sorted(Counter(f["status"] for f in facts).items())),
+        # why rounds did not fully average, most frequent first (the first clause, numbers and
+        # ids blanked)
+        "reasons": dict(
+            Counter(
+                _REASON_NUMBERS.sub("N", f["reason"].split("; ")[0])[:_MAX_REASON_CHARS]
+                for f in facts
+                if f.get("reason")
+            ).most_common(3)
+        ),
+        "group_sizes": sorted(groups.values(), reverse=True),
+        "expected_peers_p50": statistics.median(f["expected_peers"] for f in facts),
+        "replica_spread": float(spread),
+        "exact_rel_err_max": float(errors.max()),
+        "end_time": max(f["end_time"] for f in facts),
+        # seconds between the first and the last peer of the epoch starting its round
+        "start_spread_s": max(f["end_time"] - f["round_s"] for f in facts)
+        - min(f["end_time"] - f["round_s"] for f in facts),
+    }
+
+
+def _measured_epochs(facts: list[dict], config: dict[str, Any]) -> dict[int, list[dict]]:
+    by_epoch: dict[int, list[dict]] = defaultdict(list)
+    for fact in facts:
+        by_epoch[fact["epoch"]].append(fact)
+    epochs = sorted(e for e in by_epoch if e >= config["num_warmup_rounds"])
+    if config["seconds"] is not None and epochs:
+        epochs = epochs[:-1]  # the last one was cut by the stop
+    return {e: by_epoch[e] for e in epochs}
+
+
+def _node_rates(processes: list[dict]) -> list[float]:
+    rates = []
+    for process in processes:
+        for node in process["nodes"]:
+            moved = node["dht_sent_bytes"] + node["dht_recv_bytes"]
+            rates.append(moved / max(process["wall_s"], 1e-9))
+    return rates
+
+
+def _rpc_rates(processes: list[dict], peer_seconds: float) -> dict[str, int]:
+    """Body bytes per peer and second of each RPC (both sides), by name, busiest first."""
+    totals: dict[str, int] = defaultdict(int)
+    for process in processes:
+        for name, moved in process["rpc_bytes"].items():
+            totals[name] += moved
+    return {n: round(b / peer_seconds) for n, b in sorted(totals.items(), key=lambda x: -x[1])}
+
+
+def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's JSON object (the contract fields are in docs/BENCHMARKS.md)."""
+    num_peers, seed, size = config["num_peers"], config["seed"], config["size"]
+    epochs = _measured_epochs(collected["round"], config)
+    details = [epoch_detail(facts, seed, size) for facts in epochs.values()]
+    measured = [fact for facts in epochs.values() for fact in facts]
+    averaged = [fact for fact in measured if _in_group(fact)]
+    processes = collected["process"]
+    node_rates = _node_rates(processes)
+    wall_s = max((p["wall_s"] for p in processes), default=0.0)
+    num_peer_rounds = len(collected["round"])  # warm-up included: the CPU time covers them
+    cpu_s = sum(p["cpu_s"] for p in processes)
+    ends = [d["end_time"] for d in details]
+    return {
+        "peers": num_peers,
+        "size": size,
+        "rounds": len(details),
+        "round_s_p50": _percentile([f["round_s"] for f in measured], 0.5),
+        "round_s_p95": _percentile([f["round_s"] for f in measured], 0.95),
+        "matchmaking_s_p50": _percentile([f["matchmaking_s"] for f in averaged], 0.5),
+        "in_group_fraction": round(len(averaged) / len(measured), 4) if measured else None,
+        "replica_spread": _largest(d["replica_spread"] for d in details),
+        "replica_spread_p50": _percentile([d["replica_spread"] for d in details], 0.5),
+        "exact_rel_err_max": _largest(d["exact_rel_err_max"] for d in details),
+        "bytes_sent_per_peer_per_round": (
+            round(statistics.mean(f["bytes_sent"] for f in measured)) if measured else None
+        ),
+        "dht_bytes_per_peer_per_s": round(statistics.mean(node_rates)) if node_rates else None,
+        "median_node_dht_bytes_per_s": round(statistics.median(node_rates)) if node_rates else None,
+        "max_node_dht_bytes_per_s": round(max(node_rates)) if node_rates else None,
+        "matchmaking_bytes_per_peer_per_s": round(
+            sum(n["matchmaking_bytes"] for p in processes for n in p["nodes"])
+            / max(num_peers * wall_s, 1e-9)
+        ),
+        "rpc_bytes_per_peer_per_s": _rpc_rates(processes, num_peers * max(wall_s, 1e-9)),
+        "cpu_s_per_peer_per_round": (
+            round(cpu_s / num_peer_rounds, 4) if num_peer_rounds else None
+        ),
+        "cpu_cores_used": round(cpu_s / max(wall_s, 1e-9), 2),
+        "rss_mb_per_peer": round(
+            sum(p["rss_peak_bytes"] for p in processes) / num_peers / 2**20, 1
+        ),
+        "epoch_s_p50": _percentile([b - a for a, b in itertools.pairwise(ends)], 0.5),
+        "groups_per_round": [d["group_sizes"] for d in details],
+        "num_alone": sum(f["status"] == "alone" for f in measured),
+        "num_failed": sum(f["status"] == "failed" for f in measured),
+        "num_caught_up": len(collected["caught_up"]),
+        "errors": [e["error"] for e in collected["error"]][:5],
+        "timed_out": collected.get("timed_out", False),
+        **_settings(config, len(processes)),
+        "seconds": round(wall_s, 2),
+        "round_details": [
+            {
+                k: (_significant(v) if isinstance(v, float) else v)
+                for k, v in d.items()
+                if k != "end_time"
+            }
+            for d in details
+        ],
+    }
+
+
+def _settings(config: dict[str, Any], num_processes: int) -> dict[str, Any]:
+    """The run's settings as the peers used them."""
+    return {
+        "step_group_hint": "expected_peers" if STEP_TAKES_EXPECTED_PEERS else "target_group_size",
+        "processes": num_processes,
+        "peers_per_process": config["peers_per_process"],
+        "target_group_size": config["target_group_size"],
+        "target_batch_size": config["batch_size"],
+        "samples_per_s": config["samples_per_s"],
+        "matchmaking_time_s": config["matchmaking_s"],
+        "rpc_timeout_s": config["rpc_s"],
+    }

@@ -1,0 +1,120 @@
+"""``peer bench swarm``: light peers with the real DHT, progress and averaging report the contract
+JSON, and their replicas match the exact weighted mean when one group held every ready peer."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from peer.bench.swarm_summary import epoch_detail
+from peer.bench.swarm_vectors import peer_vector
+from peer.cli.bench_swarm import run_bench_swarm
+
+CONTRACT = {
+    "peers", "size", "rounds", "round_s_p50", "round_s_p95", "matchmaking_s_p50",
+    "in_group_fraction", "replica_spread", "bytes_sent_per_peer_per_round",
+    "dht_bytes_per_peer_per_s", "max_node_dht_bytes_per_s", "median_node_dht_bytes_per_s",
+    "cpu_s_per_peer_per_round", "rss_mb_per_peer", "groups_per_round", "round_details",
+}  # fmt: skip
+
+
+def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()  # the session's children die with their pipes: they read stdin
+        stdout, stderr = process.communicate()
+        pytest.fail(f"peer bench swarm did not finish in {timeout_s} s:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+@pytest.mark.timeout(110)
+def test_six_peers_average_to_the_exact_weighted_mean():
+    result = _run(
+        [sys.executable, "-m", "peer", "bench", "swarm", "--peers", "6", "--size", "100",
+         "--rounds", "2", "--epoch-s", "3", "--peers-per-process", "3", "--json"],
+        timeout_s=100,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert CONTRACT <= report.keys()
+    assert report["peers"] == 6 and report["size"] == 100 and report["processes"] == 2
+    assert report["rounds"] == 2 and not report["timed_out"] and not report["errors"]
+    assert 0.0 <= report["in_group_fraction"] <= 1.0
+    whole = []
+    for detail in report["round_details"]:
+        assert detail["in_group"] <= detail["ready"] <= 6
+        assert sum(detail["group_sizes"]) >= detail["in_group"]
+        if detail["group_sizes"] == [detail["ready"]] == [detail["in_group"]]:
+            whole.append(detail)
+            assert detail["replica_spread"] < 1e-5
+            assert detail["exact_rel_err_max"] < 1e-5
+    # six peers on loopback that wait for each other form one group (a split would show here)
+    assert whole, report["round_details"]
+    assert report["bytes_sent_per_peer_per_round"] > 0
+    assert report["dht_bytes_per_peer_per_s"] > 0
+    assert report["max_node_dht_bytes_per_s"] >= report["median_node_dht_bytes_per_s"] > 0
+
+
+def _fact(rank: int, weight: float, replica: np.ndarray, group: str | None) -> dict:
+    return {
+        "rank": rank,
+        "epoch": 3,
+        "weight": weight,
+        "status": "ok" if group else "alone",
+        "group_id": group,
+        "members": ["a", "b"] if group else [],
+        "averaged_with": ["a", "b"] if group else [],
+        "expected_peers": 4,
+        "end_time": 0.0,
+        "round_s": 0.0,
+        "replica": base64.b64encode(replica.astype(np.float32).tobytes()).decode(),
+    }
+
+
+def test_two_groups_spread_apart_and_miss_the_exact_mean():
+    size, weights = 50, {0: 1.0, 1: 3.0, 2: 2.0, 3: 2.0}
+    vectors = {r: peer_vector(7, r, 3, size).astype(np.float64) for r in weights}
+    pair_01 = (vectors[0] + 3 * vectors[1]) / 4
+    pair_23 = (vectors[2] + vectors[3]) / 2
+    facts = [
+        _fact(0, 1.0, pair_01, "g1"),
+        _fact(1, 3.0, pair_01, "g1"),
+        _fact(2, 2.0, pair_23, "g2"),
+        _fact(3, 2.0, pair_23, "g2"),
+    ]
+    detail = epoch_detail(facts, seed=7, size=size)
+    exact = sum(w * vectors[r] for r, w in weights.items()) / 8
+    replicas = np.stack([pair_01, pair_01, pair_23, pair_23])
+    mean = replicas.mean(axis=0)
+    spread = np.linalg.norm(pair_01 - mean) / np.linalg.norm(mean)
+    assert detail["replica_spread"] == pytest.approx(spread, rel=1e-5)
+    err = max(np.linalg.norm(p - exact) for p in (pair_01, pair_23)) / np.linalg.norm(exact)
+    assert detail["exact_rel_err_max"] == pytest.approx(err, rel=1e-5)
+    assert detail["group_sizes"] == [2, 2] and detail["in_group"] == 4
+
+
+def test_a_peer_alone_keeps_its_own_vector_and_counts_ready_not_in_group():
+    size = 20
+    own = peer_vector(1, 0, 3, size)
+    other = peer_vector(1, 1, 3, size)
+    detail = epoch_detail([_fact(0, 1.0, own, None), _fact(1, 1.0, other, None)], seed=1, size=size)
+    assert detail["ready"] == 2 and detail["in_group"] == 0 and detail["group_sizes"] == []
+    assert detail["replica_spread"] > 0.1
+
+
+def test_simulate_without_the_simulation_says_so_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "peer.bench.swarm_sim", None)  # import raises ImportError
+    args = argparse.Namespace(simulate=True, peers=10, seconds=None, churn_per_s=0.0, seed=0)
+    assert run_bench_swarm(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--simulate" in err[0]
