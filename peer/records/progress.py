@@ -41,6 +41,9 @@ from peer.records.schema import (
 PROGRESS_KEY_SUFFIX = "progress"
 # The finest layout: 65,536 buckets (with 16 to 32 records each, swarms of a million peers).
 MAX_LEVEL = 16
+# How many records a bucket holds, about: a layout constant every peer of a run shares
+# (``ProgressConfig.records_per_bucket``; tests set it lower to sample small swarms).
+RECORDS_PER_BUCKET = 16
 # A newcomer or the dashboard probes every other level (a peer writes two neighbouring ones).
 PROBE_LEVELS = tuple(range(0, MAX_LEVEL + 1, 2))
 

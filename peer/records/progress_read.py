@@ -15,6 +15,7 @@ from typing import Protocol
 
 from peer.records.progress import (
     PROBE_LEVELS,
+    RECORDS_PER_BUCKET,
     PeerProgress,
     bucket_key,
     bucket_of,
@@ -75,7 +76,8 @@ class ProgressSweep:
     Args:
         run_id: the run whose records to read.
         max_samples_per_s: the largest believable rate (larger claims are clamped).
-        records_per_bucket: the fill peers aim for (``ProgressConfig.records_per_bucket``).
+        records_per_bucket: the fill the run's peers aim for
+            (``ProgressConfig.records_per_bucket``).
         max_in_flight: gets in flight at once.
         max_latest_buckets: sweeps of more buckets than this read one replica per bucket
             (``latest=False``: cheaper, and possibly as old as the node's read cache).
@@ -86,7 +88,7 @@ class ProgressSweep:
         run_id: str,
         *,
         max_samples_per_s: float,
-        records_per_bucket: int = 16,
+        records_per_bucket: int = RECORDS_PER_BUCKET,
         max_in_flight: int = 32,
         max_latest_buckets: int = 64,
     ):

@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dht.errors import ConfigError
-from peer.records.progress import PeerProgress
+from peer.records.progress import RECORDS_PER_BUCKET, PeerProgress
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +59,8 @@ class ProgressConfig:
         epoch_skew_s: how much earlier than this peer a partner of its last round may have
             entered the epoch (another group's round ended first), in seconds.
         records_per_bucket: how many records a progress bucket holds, about (16 to 32; the
-            layout of :mod:`peer.records.progress` follows the swarm's estimated size).
+            layout of :mod:`peer.records.progress` follows the swarm's estimated size); every
+            peer of a run, and its dashboard, must use the same.
         max_buckets_read: the most buckets a peer reads per interval; a swarm of at most this
             many buckets is read whole, a larger one sampled (the bound of a peer's reads).
         max_partner_buckets: of those, at most this many are read for the partners in them.
@@ -77,7 +78,7 @@ class ProgressConfig:
     trust_rounds: int = 8
     max_rate_ratio: float = 16.0
     epoch_skew_s: float = 5.0
-    records_per_bucket: int = 16
+    records_per_bucket: int = RECORDS_PER_BUCKET
     max_buckets_read: int = 8
     max_partner_buckets: int = 3
     size_window_s: float = 30.0
