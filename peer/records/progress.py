@@ -20,6 +20,7 @@ and counted (:mod:`peer.records.schema`). Torch-free, like everything in :mod:`p
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -62,10 +63,12 @@ def bucket_key(run_id: str, level: int, bucket: int) -> str:
 
 def bucket_of(peer_id: str, level: int) -> int:
     """The bucket of ``peer_id`` at ``level``: the top ``level`` bits of sha256(peer id)."""
-    if level == 0:
-        return 0
-    digest = hashlib.sha256(peer_id.encode()).digest()
-    return int.from_bytes(digest[:4], "big") >> (32 - level)
+    return _hash32(peer_id) >> (32 - level) if level else 0
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _hash32(peer_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big")
 
 
 def size_exponent(num_peers: float, records_per_bucket: int) -> float:

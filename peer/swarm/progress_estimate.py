@@ -64,8 +64,8 @@ class ProgressConfig:
         max_buckets_read: the most buckets a peer reads per interval; a swarm of at most this
             many buckets is read whole, a larger one sampled (the bound of a peer's reads).
         max_partner_buckets: of those, at most this many are read for the partners in them.
-        size_window_s: the time constant of the moving average that smooths the swarm's
-            estimated size over the rotating samples, in seconds.
+        size_window_s: the swarm's estimated size is the mean of the counts of the reads of
+            the last this long (each draws other buckets), in seconds.
         max_stranger_claim_ratio: in a sample, a stranger's samples count at most this many
             times the partners' mean (see the module docstring).
     """
@@ -81,7 +81,7 @@ class ProgressConfig:
     records_per_bucket: int = RECORDS_PER_BUCKET
     max_buckets_read: int = 8
     max_partner_buckets: int = 3
-    size_window_s: float = 30.0
+    size_window_s: float = 20.0
     max_stranger_claim_ratio: float = 4.0
 
     def __post_init__(self) -> None:
@@ -284,22 +284,21 @@ def _sampled(
     drawn = [r for r in others if r.peer_id not in sample.known]
     # the drawn stand for every peer not known: at least themselves
     weight = max(1.0, (sample.num_peers - 1 - len(known)) / len(drawn)) if drawn else 0.0
+    claims = {  # each record's samples toward the epoch (0 at another epoch)
+        r.peer_id: _claimed(r, now, config, round_peers.get(r.peer_id)) if r.epoch == epoch else 0.0
+        for r in others
+    }
     trusted_ids = {r.peer_id for r in trusted}
-
-    def claim(record: PeerProgress) -> float:
-        if record.epoch != epoch:
-            return 0.0
-        return _claimed(record, now, config, round_peers.get(record.peer_id))
-
     own_claim = float(own.samples) if own.epoch == epoch else 0.0
     bound = config.max_stranger_claim_ratio * _reference_claim(
         own_claim if own.epoch == epoch else None,
-        [claim(r) for r in trusted if r.epoch == epoch],
-        [claim(r) for r in others if r.epoch == epoch],
+        [claims[r.peer_id] for r in trusted if r.epoch == epoch],
+        [claims[r.peer_id] for r in others if r.epoch == epoch],
     )
-    accumulated = own_claim + sum(claim(r) for r in known)
+    accumulated = own_claim + sum(claims[r.peer_id] for r in known)
     accumulated += weight * sum(
-        claim(r) if r.peer_id in trusted_ids else min(claim(r), bound) for r in drawn
+        claims[r.peer_id] if r.peer_id in trusted_ids else min(claims[r.peer_id], bound)
+        for r in drawn
     )
     rate = own.samples_per_s + sum(r.samples_per_s for r in known)
     rate += weight * sum(r.samples_per_s for r in drawn)

@@ -5,8 +5,8 @@ calls for (:func:`peer.records.progress.read_level`): all of them when there are
 records are then every peer's), else its own bucket, the buckets of up to
 ``max_partner_buckets`` partners (the most recent first, rotating when there are more) and
 random ones for the rest. The random buckets are a uniform draw, so ``2**level`` times their
-mean fill is an unbiased count of the swarm; :class:`SizeEstimate` smooths it over
-``size_window_s`` (each interval draws new buckets). A peer with no estimate yet probes its own
+mean fill is an unbiased count of the swarm; :class:`SizeEstimate` averages it over the
+last ``size_window_s`` (each interval draws new buckets). A peer with no estimate yet probes its own
 bucket at every other level once (:func:`probe_size`).
 
 Reads are bounded whatever the swarm's size: ``max_buckets_read`` keys of about
@@ -17,8 +17,8 @@ steady swarm, far below the DHT's per-key cap).
 from __future__ import annotations
 
 import asyncio
-import math
 import random
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -128,21 +128,22 @@ async def probe_size(
 
 
 class SizeEstimate:
-    """The swarm's size, smoothed: a moving average of the raw counts with time constant
-    ``window_s``; a count of every record (``exact``) replaces it outright."""
+    """The swarm's size, smoothed: the mean of the raw counts of the last ``window_s`` (a step
+    in the swarm's size is followed within that long); a count of every record (``exact``)
+    replaces them outright."""
 
     def __init__(self, window_s: float):
         self.window_s = window_s
         self.value: float | None = None
-        self._time_s = 0.0
+        self._counts: deque[tuple[float, float]] = deque()  # (time s, raw count)
 
     def update(self, raw: float, now_s: float, *, exact: bool) -> float:
-        if self.value is None or exact:
-            self.value = raw
-        else:
-            weight = 1.0 - math.exp(-max(0.0, now_s - self._time_s) / self.window_s)
-            self.value += weight * (raw - self.value)
-        self._time_s = now_s
+        if exact:
+            self._counts.clear()
+        self._counts.append((now_s, raw))
+        while self._counts[0][0] < now_s - self.window_s:
+            self._counts.popleft()
+        self.value = sum(count for _, count in self._counts) / len(self._counts)
         return self.value
 
     def level(self, records_per_bucket: int) -> int:
