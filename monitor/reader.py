@@ -6,7 +6,8 @@ and three dictionary keys, each holding one signed record per peer: ``{run}/prof
 (:mod:`peer.records.profile`), ``{run}/rounds`` (:mod:`peer.records.rounds`) and ``{run}/state``
 (:mod:`peer.records.state`: the digests that mark a replica differing from its group's). A read
 fetches them at once (``latest=True``: the merge of the k closest replicas) under one timeout; a
-failed read keeps the last records and says why. Every record passes the schema of :mod:`peer.records` (the rest is dropped and counted).
+failed read keeps the last records and says why. Every record passes the schema of
+:mod:`peer.records` (the rest is dropped and counted).
 """
 
 from __future__ import annotations
