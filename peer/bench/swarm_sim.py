@@ -191,7 +191,7 @@ class _Swarm:
         fills = {b: len({r.peer_id for r in records}) for b, records in found.items()}
         records = newest_per_peer(r for bucket in found.values() for r in bucket)
         read = SampleRead(plan, records, fills)
-        size = peer.size.update(read.raw_size(peer.peer_id), now, exact=plan.whole)
+        size = peer.size.update(read.raw_size(peer.peer_id), now, exact=plan.complete)
         peer.records, peer.sample = records, read.sample(partners, size)
         view = estimate(
             records,

@@ -237,7 +237,7 @@ class ProgressTracker:
         )
         self.num_keys_read = len(plan.buckets)
         size = self._size.update(
-            found.raw_size(self.dht.peer_id), time.monotonic(), exact=plan.whole
+            found.raw_size(self.dht.peer_id), time.monotonic(), exact=plan.complete
         )
         self._records = found.records
         self._sample = found.sample(partners, size)

@@ -4,18 +4,20 @@ From the records (:mod:`peer.records.progress`) a peer estimates the swarm's epo
 samples the swarm has accumulated toward ``target_batch_size`` in that epoch, and the ETA to it,
 so that matchmaking can start just in time.
 
-The records are every peer's (a small swarm: the tracker read every bucket) or a **sample**
-(:class:`Sample`: a large swarm, a few buckets of many). In a sample, the peers read for their
+The records are every peer's (a small swarm: the tracker read every bucket of a layout of at most
+``max_whole_buckets``) or a **sample** (:class:`Sample`: a larger swarm, some or all of its
+buckets). In a sample, the peers read for their
 own sake (this one, its partners) count once each and the others stand for the peers not read:
 each counts ``(N - known) / others seen`` times, ``N`` the swarm's estimated size.
 
 A record is a claim, so a minority of peers (or one stranger with a fresh key) must not steer it:
 
 * Records pass the schema of :mod:`peer.records.progress` (typed, ranged; the rest is dropped).
-* **Partners**: the peers this one averaged with in its last ``trust_rounds`` rounds. With every
-  record read, while any partner has a record, only the partners' samples count toward the
-  target: a stranger's "target reached" record does not end an honest epoch early. A peer with
-  no partner yet (a newcomer, the first epoch) counts every record, since it has nothing better.
+* **Partners**: the peers this one averaged with in its last ``trust_rounds`` rounds. In a small
+  swarm (every record read), while any partner has a record, only the partners' samples count
+  toward the target: a stranger's "target reached" record does not end an honest epoch early. A
+  peer with no partner yet (a newcomer, the first epoch) counts every record, since it has
+  nothing better.
   In a sample, the partners cannot stand for a swarm many times their number, so the other
   peers count too, but a stranger's samples count at most ``max_stranger_claim_ratio`` times
   the partners' mean (or, with no partner at the epoch, the median of the peers at it): one
@@ -61,8 +63,13 @@ class ProgressConfig:
         records_per_bucket: how many records a progress bucket holds, about (16 to 32; the
             layout of :mod:`peer.records.progress` follows the swarm's estimated size); every
             peer of a run, and its dashboard, must use the same.
-        max_buckets_read: the most buckets a peer reads per interval; a swarm of at most this
-            many buckets is read whole, a larger one sampled (the bound of a peer's reads).
+        max_buckets_read: the most buckets a peer reads per interval (the bound of a peer's
+            reads); a layout of more buckets is sampled.
+        max_whole_buckets: a layout of at most this many buckets (a swarm of up to about 45
+            peers, with 2) is read as every peer's records, under the trust rules of a small
+            swarm (only partners count, once there are partners); a larger one as a sample,
+            in which the others count too (see the module docstring). A swarm many times the
+            group size cannot be counted by its partners alone.
         max_partner_buckets: of those, at most this many are read for the partners in them.
         size_window_s: the swarm's estimated size is the mean of the counts of the reads of
             the last this long (each draws other buckets), in seconds.
@@ -80,6 +87,7 @@ class ProgressConfig:
     epoch_skew_s: float = 5.0
     records_per_bucket: int = RECORDS_PER_BUCKET
     max_buckets_read: int = 8
+    max_whole_buckets: int = 2
     max_partner_buckets: int = 3
     size_window_s: float = 20.0
     max_stranger_claim_ratio: float = 4.0
@@ -90,6 +98,10 @@ class ProgressConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_partner_buckets < 0:
             raise ConfigError(f"max_partner_buckets must be >= 0, got {self.max_partner_buckets}")
+        if not 1 <= self.max_whole_buckets <= self.max_buckets_read:
+            raise ConfigError(
+                f"max_whole_buckets must be in [1, max_buckets_read], got {self.max_whole_buckets}"
+            )
         if self.max_buckets_read < self.max_partner_buckets + 2:
             raise ConfigError(
                 "max_buckets_read must leave room for the own bucket and a random one "

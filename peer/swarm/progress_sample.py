@@ -1,8 +1,9 @@
 """Which progress buckets a peer reads, and the swarm's size it estimates from them.
 
 Every interval a peer reads at most ``max_buckets_read`` buckets of the layout its size estimate
-calls for (:func:`peer.records.progress.read_level`): all of them when there are that few (the
-records are then every peer's), else its own bucket, the buckets of up to
+calls for (:func:`peer.records.progress.read_level`): all of them when there are that few (and
+when there are at most ``max_whole_buckets``, the records count as every peer's, not as a
+sample: the trust rules of a small swarm), else its own bucket, the buckets of up to
 ``max_partner_buckets`` partners (the most recent first, rotating when there are more) and
 random ones for the rest. The random buckets are a uniform draw, so ``2**level`` times their
 mean fill is an unbiased count of the swarm; :class:`SizeEstimate` averages it over the
@@ -34,14 +35,20 @@ class ReadPlan:
     Attributes:
         level: the layout read (``2**level`` buckets).
         buckets: every bucket to read, each once.
-        drawn: the buckets drawn at random (the size estimate's); all of them when ``whole``.
-        whole: every bucket of the level is read (the records are every peer's).
+        drawn: the buckets drawn at random (the size estimate's); every one when they are few.
+        whole: the records are read as every peer's (a layout of at most
+            ``max_whole_buckets``), not as a sample (see :mod:`peer.swarm.progress_estimate`).
     """
 
     level: int
     buckets: tuple[int, ...]
     drawn: tuple[int, ...]
     whole: bool
+
+    @property
+    def complete(self) -> bool:
+        """Every bucket of the level is read (the size is a count, not an estimate)."""
+        return len(self.drawn) == 2**self.level
 
 
 def plan_read(
@@ -57,7 +64,7 @@ def plan_read(
     num_buckets = 2**level
     if num_buckets <= config.max_buckets_read:
         every = tuple(range(num_buckets))
-        return ReadPlan(level, every, every, True)
+        return ReadPlan(level, every, every, num_buckets <= config.max_whole_buckets)
     own = bucket_of(own_id, level)
     candidates = list(dict.fromkeys(bucket_of(p, level) for p in partners))
     candidates = [b for b in candidates if b != own]
@@ -80,7 +87,7 @@ class SampleRead:
 
     def raw_size(self, own_id: str) -> float:
         """The swarm's size by this read alone (this peer included)."""
-        if self.plan.whole:
+        if self.plan.complete:
             return float(len({r.peer_id for r in self.records} | {own_id}))
         drawn = [self.fills[b] for b in self.plan.drawn]
         return 2**self.plan.level * sum(drawn) / len(drawn)
