@@ -124,7 +124,7 @@ class SimDHT:
         if self._alive_array is None:
             self._alive_array = np.array(self._alive_slots)
         drawn = self._alive_array[self._np_rng.integers(0, len(self._alive_array), hops)]
-        np.add.at(self.node_bytes, drawn, self.cost.find_rpc_bytes)
+        self.node_bytes[drawn] += self.cost.find_rpc_bytes  # (a node drawn twice: billed once)
         self.node_bytes[client] += hops * self.cost.find_rpc_bytes
         replicas = self.replicas(key)
         self.node_bytes[replicas] += rpc_bytes
