@@ -41,8 +41,8 @@ MAX_ERROR = 1.0
 
 
 def dht_config(initial_peers: list[str]) -> DHTConfig:
-    # 8 replicas a key, not 20: 40 nodes in one process on a loaded machine stay quick
-    return DHTConfig(initial_peers=initial_peers, bucket_size=8)
+    # 5 replicas a key, not 20: 40 nodes in one process on a loaded machine stay quick
+    return DHTConfig(initial_peers=initial_peers, bucket_size=5)
 
 
 async def start_nodes(stack: AsyncExitStack, num_nodes: int) -> list:
