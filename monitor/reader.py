@@ -1,11 +1,13 @@
 """Reads a run's records from the DHT into :class:`monitor.state.SwarmView` frames.
 
-Four dictionary keys per run, each holding one signed record per peer: ``{run}/progress``
-(:mod:`peer.records.progress`), ``{run}/profile`` (:mod:`peer.records.profile`), ``{run}/rounds``
-(:mod:`peer.records.rounds`) and ``{run}/state`` (:mod:`peer.records.state`: the digests that
-mark a replica differing from its group's). A read fetches the four at once (``latest=True``: the
-merge of the k closest replicas) under one timeout; a failed read keeps the last records and says
-why. Every record passes the schema of :mod:`peer.records` (the rest is dropped and counted).
+Per run, the progress buckets (``{run}/progress/{level}/{bucket}``, :mod:`peer.records.progress`;
+the dashboard is no peer and reads every bucket, :class:`peer.records.progress_read.ProgressSweep`)
+and three dictionary keys, each holding one signed record per peer: ``{run}/profile``
+(:mod:`peer.records.profile`), ``{run}/rounds`` (:mod:`peer.records.rounds`) and ``{run}/state``
+(:mod:`peer.records.state`: the digests that mark a replica differing from its group's). A read
+fetches them at once (``latest=True``: the merge of the k closest replicas) under one timeout; a
+failed read keeps the last records and says why. Every record passes the schema of
+:mod:`peer.records` (the rest is dropped and counted).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dht.net.config import TransportConfig
 from monitor.config import MonitorConfig
 from monitor.state import SwarmView, ViewBuilder
 from peer.records.profile import parse_profile, profile_key
-from peer.records.progress import parse_record
+from peer.records.progress_read import ProgressSweep
 from peer.records.rounds import parse_rounds, rounds_key
 from peer.records.state import parse_state, state_key
 
@@ -50,6 +52,7 @@ class SwarmReader:
         self.node = node
         self.config = config
         self.builder = ViewBuilder(config, local_peer_id=local_peer_id)
+        self.progress = ProgressSweep(config.run_id, max_samples_per_s=MAX_SAMPLES_PER_S)
         self._records: dict[str, list] = {
             "progress": [],
             "profiles": [],
@@ -60,13 +63,13 @@ class SwarmReader:
     async def _fetch(self) -> dict[str, list]:
         run_id = self.config.run_id
         progress, profiles, rounds, states = await asyncio.gather(
-            self.node.get(f"{run_id}/progress", latest=True),
+            self.progress.read(self.node),
             self.node.get(profile_key(run_id), latest=True),
             self.node.get(rounds_key(run_id), latest=True),
             self.node.get(state_key(run_id), latest=True),
         )
         parsed = {
-            "progress": [parse_record(k, v, MAX_SAMPLES_PER_S) for k, v in _items(progress)],
+            "progress": progress,
             "profiles": [parse_profile(k, v) for k, v in _items(profiles)],
             "rounds": [parse_rounds(k, v) for k, v in _items(rounds)],
             "states": [parse_state(k, v) for k, v in _items(states)],

@@ -29,7 +29,8 @@ from dht.identity import PeerIdentity, short_id
 from dht.kademlia.node import DHTNode
 from dht.launch import open_node
 from dht.net.config import TransportConfig
-from peer.records.progress import PeerProgress, parse_record
+from peer.records.progress import PeerProgress
+from peer.records.progress_read import ProgressSweep
 from peer.run.config import join_command
 
 RUN_ID = "demo"
@@ -75,15 +76,8 @@ def _rows(records: list[PeerProgress]) -> list[tuple[str, ...]]:
     ]
 
 
-async def _native_progress(node: DHTNode) -> list[PeerProgress]:
-    found = await node.get(f"{RUN_ID}/progress", latest=True)
-    records = []
-    if found is not None and isinstance(found.value, dict):
-        for subkey, item in found.value.items():
-            record = parse_record(subkey, item.value, 1e9)
-            if record is not None:
-                records.append(record)
-    return records
+async def _native_progress(node: DHTNode, sweep: ProgressSweep) -> list[PeerProgress]:
+    return await sweep.read(node)
 
 
 def _hivemind_progress(records) -> list[PeerProgress]:
@@ -183,8 +177,10 @@ async def _open_bootstrap(
         open_node(PeerIdentity.generate(), TransportConfig(), DHTConfig())
     )
 
+    sweep = ProgressSweep(RUN_ID, max_samples_per_s=1e9)
+
     async def native_progress() -> list[PeerProgress]:
-        return await _native_progress(node)
+        return await _native_progress(node, sweep)
 
     return node, node.address, native_progress
 

@@ -1,4 +1,15 @@
-"""The progress record (``{run_id}/progress``): one peer's epoch, samples and rate, and its parser.
+"""The progress record: one peer's epoch, samples and rate; its parser; the keys it lives under.
+
+Keys (bucketed, so that no key and no reader grows with the swarm): a peer stores its record
+under ``{run_id}/progress/{level}/{bucket}``, where ``level`` sets the layout (``2**level``
+buckets) and ``bucket`` is the top ``level`` bits of ``sha256(peer id)``
+(:func:`bucket_of`; level 0 is the one bucket ``0``). A bucket of level ``l`` is the union of
+its two children of level ``l + 1``. Each peer writes the two levels around its estimate of the
+swarm's size (:func:`write_levels`) and reads the one nearest to it (:func:`read_level`), so
+that peers whose estimates differ by less than a factor sqrt(2) see each other's records; a
+bucket holds about ``records_per_bucket`` (16 to 32) records whatever the swarm's size.
+:func:`find_level` tells a reader with no estimate (a newcomer, the dashboard) which layout is in
+use.
 
 Wire format (a msgpack map under the publisher's owner subkey; unknown fields are ignored):
 ``epoch`` int in [0, 2**53), ``samples`` int in [0, 2**53), ``samples_per_s`` finite float in
@@ -9,6 +20,9 @@ and counted (:mod:`peer.records.schema`). Torch-free, like everything in :mod:`p
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import math
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -26,11 +40,57 @@ from peer.records.schema import (
 )
 
 PROGRESS_KEY_SUFFIX = "progress"
+# The finest layout: 65,536 buckets (with 16 to 32 records each, swarms of a million peers).
+MAX_LEVEL = 16
+# How many records a bucket holds, about: a layout constant every peer of a run shares
+# (``ProgressConfig.records_per_bucket``; tests set it lower to sample small swarms).
+RECORDS_PER_BUCKET = 16
+# A newcomer or the dashboard probes every other level (a peer writes two neighbouring ones).
+PROBE_LEVELS = tuple(range(0, MAX_LEVEL + 1, 2))
 
 
 def progress_key(run_id: str) -> str:
-    """The DHT key of a run's progress records."""
+    """The prefix of a run's progress keys (no record lives under it alone)."""
     return f"{run_id}/{PROGRESS_KEY_SUFFIX}"
+
+
+def bucket_key(run_id: str, level: int, bucket: int) -> str:
+    """The DHT key of bucket ``bucket`` of layout ``level`` (``2**level`` buckets)."""
+    if not 0 <= level <= MAX_LEVEL or not 0 <= bucket < 2**level:
+        raise ValueError(f"no bucket {bucket} at level {level}")
+    return f"{progress_key(run_id)}/{level}/{bucket}"
+
+
+def bucket_of(peer_id: str, level: int) -> int:
+    """The bucket of ``peer_id`` at ``level``: the top ``level`` bits of sha256(peer id)."""
+    return _hash32(peer_id) >> (32 - level) if level else 0
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _hash32(peer_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big")
+
+
+def size_exponent(num_peers: float, records_per_bucket: int) -> float:
+    """``log2(N / records_per_bucket)``: the (fractional) level that fills buckets as wanted."""
+    return math.log2(max(num_peers, 1.0) / records_per_bucket)
+
+
+def read_level(num_peers: float, records_per_bucket: int) -> int:
+    """The level a peer reads: the nearest to :func:`size_exponent` (within ``[0, MAX_LEVEL]``)."""
+    exponent = size_exponent(num_peers, records_per_bucket)
+    return min(MAX_LEVEL, max(0, math.floor(exponent + 0.5)))
+
+
+def write_levels(num_peers: float, records_per_bucket: int) -> tuple[int, ...]:
+    """The levels a peer writes: the two around :func:`size_exponent` (one at the ends).
+
+    A reader whose exponent is within 0.5 of the writer's reads one of them: ``|round(x_r) -
+    x_w| < 1`` makes ``round(x_r)`` the floor or the ceiling of ``x_w``.
+    """
+    low = math.floor(size_exponent(num_peers, records_per_bucket))
+    levels = {min(MAX_LEVEL, max(0, low)), min(MAX_LEVEL, max(0, low + 1))}
+    return tuple(sorted(levels))
 
 
 @dataclass(frozen=True)

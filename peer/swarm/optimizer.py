@@ -231,7 +231,8 @@ class CollaborativeOptimizer:
 
     def _count_at_epoch(self, swarm: GlobalProgress) -> None:
         # nobody else at this epoch: a round would only wait out matchmaking for a group of one
-        self._num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
+        # (``num_at`` scales a large swarm's sample of records up to the whole swarm)
+        self._num_at_epoch = swarm.num_at(self.epoch)
         self._alone = self._num_at_epoch <= 1
 
     # ---- average, apply, next epoch ----------------------------------------------------------

@@ -33,10 +33,12 @@ from dht.identity import PeerIdentity
 from dht.kademlia.node import DHTNode
 from dht.kademlia.validation import owner_subkey
 from dht.net.config import TransportConfig
-from peer.records.progress import parse_record, progress_key
+from peer.records.progress import bucket_key, bucket_of
+from peer.records.progress_read import ProgressSweep
 from peer.records.state import StateAnnouncement, parse_state, state_key
 
 RUN_ID = "run"
+SMALL_SWARM_LEVELS = (0, 1)  # the progress layouts of a swarm of up to about 45 peers
 TASK_OPTIONS = ("hidden_dim=64", "num_eval_batches=0")
 STOP_TIMEOUT_S = 60.0
 
@@ -208,6 +210,7 @@ class Attacker:
     def __init__(self, url: str):
         self.url = url
         self._stack = AsyncExitStack()
+        self._sweep = ProgressSweep(RUN_ID, max_samples_per_s=1e9)
         self.node: DHTNode | None = None
         self.nodes: list[DHTNode] = []
 
@@ -240,13 +243,20 @@ class Attacker:
         await asyncio.sleep(0.002)  # a later expiration than the previous store's
         return await node.store(key, value, get_dht_time() + 60, subkey=owner_subkey(node.peer_id))
 
+    async def store_progress(self, value: Any, *, node: DHTNode | None = None) -> bool:
+        """Store a progress record in ``node``'s own bucket at every level a small swarm's
+        peers read (0 and 1: up to about 45 peers), as an honest peer would."""
+        node = node or self.node
+        stored = True
+        for level in SMALL_SWARM_LEVELS:
+            key = bucket_key(RUN_ID, level, bucket_of(node.peer_id, level))
+            stored = await self.store(key, value, node=node) and stored
+        return stored
+
     async def progress(self) -> list:
-        """The honest peers' progress records as the attacker reads them."""
-        found = await self.node.get(progress_key(RUN_ID), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        records = (parse_record(k, item.value, 1e9) for k, item in found.value.items())
-        return [r for r in records if r is not None and r.peer_id not in self.peer_ids]
+        """The honest peers' progress records as the attacker reads them (every bucket)."""
+        records = await self._sweep.read(self.node)
+        return [r for r in records if r.peer_id not in self.peer_ids]
 
     async def announcements(self) -> list[StateAnnouncement]:
         """Every state announcement in the DHT (the honest peers' digests among them)."""

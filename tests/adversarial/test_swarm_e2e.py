@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from dht.config import get_dht_time
-from peer.records.progress import progress_key
 from peer.records.state import EpochDigest, StateAnnouncement, state_key
 from peer.swarm.state_digest import digest_scope, optimizer_structure, state_digest
 from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncConfig
@@ -64,7 +63,7 @@ async def test_forged_progress_neither_stops_nor_steers_the_swarm(tmp_path):
                 epoch = max((r.epoch for r in await attacker.progress()), default=before)
                 for index, value in enumerate(forged_progress(epoch, get_dht_time())):
                     node = sybils[index % len(sybils)]
-                    num_stored += await attacker.store(progress_key(RUN_ID), value, node=node)
+                    num_stored += await attacker.store_progress(value, node=node)
                     await asyncio.sleep(0.1)
             assert num_stored > 20  # the records were in the DHT for the honest peers to read
             await wait_equal_replicas(attacker, [p.peer_id for p in honest])
@@ -200,7 +199,7 @@ async def test_a_stranger_in_the_rounds_with_huge_weights_and_values_changes_not
                     "samples_per_s": 100.0,
                     "time": get_dht_time(),
                 }
-                await attacker.store(progress_key(RUN_ID), value, node=member)
+                await attacker.store_progress(value, node=member)
                 result = await averager.step(weight=2.0**53, epoch=epoch, timeout_s=5.0)
                 statuses.append(result.status)
             await wait_equal_replicas(attacker, [p.peer_id for p in honest])

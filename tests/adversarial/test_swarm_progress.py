@@ -15,7 +15,7 @@ from dht.identity import PeerIdentity
 from dht.kademlia.validation import owner_subkey
 from dht.launch import open_node
 from dht.net.config import TransportConfig
-from peer.records.progress import PeerProgress, progress_key
+from peer.records.progress import PeerProgress, bucket_key
 from peer.swarm.progress import ProgressConfig, ProgressTracker, estimate
 
 pytestmark = pytest.mark.timeout(60)
@@ -122,7 +122,7 @@ async def test_forged_records_over_a_real_dht_never_reach_the_training_thread():
         ]
         for index, value in enumerate(forged):  # each replaces the last (a later expiration)
             assert await attacker.store(
-                progress_key("run"),
+                bucket_key("run", 0, 0),  # the one bucket of a small swarm's layout
                 value,
                 expiration + index,
                 subkey=owner_subkey(attacker.peer_id),

@@ -1,0 +1,402 @@
+"""A swarm of thousands of peers on a virtual clock, in one process: progress and discovery.
+
+What runs is the real logic of a peer's progress (:mod:`peer.swarm.progress_sample`: the
+layout, the buckets read, the smoothed size; :func:`peer.swarm.progress_estimate.estimate`, with
+partners from the rounds) and of matchmaking discovery (an announcement under the sharded
+matchmaking key, ``B = N // (2 g)`` buckets from the peer's own estimate of ``N`` at its epoch,
+then reads of that key), over the DHT of :mod:`peer.bench.swarm_sim_dht` (an explicit, measured
+simplification of the real one). Training is a stand-in: each peer accumulates samples at its own
+rate (log-normal around ``MEAN_RATE``); a peer whose estimate says the target is reached
+announces itself, waits out matchmaking and the round, and starts the next epoch with the peers
+it met as partners. Churn replaces random peers with newcomers (who probe the layout, and start
+at the swarm's epoch, as after a state download).
+
+The swarm joins over a ramp and settles before the measurement window of ``seconds``; every
+figure but ``max_key_bytes_ramp`` is from that window. Figures (as ``peer bench swarm`` names
+them where they mean the same): ``dht_bytes_per_peer_per_s`` (both sides of every DHT RPC a node
+makes or answers, the mean node), ``max_node_dht_bytes_per_s`` and ``median_node_...``,
+``max_key_bytes`` against ``key_cap_bytes``, ``in_group_fraction`` (ready peers that met another
+under their key within the matchmaking wait), ``progress_error_p50``/``_p95`` (the relative error
+of a peer's estimated samples at its epoch against the true sum, at every read where the truth is
+past a tenth of the target). Run it: ``python -m peer.bench.swarm_sim --peers 1000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import json
+import math
+import random
+import statistics
+import time
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass, field
+
+from dht.kademlia.config import DHTConfig
+from peer.bench.swarm_sim_dht import CostModel, SimDHT
+from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
+from peer.records.progress_read import newest_per_peer
+from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
+from peer.swarm.progress_sample import SampleRead, SizeEstimate, plan_read
+
+PREFIX = "sim"
+MEAN_RATE = 100.0  # samples/s of the mean peer
+RATE_SIGMA = 0.3  # log-normal spread of the peers' rates
+EPOCH_S = 20.0  # the target batch size is what the swarm makes in this long
+MATCHMAKING_S = 3.0  # a ready peer waits this long for others under its key
+ROUND_S = 1.0  # then averages this long
+NUM_MATCHMAKING_READS = 2  # reads of the matchmaking key while waiting
+RAMP_S = 20.0  # the swarm joins over this long...
+SETTLE_S = 30.0  # ...and settles this long (past size_window_s) before the measurement window
+ANNOUNCE_TTL_S = 30.0
+
+
+def matchmaking_buckets(num_peers: int, group_size: int) -> int:
+    """The matchmaking key's shards for ``num_peers`` ready peers (1 below ``4 g``)."""
+    return 1 if num_peers < 4 * group_size else max(1, num_peers // (2 * group_size))
+
+
+def matchmaking_key(epoch: int, peer_id: str, num_buckets: int) -> str:
+    key = f"{PREFIX}/mm/{epoch}"
+    if num_buckets <= 1:
+        return key
+    digest = hashlib.sha256(key.encode() + b"/" + bytes.fromhex(peer_id)).digest()
+    return f"{key}.b{num_buckets}.{int.from_bytes(digest[:8], 'big') % num_buckets}"
+
+
+@dataclass
+class _Peer:
+    """One simulated peer: the training stand-in and its tracker's state (what
+    :class:`peer.swarm.progress.ProgressTracker` keeps, without the network)."""
+
+    peer_id: str
+    slot: int
+    rate: float
+    epoch: int
+    samples: float  # at ``anchor_s`` (frozen while waiting)
+    anchor_s: float
+    training: bool = True
+    alive: bool = True
+    size: SizeEstimate = field(default_factory=lambda: SizeEstimate(30.0))
+    rounds: deque = field(default_factory=lambda: deque(maxlen=8))
+    round_peers: dict = field(default_factory=dict)
+    partners: frozenset = frozenset()
+    num_reads: int = 0
+    records: list = field(default_factory=list)
+    sample: object = None
+    mm_key: str = ""
+    mm_key_pow2: str = ""
+    ready_s: float = 0.0
+
+    def samples_at(self, now: float) -> float:
+        return self.samples + (self.rate * (now - self.anchor_s) if self.training else 0.0)
+
+    def recent_partners(self) -> list[str]:
+        return list(dict.fromkeys(p for peers in reversed(self.rounds) for p in sorted(peers)))
+
+
+class _Swarm:
+    def __init__(self, num_peers: int, seconds: float, churn_per_s: float, seed: int, g: int):
+        self.rng = random.Random(seed)
+        self.group_size = g
+        self.config = ProgressConfig(
+            target_batch_size=max(1, round(num_peers * MEAN_RATE * EPOCH_S)),
+            publish_interval_s=2.0,
+            record_ttl_s=20.0,
+        )
+        capacity = int(num_peers * (1 + 2 * churn_per_s * (RAMP_S + SETTLE_S + seconds))) + 16
+        self.dht = SimDHT(CostModel(), self.rng, capacity)
+        self.peers: dict[str, _Peer] = {}
+        self.alive: list[str] = []
+        self.events: list = []
+        self._seq = 0
+        self.truth: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        self.window_start_s = RAMP_S + SETTLE_S
+        self.errors: list[float] = []
+        self.num_ready = self.num_met = self.num_met_pow2 = 0
+        self.announced: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        self.announced_pow2: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        self.num_keys_read: list[int] = []
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def schedule(self, at_s: float, kind: str, peer_id: str = "") -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (at_s, self._seq, kind, peer_id))
+
+    def _count(self, peer: _Peer, sign: float) -> None:
+        """Add (or take away) ``peer``'s samples in the true per-epoch sums: a linear function
+        of the time while it trains, a constant while it waits."""
+        sums = self.truth[peer.epoch]
+        if peer.training:
+            sums[0] += sign * (peer.samples - peer.rate * peer.anchor_s)
+            sums[1] += sign * peer.rate
+        else:
+            sums[0] += sign * peer.samples
+
+    def true_samples(self, epoch: int, now: float) -> float:
+        constant, rate = self.truth[epoch]
+        return constant + rate * now
+
+    def join(self, now: float, epoch: int) -> None:
+        peer_id = self.rng.randbytes(32).hex()
+        rate = MEAN_RATE * self.rng.lognormvariate(-(RATE_SIGMA**2) / 2, RATE_SIGMA)
+        peer = _Peer(peer_id, self.dht.join(peer_id), rate, epoch, 0.0, now)
+        peer.size = SizeEstimate(self.config.size_window_s)
+        self.peers[peer_id] = peer
+        self.alive.append(peer_id)
+        self._count(peer, 1)
+        self.schedule(now + self.rng.uniform(0, self.config.publish_interval_s), "tick", peer_id)
+
+    def leave(self) -> None:
+        peer = self.peers[self.alive.pop(self.rng.randrange(len(self.alive)))]
+        peer.alive = False
+        self._count(peer, -1)
+        self.dht.leave(peer.peer_id)
+
+    # ---- a peer's progress -------------------------------------------------------------------
+
+    def _own(self, peer: _Peer, now: float) -> PeerProgress:
+        samples = int(peer.samples_at(now))
+        return PeerProgress(peer.peer_id, peer.epoch, samples, peer.rate, now, None, False)
+
+    def _read_bucket(self, peer: _Peer, level: int, bucket: int, now: float) -> list:
+        # every writer here is honest and writes its own bucket: no record to filter out
+        return self.dht.get(peer.slot, bucket_key(PREFIX, level, bucket), now)
+
+    def _probe(self, peer: _Peer, now: float) -> None:
+        sizes = [
+            len({r.peer_id for r in self._read_bucket(peer, lv, bucket_of(peer.peer_id, lv), now)}
+                - {peer.peer_id}) * 2**lv + 1
+            for lv in PROBE_LEVELS
+        ]  # fmt: skip
+        peer.size.update(float(max(sizes)), now, exact=True)
+
+    def tick(self, peer: _Peer, now: float) -> None:
+        """Publish at the levels written, read the planned buckets, estimate, decide."""
+        self.schedule(now + self.config.publish_interval_s, "tick", peer.peer_id)
+        if peer.size.value is None:
+            self._probe(peer, now)
+        own = self._own(peer, now)
+        for level in write_levels(peer.size.value, self.config.records_per_bucket):
+            key = bucket_key(PREFIX, level, bucket_of(peer.peer_id, level))
+            self.dht.store(peer.slot, key, peer.peer_id, own, now + self.config.record_ttl_s)
+        partners = peer.recent_partners()
+        level = peer.size.level(self.config.records_per_bucket)
+        plan = plan_read(level, peer.peer_id, partners, self.config, self.rng, peer.num_reads)
+        peer.num_reads += 1
+        found = {b: self._read_bucket(peer, level, b, now) for b in plan.buckets}
+        fills = {b: len({r.peer_id for r in records}) for b, records in found.items()}
+        records = newest_per_peer(r for bucket in found.values() for r in bucket)
+        read = SampleRead(plan, records, fills)
+        size = peer.size.update(read.raw_size(peer.peer_id), now, exact=plan.complete)
+        peer.records, peer.sample = records, read.sample(partners, size)
+        view = estimate(
+            records,
+            own=own,
+            config=self.config,
+            now=now,
+            round_peers=peer.round_peers,
+            partners=peer.partners,
+            sample=peer.sample,
+        )
+        if now >= self.window_start_s:
+            self.num_keys_read.append(len(plan.buckets))
+        self._decide(peer, view, now)
+
+    def _decide(self, peer: _Peer, view: GlobalProgress, now: float) -> None:
+        if not peer.training:
+            return
+        truth = self.true_samples(peer.epoch, now)
+        if now >= self.window_start_s and view.epoch == peer.epoch:
+            if truth >= 0.1 * self.config.target_batch_size:
+                self.errors.append(abs(view.samples_accumulated - truth) / truth)
+        if view.ready or view.epoch > peer.epoch:
+            self._ready(peer, view, now)
+        elif view.eta_next_epoch_s < self.config.publish_interval_s:
+            self.schedule(now + view.eta_next_epoch_s, "check", peer.peer_id)
+
+    def check(self, peer: _Peer, now: float) -> None:
+        """The training loop's look after a local step: the last records read, extrapolated,
+        and this peer's live numbers (``ProgressTracker.current``; no network)."""
+        if not peer.training:
+            return
+        view = estimate(
+            peer.records,
+            own=self._own(peer, now),
+            config=self.config,
+            now=now,
+            round_peers=peer.round_peers,
+            partners=peer.partners,
+            sample=peer.sample,
+        )
+        if view.ready or view.epoch > peer.epoch:
+            self._ready(peer, view, now)
+
+    # ---- matchmaking discovery ---------------------------------------------------------------
+
+    def _ready(self, peer: _Peer, view: GlobalProgress, now: float) -> None:
+        self._count(peer, -1)
+        peer.samples, peer.anchor_s, peer.training = peer.samples_at(now), now, False
+        self._count(peer, 1)
+        num_at = max(1, view.num_at(peer.epoch))
+        buckets = matchmaking_buckets(num_at, self.group_size)
+        peer.mm_key = matchmaking_key(peer.epoch, peer.peer_id, buckets)
+        peer.ready_s = now
+        self.dht.store(peer.slot, peer.mm_key, peer.peer_id, peer.peer_id, now + ANNOUNCE_TTL_S)
+        for _ in range(NUM_MATCHMAKING_READS):
+            self.dht.get(peer.slot, peer.mm_key, now)
+        self.announced[peer.mm_key].append((peer.peer_id, now))
+        # the same with a power-of-two count of shards (estimates that differ a little agree)
+        pow2 = 2 ** max(0, round(math.log2(buckets)))
+        peer.mm_key_pow2 = matchmaking_key(peer.epoch, peer.peer_id, pow2)
+        self.announced_pow2[peer.mm_key_pow2].append((peer.peer_id, now))
+        self.schedule(now + MATCHMAKING_S + ROUND_S, "resolve", peer.peer_id)
+
+    def _met(self, table: dict, key: str, peer: _Peer) -> list[str]:
+        return [
+            other
+            for other, at_s in table[key]
+            if other != peer.peer_id
+            and abs(at_s - peer.ready_s) <= MATCHMAKING_S
+            and self.peers[other].alive
+        ]
+
+    def resolve(self, peer: _Peer, now: float) -> None:
+        """The round is over: the peers met under the key are the new partners."""
+        met = self._met(self.announced, peer.mm_key, peer)
+        if peer.ready_s >= self.window_start_s:
+            self.num_ready += 1
+            self.num_met += bool(met)
+            self.num_met_pow2 += bool(self._met(self.announced_pow2, peer.mm_key_pow2, peer))
+        group = sorted(met, key=lambda p: abs(self.peers[p].ready_s - peer.ready_s))
+        group = frozenset(group[: self.group_size - 1])
+        self._count(peer, -1)
+        peer.epoch += 1
+        peer.samples, peer.anchor_s, peer.training = 0.0, now, True
+        self._count(peer, 1)
+        peer.round_peers = {p: (peer.epoch, now) for p in group}
+        peer.rounds.append(group)
+        peer.partners = frozenset().union(*peer.rounds)
+
+    # ---- the run -----------------------------------------------------------------------------
+
+    def churn(self, now: float, churn_per_s: float) -> None:
+        """One peer leaves, a newcomer joins at the swarm's epoch (its state downloaded)."""
+        self.schedule(now + self.rng.expovariate(churn_per_s * len(self.alive)), "churn")
+        if now < self.window_start_s - SETTLE_S or len(self.alive) < 2:
+            return
+        self.leave()
+        epochs = Counter(self.peers[p].epoch for p in self.alive)
+        self.join(now, epochs.most_common(1)[0][0])
+
+    def run(self, num_peers: int, seconds: float, churn_per_s: float) -> None:
+        for index in range(num_peers):
+            self.schedule(RAMP_S * index / num_peers, "join")
+        if churn_per_s > 0:
+            self.schedule(RAMP_S, "churn")
+        self.schedule(self.window_start_s, "window")
+        end_s = self.window_start_s + seconds
+        while self.events and self.events[0][0] < end_s:
+            now, _, kind, peer_id = heapq.heappop(self.events)
+            if kind == "join":
+                self.join(now, 0)
+            elif kind == "churn":
+                self.churn(now, churn_per_s)
+            elif kind == "window":
+                self.max_key_bytes_ramp = self.dht.max_key_bytes()
+                self.dht.max_key_records = 0
+                self.bytes_at_window = self.dht.node_bytes.copy()
+                self.alive_at_window = list(self.alive)
+            elif self.peers[peer_id].alive:
+                getattr(self, kind)(self.peers[peer_id], now)
+
+    def report(self, seconds: float) -> dict:
+        """The window's figures (see the module docstring)."""
+        end = self.dht.node_bytes
+        start = self.bytes_at_window
+        whole = [self.peers[p].slot for p in set(self.alive_at_window) & set(self.alive)]
+        rates = sorted(float(end[s] - (start[s] if s < len(start) else 0)) / seconds for s in whole)
+        return {
+            "peers": len(self.alive),
+            "seconds": seconds,
+            "dht_bytes_per_peer_per_s": round(statistics.fmean(rates)) if rates else None,
+            "max_node_dht_bytes_per_s": round(rates[-1]) if rates else None,
+            "median_node_dht_bytes_per_s": round(statistics.median(rates)) if rates else None,
+            "max_key_bytes": self.dht.max_key_bytes(),
+            "max_key_bytes_ramp": self.max_key_bytes_ramp,
+            "key_cap_bytes": DHTConfig().max_bytes_per_key,
+            "in_group_fraction": _fraction(self.num_met, self.num_ready),
+            "in_group_fraction_pow2": _fraction(self.num_met_pow2, self.num_ready),
+            "progress_error_p50": _percentile(self.errors, 0.5),
+            "progress_error_p95": _percentile(self.errors, 0.95),
+            "keys_read_per_interval_max": max(self.num_keys_read, default=0),
+            "rounds": self.num_ready,
+            "epoch_max": max((self.peers[p].epoch for p in self.alive), default=0),
+        }
+
+
+def _fraction(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
+def _percentile(values: list[float], fraction: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 4)
+
+
+def simulate(
+    num_peers: int,
+    *,
+    seconds: float = 60.0,
+    churn_per_s: float = 0.0,
+    seed: int = 0,
+    target_group_size: int = 16,
+) -> dict:
+    """Simulate ``num_peers`` peers for ``seconds`` of virtual time (after a ramp and a settling
+    time); returns the figures of the module docstring, with ``wall_s`` (the run's own time).
+
+    Args:
+        num_peers: peers in the swarm (churn keeps the number).
+        seconds: the measurement window, in virtual seconds.
+        churn_per_s: the fraction of the swarm replaced per second (0.001: a peer in a thousand
+            leaves, and a newcomer joins, every second), from the end of the ramp on.
+        seed: seeds every random choice (the same seed, the same figures).
+        target_group_size: ``g`` of matchmaking (its key has ``N // (2 g)`` shards).
+    """
+    if num_peers < 1 or seconds <= 0 or churn_per_s < 0 or target_group_size < 2:
+        raise ValueError("num_peers >= 1, seconds > 0, churn_per_s >= 0, target_group_size >= 2")
+    started_s = time.perf_counter()
+    swarm = _Swarm(num_peers, seconds, churn_per_s, seed, target_group_size)
+    swarm.run(num_peers, seconds, churn_per_s)
+    return {
+        **swarm.report(seconds),
+        "churn_per_s": churn_per_s,
+        "wall_s": round(time.perf_counter() - started_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--churn", type=float, default=0.0, help="fraction replaced per second")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--group-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    report = simulate(
+        args.peers,
+        seconds=args.seconds,
+        churn_per_s=args.churn,
+        seed=args.seed,
+        target_group_size=args.group_size,
+    )
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Reading progress buckets: one bucket (for a peer's sample) or every one (for the dashboard).
+
+A peer reads a bounded sample of buckets (:mod:`peer.swarm.progress_sample`); the dashboard is no
+peer and shows every peer, so it reads every bucket of the layout in use
+(:class:`ProgressSweep`). A bucket's records are kept only when the peer they belong to hashes to
+that bucket (:func:`peer.records.progress.bucket_of`): a record stored under another key (by a
+stranger, or left behind by a peer that changed level) counts nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Protocol
+
+from peer.records.progress import (
+    PROBE_LEVELS,
+    RECORDS_PER_BUCKET,
+    PeerProgress,
+    bucket_key,
+    bucket_of,
+    parse_record,
+    read_level,
+)
+
+
+class ValueReader(Protocol):
+    """What reading needs of a DHT node (:class:`dht.kademlia.node.DHTNode` has it)."""
+
+    async def get(self, key: str, latest: bool = False): ...
+
+
+def parse_bucket(found: object, level: int, bucket: int, max_samples_per_s: float) -> list:
+    """The valid records of bucket ``bucket`` of ``level`` in a DHT answer (``found``)."""
+    value = getattr(found, "value", None)
+    if not isinstance(value, dict):
+        return []
+    records = []
+    for subkey, item in value.items():
+        record = parse_record(subkey, item.value, max_samples_per_s)
+        if record is not None and bucket_of(record.peer_id, level) == bucket:
+            records.append(record)
+    return records
+
+
+async def read_bucket(
+    node: ValueReader,
+    run_id: str,
+    level: int,
+    bucket: int,
+    max_samples_per_s: float,
+    *,
+    latest: bool = True,
+) -> list[PeerProgress]:
+    """The records of one bucket (``latest``: merged from every replica)."""
+    found = await node.get(bucket_key(run_id, level, bucket), latest=latest)
+    return parse_bucket(found, level, bucket, max_samples_per_s)
+
+
+def newest_per_peer(records: Iterable[PeerProgress]) -> list[PeerProgress]:
+    """One record per peer, the newest (a peer writes two levels; a stale one may linger)."""
+    newest: dict[str, PeerProgress] = {}
+    for record in records:
+        if record.peer_id not in newest or record.time > newest[record.peer_id].time:
+            newest[record.peer_id] = record
+    return list(newest.values())
+
+
+class ProgressSweep:
+    """Reads every peer's record, bucket by bucket, for a reader that must show all of them.
+
+    A sweep that has no count to go by (the first, or the last found nobody) finds the layout
+    by probing bucket 0 of every other level (a filled one says ``fill * 2**level`` peers); the
+    next ones read at the level the last count calls for.
+
+    Args:
+        run_id: the run whose records to read.
+        max_samples_per_s: the largest believable rate (larger claims are clamped).
+        records_per_bucket: the fill the run's peers aim for
+            (``ProgressConfig.records_per_bucket``).
+        max_in_flight: gets in flight at once.
+        max_latest_buckets: sweeps of more buckets than this read one replica per bucket
+            (``latest=False``: cheaper, and possibly as old as the node's read cache).
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        max_samples_per_s: float,
+        records_per_bucket: int = RECORDS_PER_BUCKET,
+        max_in_flight: int = 32,
+        max_latest_buckets: int = 64,
+    ):
+        self.run_id = run_id
+        self.max_samples_per_s = max_samples_per_s
+        self.records_per_bucket = records_per_bucket
+        self.max_in_flight = max_in_flight
+        self.max_latest_buckets = max_latest_buckets
+        self.num_peers: int | None = None  # counted by the last sweep
+        self.level = 0
+
+    async def _find_level(self, node: ValueReader) -> int:
+        found = await asyncio.gather(
+            *(read_bucket(node, self.run_id, lv, 0, self.max_samples_per_s) for lv in PROBE_LEVELS)
+        )
+        sizes = [len(records) * 2**lv for lv, records in zip(PROBE_LEVELS, found, strict=True)]
+        return read_level(max(sizes), self.records_per_bucket)
+
+    async def read(self, node: ValueReader) -> list[PeerProgress]:
+        """Every peer's newest record (raises what ``node.get`` raises)."""
+        if not self.num_peers:  # first sweep, or nobody last time: where is everyone?
+            self.level = await self._find_level(node)
+        else:
+            self.level = read_level(self.num_peers, self.records_per_bucket)
+        level, num_buckets = self.level, 2**self.level
+        latest = num_buckets <= self.max_latest_buckets
+        gate = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(bucket: int) -> list[PeerProgress]:
+            async with gate:
+                return await read_bucket(
+                    node, self.run_id, level, bucket, self.max_samples_per_s, latest=latest
+                )
+
+        found = await asyncio.gather(*(one(b) for b in range(num_buckets)))
+        records = newest_per_peer(r for bucket in found for r in bucket)
+        self.num_peers = len(records)
+        return records
