@@ -11,10 +11,12 @@ balances its row over the peers left (10 peers, ``g`` 4: 4 + 3 + 3, not 4 + 4 + 
 that learns every other is taken goes to the top round at once as a row of one.
 
 Discovery does not grow with ``N``: above ``4 g`` peers the matchmaking key is sharded into
-``B = N // (2 g)`` buckets, ``{key}.b{B}.{i}`` with ``i = sha256(key, peer id) mod B``, so a read
-returns about ``2 g`` announcements, not ``N``. ``B`` is in the key: peers whose estimates of
-``N`` differ never mix two bucket layouts under one key. In a bucket, a peer sizes its row from
-the peers it saw there (at least the ``N / B`` it expects).
+``B`` buckets, ``B`` the power of two nearest ``N / (2 g)``, ``{key}.b{B}.{i}`` with
+``i = sha256(key, peer id) mod B``, so a read returns about ``2 g`` announcements, not ``N``.
+``B`` is in the key: peers whose estimates of ``N`` differ never mix two bucket layouts under one
+key, and a power of two keeps estimates a few percent apart on one layout (``N // (2 g)`` put
+4 in 10 of 10,000 simulated peers on a layout nobody else used). In a bucket, a peer sizes its
+row from the peers it saw there (at least the ``N / B`` it expects).
 
 The rows' means are then combined by the delegates of the rows (:mod:`averaging.levels`), whose
 own search uses :class:`SizePlan` too (:meth:`RoundPlan.top_sizes`): one group that closes once
@@ -54,7 +56,7 @@ def num_buckets(num_peers: int, group_size: int) -> int:
     """How many keys the peers of one round are spread over (1 below ``4 g`` peers)."""
     if num_peers < BUCKET_MIN_PEERS_PER_GROUP * group_size:
         return 1
-    return max(1, num_peers // (BUCKET_PEERS_PER_GROUP * group_size))
+    return 2 ** max(0, round(math.log2(num_peers / (BUCKET_PEERS_PER_GROUP * group_size))))
 
 
 def bucket_of(key: str, peer_id: str, buckets: int) -> int:

@@ -3,7 +3,8 @@
 What runs is the real logic of a peer's progress (:mod:`peer.swarm.progress_sample`: the
 layout, the buckets read, the smoothed size; :func:`peer.swarm.progress_estimate.estimate`, with
 partners from the rounds) and of matchmaking discovery (an announcement under the sharded
-matchmaking key, ``B = N // (2 g)`` buckets from the peer's own estimate of ``N`` at its epoch,
+matchmaking key, :func:`averaging.matchmaking.rows.num_buckets` from the peer's own estimate of
+``N`` at its epoch,
 then reads of that key), over the DHT of :mod:`peer.bench.swarm_sim_dht` (an explicit, measured
 simplification of the real one). Training is a stand-in: each peer accumulates samples at its own
 rate (log-normal around ``MEAN_RATE``); a peer whose estimate says the target is reached
@@ -24,16 +25,15 @@ past a tenth of the target). Run it: ``python -m peer.bench.swarm_sim --peers 10
 from __future__ import annotations
 
 import argparse
-import hashlib
 import heapq
 import json
-import math
 import random
 import statistics
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
+from averaging.matchmaking import rows
 from dht.kademlia.config import DHTConfig
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
@@ -53,17 +53,8 @@ SETTLE_S = 30.0  # ...and settles this long (past size_window_s) before the meas
 ANNOUNCE_TTL_S = 30.0
 
 
-def matchmaking_buckets(num_peers: int, group_size: int) -> int:
-    """The matchmaking key's shards for ``num_peers`` ready peers (1 below ``4 g``)."""
-    return 1 if num_peers < 4 * group_size else max(1, num_peers // (2 * group_size))
-
-
 def matchmaking_key(epoch: int, peer_id: str, num_buckets: int) -> str:
-    key = f"{PREFIX}/mm/{epoch}"
-    if num_buckets <= 1:
-        return key
-    digest = hashlib.sha256(key.encode() + b"/" + bytes.fromhex(peer_id)).digest()
-    return f"{key}.b{num_buckets}.{int.from_bytes(digest[:8], 'big') % num_buckets}"
+    return rows.bucket_key(f"{PREFIX}/mm/{epoch}", peer_id, num_buckets)
 
 
 @dataclass
@@ -87,7 +78,6 @@ class _Peer:
     records: list = field(default_factory=list)
     sample: object = None
     mm_key: str = ""
-    mm_key_pow2: str = ""
     ready_s: float = 0.0
 
     def samples_at(self, now: float) -> float:
@@ -115,9 +105,8 @@ class _Swarm:
         self.truth: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
         self.window_start_s = RAMP_S + SETTLE_S
         self.errors: list[float] = []
-        self.num_ready = self.num_met = self.num_met_pow2 = 0
+        self.num_ready = self.num_met = 0
         self.announced: dict[str, list[tuple[str, float]]] = defaultdict(list)
-        self.announced_pow2: dict[str, list[tuple[str, float]]] = defaultdict(list)
         self.num_keys_read: list[int] = []
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -242,17 +231,13 @@ class _Swarm:
         peer.samples, peer.anchor_s, peer.training = peer.samples_at(now), now, False
         self._count(peer, 1)
         num_at = max(1, view.num_at(peer.epoch))
-        buckets = matchmaking_buckets(num_at, self.group_size)
+        buckets = rows.num_buckets(num_at, self.group_size)
         peer.mm_key = matchmaking_key(peer.epoch, peer.peer_id, buckets)
         peer.ready_s = now
         self.dht.store(peer.slot, peer.mm_key, peer.peer_id, peer.peer_id, now + ANNOUNCE_TTL_S)
         for _ in range(NUM_MATCHMAKING_READS):
             self.dht.get(peer.slot, peer.mm_key, now)
         self.announced[peer.mm_key].append((peer.peer_id, now))
-        # the same with a power-of-two count of shards (estimates that differ a little agree)
-        pow2 = 2 ** max(0, round(math.log2(buckets)))
-        peer.mm_key_pow2 = matchmaking_key(peer.epoch, peer.peer_id, pow2)
-        self.announced_pow2[peer.mm_key_pow2].append((peer.peer_id, now))
         self.schedule(now + MATCHMAKING_S + ROUND_S, "resolve", peer.peer_id)
 
     def _met(self, table: dict, key: str, peer: _Peer) -> list[str]:
@@ -270,7 +255,6 @@ class _Swarm:
         if peer.ready_s >= self.window_start_s:
             self.num_ready += 1
             self.num_met += bool(met)
-            self.num_met_pow2 += bool(self._met(self.announced_pow2, peer.mm_key_pow2, peer))
         group = sorted(met, key=lambda p: abs(self.peers[p].ready_s - peer.ready_s))
         group = frozenset(group[: self.group_size - 1])
         self._count(peer, -1)
@@ -329,7 +313,6 @@ class _Swarm:
             "max_key_bytes_ramp": self.max_key_bytes_ramp,
             "key_cap_bytes": DHTConfig().max_bytes_per_key,
             "in_group_fraction": _fraction(self.num_met, self.num_ready),
-            "in_group_fraction_pow2": _fraction(self.num_met_pow2, self.num_ready),
             "progress_error_p50": _percentile(self.errors, 0.5),
             "progress_error_p95": _percentile(self.errors, 0.95),
             "keys_read_per_interval_max": max(self.num_keys_read, default=0),
