@@ -49,6 +49,7 @@ PROCESS_HEAVY_FILES = {
     "peer/cli/test_cli.py",
     "peer/hivemind/test_hivemind_dashboard.py",
     "peer/run/test_kill_mid_round.py",
+    "peer/run/test_newcomer_fast_epochs.py",
 }
 # Run after the others, alone on the host (see the module docstring).
 SERIAL_FILES = {

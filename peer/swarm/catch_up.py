@@ -32,6 +32,7 @@ from dht.errors import DHTError
 from dht.runtime import EventLoopThread
 from peer.profiling.phases import PhaseClock
 from peer.run.config import PeerConfig
+from peer.swarm.arrival import FIRST_DOWNLOAD_S, arrives_late, wait_until_left
 from peer.swarm.services import SwarmServices
 from peer.swarm.state_check import loadable_metadata, parse_header
 from peer.swarm.state_digest import (
@@ -96,6 +97,9 @@ class StateCatchUp:
             iter(pack_state(model=self.model, optimizer=None, progress=Progress())[1])
         )
         services.state_server.digest_fn = self.digest
+        self._download_s = FIRST_DOWNLOAD_S  # the last download's time
+        # the longest the swarm takes to leave an epoch whose round is starting
+        self._round_s = config.matchmaking_time + config.averaging_timeout
         self.num_resyncs = 0  # re-syncs tried (a replica that differed from the agreed one)
         self.replicas: ReplicaCheck | None = None
         if self._shares_optimizer:  # grad mode: see peer.swarm.state_resync
@@ -143,25 +147,53 @@ class StateCatchUp:
         ``fallback`` (the model untouched) when no donor delivered."""
         # any agreed state newer than this peer's: a donor serves the newest state it has
         # announced, which can trail the epoch its progress record shows by a moment
-        reached = self._download(min(min_epoch, fallback + 1), fallback=fallback)
+        arriving = self._arrival(min_epoch) if min_epoch > fallback else None
+        reached = self._download(min(min_epoch, fallback + 1), fallback=fallback, arriving=arriving)
         if reached <= fallback:
             self._last_failed_s = time.monotonic()
+            if arriving is not None:  # it did not arrive: its record says where it is again
+                self.services.tracker.report_local_progress(fallback, 0)
         else:  # serve (and vouch for) the state this peer now holds
             self.services.state_server.update(self.snapshot(reached))
             self._announce_arrival(reached)
         return reached
+
+    def _arrival(self, epoch: int) -> int:
+        """The epoch to arrive at: ``epoch``, or the next one, once the swarm is there, when the
+        round of ``epoch`` would start before the download ends (:mod:`peer.swarm.arrival`)."""
+        tracker = self.services.tracker
+        if not arrives_late(tracker.current(), epoch, download_s=self._download_s):
+            return epoch
+        logger.info(
+            "epoch %d: its round starts before a download (%.2f s) would end; "
+            "arriving at epoch %d instead",
+            epoch,
+            self._download_s,
+            epoch + 1,
+        )
+        tracker.report_local_progress(epoch + 1, 0)
+        self._publish()
+        wait_until_left(
+            tracker.current, epoch, timeout_s=self._round_s, stop_event=self._stop_event
+        )
+        return epoch + 1
+
+    def _publish(self) -> None:
+        """Publish this peer's record, and read the swarm's, now (bounded)."""
+        try:  # publishing and reading warn and go on when the network fails
+            self.loop_thread.run(
+                self.services.tracker.refresh(), timeout_s=ARRIVAL_REFRESH_TIMEOUT_S
+            )
+        except DHTError as e:  # the next periodic refresh tries again
+            logger.debug("publishing the progress record: %s", e)
 
     def _announce_arrival(self, epoch: int) -> None:
         """Publish at once that this peer is at ``epoch`` now, and read the swarm anew. With
         epochs shorter than a publishing interval or two, the peers of ``epoch`` would start
         its round before they saw this peer there (a round sized for them alone closes
         without it), and this peer would go by an estimate from before its download."""
-        tracker = self.services.tracker
-        tracker.report_local_progress(epoch, 0)
-        try:  # publishing and reading warn and go on when the network fails
-            self.loop_thread.run(tracker.refresh(), timeout_s=ARRIVAL_REFRESH_TIMEOUT_S)
-        except DHTError as e:  # the next periodic refresh tries again
-            logger.debug("refresh after the download: %s", e)
+        self.services.tracker.report_local_progress(epoch, 0)
+        self._publish()
 
     def catch_up(self, swarm_epoch: int, *, epoch: int) -> int:
         """This peer at ``epoch`` is behind the swarm's ``swarm_epoch``: download, unless a
@@ -212,7 +244,10 @@ class StateCatchUp:
         fallback: int,
         donors: frozenset[str] | None = None,
         exact: bool = False,
+        arriving: int | None = None,
     ) -> int:
+        """The epoch loaded, or ``fallback``. ``arriving``: the epoch this peer announces while
+        it downloads (see :meth:`_announcing`); None announces nothing."""
         tensors, _ = pack_state(
             model=self.model,
             optimizer=self.optimizer,
@@ -223,10 +258,12 @@ class StateCatchUp:
         config = self.config.state_sync_config()
         if exact:  # a bf16 copy would differ from every donor's digest, and re-sync again
             config = dataclasses.replace(config, compression="none")
+        started_s = time.monotonic()
         with self.clock.phase("state_sync"):
             try:
                 snapshot = self.loop_thread.run(
-                    self._unless_stopped(
+                    self._announcing(
+                        arriving,
                         download_state(
                             self.services.transport,
                             self.services.node,
@@ -239,7 +276,7 @@ class StateCatchUp:
                             digest_of=self.digest,
                             verify=self._loadable,
                             donors=donors,
-                        )
+                        ),
                     )
                 )
                 progress, _ = unpack_state(
@@ -256,8 +293,32 @@ class StateCatchUp:
                     fallback,
                 )
                 return fallback
+        self._download_s = time.monotonic() - started_s
         logger.info("downloaded the swarm's state of epoch %d", progress.epoch)
         return progress.epoch
+
+    async def _announcing(self, epoch: int | None, work: Awaitable[T]) -> T:
+        """``work`` (a download of the state of ``epoch``), while this peer's record says it is
+        at ``epoch`` already. With epochs about as short as a download, the peers there start
+        their round before this peer could publish its arrival after the download: a group
+        sized for them alone closes without it, it finds the swarm gone, downloads again, and
+        the same happens at every epoch (issue 24). Seen during the download, it counts in
+        their ``expected_peers``: their group waits for it (the download's time, or once, a
+        matchmaking wait when the download fails). The record goes up alongside the download,
+        which waits for nothing."""
+        if epoch is None:
+            return await self._unless_stopped(work)
+        tracker = self.services.tracker
+        tracker.report_local_progress(epoch, 0)
+        publish = asyncio.ensure_future(
+            asyncio.wait_for(tracker.refresh(), ARRIVAL_REFRESH_TIMEOUT_S)
+        )
+        try:
+            return await self._unless_stopped(work)
+        finally:
+            if not publish.done():
+                publish.cancel()
+            await asyncio.gather(publish, return_exceptions=True)
 
     async def _unless_stopped(self, work: Awaitable[T]) -> T:
         """``work``, or StateSyncError as soon as the peer is told to stop."""

@@ -330,6 +330,8 @@ class CollaborativeOptimizer:
         if reached > self.epoch:  # the downloaded state replaces what was accumulated
             self.contribution.discard()
             self.epoch_counter.advance_to(reached)
+        else:  # the download announced an arrival that did not happen: the record says so
+            self.progress.report_local_progress(self.epoch, self.samples)
 
     def _resync(self) -> None:
         self.flush()  # a round in flight applies to the replica it was computed on

@@ -1,12 +1,10 @@
-"""NOT COLLECTED: it still fails most runs (1 pass in 4); run it by name with pytest. What is
-left: the swarm starts round E+1 sized for its three (``expected_peers`` 3) about as soon as the
-newcomer's download of E+1 ends, and the group closes at three before the newcomer is in.
-
-A newcomer meets a swarm whose epochs are shorter than a round's matchmaking wait (issue 24,
+"""A newcomer meets a swarm whose epochs are shorter than a round's matchmaking wait (issue 24,
 items 4 and 8): three `peer join` processes step an epoch every few tenths of a second; a fourth
 peer (in this process, to read its rounds) downloads their state and must average with them
 within a few rounds, instead of entering every round at an epoch they have just left and
-waiting out the whole matchmaking time there alone."""
+waiting out the whole matchmaking time there alone. It arrives at the epoch after the one
+whose round is about to start, counted in that epoch's ``expected_peers`` from its beginning
+(:mod:`peer.swarm.arrival`)."""
 
 from __future__ import annotations
 
