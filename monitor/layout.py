@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from peer.records.profile import PROFILE_PHASES
+
 # The two-column layout needs this many columns and lines.
 WIDE_MIN_COLUMNS = 120
 WIDE_MIN_LINES = 30
-# Lines of the local peer's panel in the two-column layout: its line, ten phases, its verdict.
-LOCAL_PANEL_LINES = 12
+# Lines of the local peer's panel in the two-column layout: its line, the phases, its verdict.
+LOCAL_PANEL_LINES = len(PROFILE_PHASES) + 2
 MIN_ROUNDS, MIN_ALERTS = 3, 2
 
 
@@ -75,11 +77,12 @@ def _plan_wide(
 ) -> Budget:
     # header 2, peers header 1, verdict 1, footer 1
     available = height - 5
-    chart_rows = min(10, max(3, available // 4))
-    beside_chart = chart_rows + 2  # the chart's title and time lines
     beside_local = LOCAL_PANEL_LINES if local else 0
     alerts_min = min(num_alerts, MIN_ALERTS)
     bottom_min = max(alerts_min, beside_local)
+    # the chart gives up rows (down to 3) before the peers' table would have none
+    chart_rows = max(3, min(10, available // 4, available - bottom_min - 3))
+    beside_chart = chart_rows + 2  # the chart's title and time lines
     peers = min(peers_wanted, max(1, available - beside_chart - bottom_min))
     left = max(0, available - peers - beside_chart - bottom_min)
     rounds = min(num_rounds, beside_chart - 1)  # the table's header is one of the lines

@@ -33,6 +33,7 @@ _PHASE_ABBREV = {
     "allreduce": "ar",
     "state_sync": "sync",
     "idle": "idle",
+    "cpu_wait": "cpuw",
     "other": "other",
 }
 
@@ -159,7 +160,7 @@ def render_local_lines(view: SwarmView, width: int) -> Group:
 
 
 def render_local_panel(view: SwarmView, width: int) -> Group:
-    """The local peer's phase breakdown, one bar per phase (12 lines)."""
+    """The local peer's phase breakdown, one bar per phase (``LOCAL_PANEL_LINES`` lines)."""
     peer = view.peer(view.local_peer_id)
     lines = [render_local_lines(view, width).renderables[0]]
     fractions = peer.profile.fractions if peer is not None and peer.profile else {}

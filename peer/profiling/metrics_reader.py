@@ -20,6 +20,8 @@ from peer.records.profile import PROFILE_PHASES
 
 # Tolerance for phase seconds a float subtraction leaves just below zero.
 _EPSILON_S = 1e-9
+# Phases that streams written before they existed lack (read as 0 s).
+_LATER_PHASES = frozenset({"cpu_wait"})
 
 
 class NetBytes(BaseModel):
@@ -53,11 +55,11 @@ class MetricsLine(BaseModel):
     @field_validator("phases")
     @classmethod
     def _every_phase(cls, phases: dict[str, float]) -> dict[str, float]:
-        if set(phases) != set(PROFILE_PHASES):
+        if not set(PROFILE_PHASES) - _LATER_PHASES <= set(phases) <= set(PROFILE_PHASES):
             raise ValueError(f"phases must be exactly {', '.join(PROFILE_PHASES)}")
         if any(seconds < -_EPSILON_S for seconds in phases.values()):
             raise ValueError("phase seconds must be >= 0")
-        return phases
+        return dict.fromkeys(_LATER_PHASES, 0.0) | phases
 
 
 def validate_line(text: str) -> MetricsLine:

@@ -242,22 +242,32 @@ class PhaseClock:
             self._totals[src] -= moved
             self._totals[dst] += moved
 
+    def _read(self) -> float:
+        # Caller holds the lock: advance to now, then let a subclass settle what it attributes
+        # only when the clock is read (``cpu_wait``, see peer.profiling.profiler.ProfiledClock).
+        now = self._advance()
+        self._settle()
+        return now
+
+    def _settle(self) -> None:
+        pass
+
     def snapshot(self) -> PhaseSnapshot:
         """Seconds per phase since the clock started, the open phase included up to now."""
         with self._lock:
-            now = self._advance()
+            now = self._read()
             return self._make_snapshot(self._totals, now - self._start)
 
     def interval(self) -> PhaseSnapshot:
         """Seconds per phase since the last :meth:`reset_interval` (or the start)."""
         with self._lock:
-            now = self._advance()
+            now = self._read()
             return self._interval_since(now)
 
     def reset_interval(self) -> PhaseSnapshot:
         """Return the current interval's numbers and start a new interval now."""
         with self._lock:
-            now = self._advance()
+            now = self._read()
             snapshot = self._interval_since(now)
             self._interval_totals = list(self._totals)
             self._interval_start = now

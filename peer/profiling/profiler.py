@@ -44,7 +44,8 @@ from dht.kademlia.node import DHTNode
 from dht.net.transport import ByteCounters
 from dht.owned_record import OwnedRecord
 from dht.runtime import EventLoopThread
-from peer.profiling.phases import PHASES, PhaseClock
+from peer.profiling.cpu_wait import COMMUNICATION_PHASES, CpuWaitAccount
+from peer.profiling.phases import PHASES, PhaseClock, _Scope
 from peer.profiling.summary import StretchSummary, breakdown_table, nonnegative
 from peer.profiling.trace import DEFAULT_MAX_BYTES, TraceWriter
 from peer.records.profile import ProfileRecord, profile_key
@@ -90,18 +91,67 @@ class ProfilerConfig:
             raise ValueError(f"max_epochs_kept must be >= 1, got {self.max_epochs_kept}")
 
 
+class _CommunicationScope(_Scope):
+    """A communication phase: the event-loop thread's CPU wait inside it is ``cpu_wait``."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        self._clock._enter(self._index)
+        self._clock._communication(started=True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._clock._communication(started=False)
+        self._clock._exit(self._index)
+
+
 class ProfiledClock(PhaseClock):
-    """A :class:`PhaseClock` that also tells the trace when time moves between phases."""
+    """A :class:`PhaseClock` that also tells the trace when time moves between phases, and
+    moves the watched threads' waits for a CPU into ``cpu_wait`` whenever it is read
+    (:mod:`peer.profiling.cpu_wait`). With the real time source it watches the thread that
+    made it as the training thread; :meth:`watch_threads` changes that and adds the event-loop
+    thread."""
 
     def __init__(self, *, on_transfer: Callable[[float, str, str], None] | None = None, **kwargs):
         super().__init__(**kwargs)
         self._on_transfer = on_transfer
         self.start_s = self._start
+        self._cpu_wait = CpuWaitAccount()
+        if self._now is time.perf_counter:  # run-queue delay is real time: not for fake clocks
+            self._cpu_wait.watch(training=threading.get_native_id())
+        for name in COMMUNICATION_PHASES:
+            self._scopes[name] = _CommunicationScope(self, self._indices[name])
+
+    def watch_threads(self, *, training: int | None = None, loop: int | None = None) -> None:
+        """Count these threads' (native ids) waits for a CPU: ``training`` always, ``loop``
+        during communication phases; None leaves a role as it is."""
+        with self._lock:
+            self._cpu_wait.watch(training=training, loop=loop)
+
+    def cpu_wait_taken(self) -> dict[str, float]:
+        """Seconds moved into ``cpu_wait`` so far, by the phase they were charged to first."""
+        with self._lock:
+            return self._cpu_wait.taken()
+
+    def _communication(self, *, started: bool) -> None:
+        with self._lock:
+            if started:
+                self._cpu_wait.communication_started()
+            else:
+                self._cpu_wait.communication_ended()
+
+    def _settle(self) -> None:
+        self._cpu_wait.settle(self._totals)
 
     def transfer(self, seconds: float, source: str, target: str) -> None:
         super().transfer(seconds, source, target)
         if self._on_transfer is not None:
             self._on_transfer(seconds, source, target)
+
+    def close(self) -> None:
+        """Stop reading the threads' counters."""
+        with self._lock:
+            self._cpu_wait.close()
 
 
 class StepProgress(NamedTuple):
@@ -146,6 +196,10 @@ def gpu_stats() -> dict[str, float] | None:
     except (ImportError, RuntimeError, ValueError):
         pass  # no NVML (pynvml) here: memory only
     return stats
+
+
+async def _native_id() -> int:
+    return threading.get_native_id()
 
 
 def _as_loss(value: Any) -> float | None:
@@ -376,6 +430,8 @@ class Profiler:
         )
         loop_thread.run(publisher.__aenter__(), timeout_s=timeout_s)
         self.publisher, self._loop_thread = publisher, loop_thread
+        # rounds run on the loop thread: its waits for a CPU in them are no communication
+        self.clock.watch_threads(loop=loop_thread.run(_native_id(), timeout_s=timeout_s))
 
     def close(self, *, timeout_s: float = 30.0) -> None:
         """Stop publishing (before the DHT node closes) and finish the trace; safe twice."""
@@ -389,3 +445,4 @@ class Profiler:
             if self.trace is not None:
                 self.clock.snapshot()  # closes the open stretch, so the trace gets it
                 self.trace.close()
+            self.clock.close()

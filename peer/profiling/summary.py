@@ -10,7 +10,9 @@ bottleneck once it holds :data:`LOST_FRACTION` of the wall time, even when compu
 * ``communication`` (``matchmaking`` + ``allreduce`` + ``state_sync``): the network or the
   group formation; the all-reduce's rate is the bytes sent in the stretch over its all-reduce
   seconds (DHT traffic included, so it slightly overstates what the all-reduce achieved);
-* ``swarm`` (``idle``): waiting for other peers with nothing to do.
+* ``swarm`` (``idle``): waiting for other peers with nothing to do;
+* ``cpu`` (``cpu_wait``): runnable but waiting for a CPU (more threads than cores on the
+  machine; :mod:`peer.profiling.cpu_wait`): CPU contention, not the swarm or the network.
 
 Otherwise ``compute`` (``forward`` + ``backward`` + ``optimizer``) if it holds at least
 :data:`COMPUTE_FRACTION` (the device is the limit: where a healthy run is), else ``balanced``
@@ -36,7 +38,10 @@ VERDICT_GROUPS: dict[str, tuple[str, ...]] = {
     "compute": ("forward", "backward", "optimizer"),
     "communication": ("matchmaking", "allreduce", "state_sync"),
     "swarm": ("idle",),
+    "cpu": ("cpu_wait",),
 }
+# The groups of time lost, in the order a tie goes.
+LOST_GROUPS = ("data", "communication", "swarm", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +49,8 @@ class Verdict:
     """The bottleneck of a stretch and one sentence of evidence.
 
     Attributes:
-        bottleneck: ``data``, ``compute``, ``communication``, ``swarm`` or ``balanced``.
+        bottleneck: ``data``, ``compute``, ``communication``, ``swarm``, ``cpu`` or
+            ``balanced``.
         text: e.g. ``data-loading bound: 46% of wall time waiting for batches; ...``.
     """
 
@@ -146,7 +152,7 @@ def diagnose(seconds: Mapping[str, float], wall_s: float, *, sent_bytes: float =
         return Verdict("balanced", "no time measured yet")
     share = {phase: seconds.get(phase, 0.0) / wall_s for phase in PROFILE_PHASES}
     groups = group_shares(seconds, wall_s)
-    top = max(("data", "communication", "swarm"), key=groups.__getitem__)
+    top = max(LOST_GROUPS, key=groups.__getitem__)
     if groups[top] < LOST_FRACTION:
         top = "compute"
         if groups[top] < COMPUTE_FRACTION:
@@ -167,6 +173,11 @@ def diagnose(seconds: Mapping[str, float], wall_s: float, *, sent_bytes: float =
         text = _communication(share, seconds.get("allreduce", 0.0), sent_bytes)
     elif top == "swarm":
         text = f"waiting on the swarm: idle {share['idle']:.0%} of wall time"
+    elif top == "cpu":
+        text = (
+            f"CPU contention: runnable but waiting for a CPU {share['cpu_wait']:.0%} of wall "
+            "time; run fewer processes or threads (--torch-threads) than the machine has cores"
+        )
     else:
         heaviest = max(VERDICT_GROUPS["compute"], key=share.__getitem__)
         text = (
@@ -202,6 +213,7 @@ SHORT_NAMES = {
     "allreduce": "allred",
     "state_sync": "sync",
     "idle": "idle",
+    "cpu_wait": "cpuw",
     "other": "other",
 }
 

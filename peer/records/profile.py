@@ -28,7 +28,8 @@ from peer.records.schema import (
 
 PROFILE_KEY_SUFFIX = "profile"
 # The phases a peer's time is attributed to (:mod:`peer.profiling.phases` keeps the clock of them;
-# the metrics stream and the profile record carry them in this order).
+# the metrics stream and the profile record carry them in this order). ``cpu_wait`` is time the
+# peer was runnable but waited for a CPU (:mod:`peer.profiling.cpu_wait`); older peers lack it.
 PROFILE_PHASES: tuple[str, ...] = (
     "data",
     "h2d",
@@ -39,6 +40,7 @@ PROFILE_PHASES: tuple[str, ...] = (
     "allreduce",
     "state_sync",
     "idle",
+    "cpu_wait",
     "other",
 )
 # The four groups a dashboard bar shows, and which phases make each of them.
@@ -46,7 +48,7 @@ PHASE_GROUPS: dict[str, tuple[str, ...]] = {
     "data": ("data", "h2d"),
     "compute": ("forward", "backward", "optimizer"),
     "comm": ("matchmaking", "allreduce", "state_sync"),
-    "idle": ("idle", "other"),
+    "idle": ("idle", "cpu_wait", "other"),
 }
 
 
@@ -72,7 +74,8 @@ class ProfileRecord:
         rss_bytes: the process's resident memory.
         device: where it trains (``cpu``, ``cuda:0``, ...).
         loss: the last training loss, or None.
-        bottleneck: ``data``, ``compute``, ``communication``, ``swarm`` or ``balanced``.
+        bottleneck: ``data``, ``compute``, ``communication``, ``swarm``, ``cpu`` (waiting for
+            a CPU) or ``balanced``.
         verdict: one human sentence with the evidence (e.g. "data-loading bound: 46% ...").
         backend: ``native`` or ``hivemind``.
     """

@@ -35,6 +35,7 @@ PHASES = {
     "allreduce",
     "state_sync",
     "idle",
+    "cpu_wait",
     "other",
 }
 COLUMNS, LINES = 100, 30

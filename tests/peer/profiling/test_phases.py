@@ -40,6 +40,7 @@ def test_phases_are_the_contract():
         "allreduce",
         "state_sync",
         "idle",
+        "cpu_wait",
         "other",
     )
 

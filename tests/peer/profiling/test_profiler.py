@@ -177,7 +177,9 @@ def test_a_slow_loader_makes_data_the_largest_phase_by_the_injected_delay(tmp_pa
     expected = sum(SLEPT_S) / stream.wall_s
     fractions = stream.fractions()
     assert max(fractions, key=fractions.get) == "data"
-    assert expected - 0.005 <= fractions["data"] <= expected + 0.03
+    # a sleep's end may wait for a CPU on a loaded machine: the profiler says so (cpu_wait)
+    assert expected - 0.005 <= fractions["data"] + fractions["cpu_wait"]
+    assert fractions["data"] <= expected + 0.03
     verdict = stream.verdict()
     assert verdict.bottleneck == "data"
     assert verdict.text.startswith(f"data-loading bound: {fractions['data']:.0%} of wall time")
@@ -272,9 +274,14 @@ def test_a_slowed_allreduce_is_communication_bound_and_phases_add_up(monkeypatch
         rounds = num_epochs - 1  # the rounds that ended epochs 1..n-1
         # opening the stream, sending the part and receiving its average: 3 delays at least
         assert slow_s["allreduce"] / rounds >= fast_s["allreduce"] / rounds + 2 * delay_s
-        # over all epochs, the profiler's all-reduce is exactly what the averager reported
+        # over all epochs, the profiler's all-reduce is what the averager reported, less what
+        # the loop thread spent waiting for a CPU in the round (cpu_wait; a reading in the
+        # middle of a round takes it from matchmaking, which holds the round until it ends)
         profiled_s = sum(e.summary.seconds["allreduce"] for e in slow_run.profiler.epochs)
-        assert profiled_s == pytest.approx(slow_run.hook.stats.allreduce_s, rel=1e-6)
+        taken = slow_run.profiler.clock.cpu_wait_taken()
+        reported_s = slow_run.hook.stats.allreduce_s
+        assert profiled_s <= reported_s * (1 + 1e-6)
+        assert profiled_s + taken["allreduce"] + taken["matchmaking"] >= reported_s * (1 - 1e-6)
         verdict = diagnose(slow_s, wall_s, sent_bytes=sent_bytes)
         assert verdict.bottleneck == "communication", verdict.text
         assert verdict.text.startswith("communication bound: all-reduce")

@@ -1,0 +1,24 @@
+"""``python -m peer.bench.lone_overhead``: a lone peer against a plain loop, in microseconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(120)
+def test_lone_overhead_prints_its_fields_for_a_few_short_blocks():
+    command = [sys.executable, "-m", "peer.bench.lone_overhead", "--threads", "1"]
+    command += ["--blocks", "2", "--steps", "20", "--target-batch-size", "256"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=100, check=True)
+    fields = json.loads(result.stdout.strip().splitlines()[-1])
+    assert fields["num_pairs"] == 2 and fields["steps_per_block"] == 20
+    assert fields["step_us_plain"] > 0 and fields["step_us_peer"] > 0
+    assert fields["overhead_us_q25"] <= fields["overhead_us_p50"] <= fields["overhead_us_q75"]
+    assert fields["ratio_p50"] > 0
+    assert set(fields["other_threads_cpu_us_per_step"]) == {"plain", "peer"}
+    # 200 warm-up steps and 40 measured ones of 32 samples, 256 per epoch: about 30 epochs
+    assert fields["epochs"] >= 20
