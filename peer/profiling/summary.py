@@ -12,7 +12,9 @@ bottleneck once it holds :data:`LOST_FRACTION` of the wall time, even when compu
   seconds (DHT traffic included, so it slightly overstates what the all-reduce achieved);
 * ``swarm`` (``idle``): waiting for other peers with nothing to do;
 * ``cpu`` (``cpu_wait``): runnable but waiting for a CPU (more threads than cores on the
-  machine; :mod:`peer.profiling.cpu_wait`): CPU contention, not the swarm or the network.
+  machine; :mod:`peer.profiling.cpu_wait`): CPU contention, not the swarm or the network; named
+  only when it also exceeds compute (a host busy enough to slow a compute-bound run leaves it
+  compute bound, and the data-bound one data bound).
 
 Otherwise ``compute`` (``forward`` + ``backward`` + ``optimizer``) if it holds at least
 :data:`COMPUTE_FRACTION` (the device is the limit: where a healthy run is), else ``balanced``
@@ -153,6 +155,10 @@ def diagnose(seconds: Mapping[str, float], wall_s: float, *, sent_bytes: float =
     share = {phase: seconds.get(phase, 0.0) / wall_s for phase in PROFILE_PHASES}
     groups = group_shares(seconds, wall_s)
     top = max(LOST_GROUPS, key=groups.__getitem__)
+    if top == "cpu" and groups["cpu"] <= groups["compute"]:
+        # A busy host slows the work itself: a run computing more than it waits for a CPU is
+        # still bound by what it does (the next lost group, else compute), not by the host.
+        top = max((g for g in LOST_GROUPS if g != "cpu"), key=groups.__getitem__)
     if groups[top] < LOST_FRACTION:
         top = "compute"
         if groups[top] < COMPUTE_FRACTION:

@@ -54,6 +54,7 @@ class PeakRss:
         self.node = node
         self.before = self.peak = self.after = 0
         self._task: asyncio.Task | None = None
+        self._stop = asyncio.Event()
 
     async def __aenter__(self) -> PeakRss:
         self.before = self.peak = await self._rss()
@@ -64,14 +65,17 @@ class PeakRss:
         return (await self.node.ask({"cmd": "info"}))["rss_bytes"]
 
     async def _poll(self) -> None:
-        while True:
+        # never cancelled mid-ask: a question whose answer is left in the pipe would answer
+        # the next one (under load the test then waited for an answer that had been read)
+        while not self._stop.is_set():
             self.peak = max(self.peak, await self._rss())
-            await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await self._stop.wait()
 
     async def __aexit__(self, *exc_info) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        self._stop.set()
+        await self._task
         self.peak = max(self.peak, await self._rss())
 
     async def settle(self, seconds: float = 2.0) -> None:
