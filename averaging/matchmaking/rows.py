@@ -10,13 +10,16 @@ tells whoever asks to join it which peers are in it (``full`` with ``formed``), 
 balances its row over the peers left (10 peers, ``g`` 4: 4 + 3 + 3, not 4 + 4 + 2); a peer
 that learns every other is taken goes to the top round at once as a row of one.
 
-Discovery does not grow with ``N``: above ``4 g`` peers the matchmaking key is sharded into
-``B`` buckets, ``B`` the power of two nearest ``N / (2 g)``, ``{key}.b{B}.{i}`` with
+Discovery does not grow with ``N``: the matchmaking key is sharded into ``B`` buckets, ``B`` the
+power of two nearest ``N / (2 g)`` (1 below about ``2.8 g`` peers), ``{key}.b{B}.{i}`` with
 ``i = sha256(key, peer id) mod B``, so a read returns about ``2 g`` announcements, not ``N``.
 ``B`` is in the key: peers whose estimates of ``N`` differ never mix two bucket layouts under one
-key, and a power of two keeps estimates a few percent apart on one layout (``N // (2 g)`` put
-4 in 10 of 10,000 simulated peers on a layout nobody else used). In a bucket, a peer sizes its
-row from the peers it saw there (at least the ``N / B`` it expects).
+key. Peers whose estimates straddle an edge of the layout (``N / (2 g) = 2**(j + 1/2)``) meet
+on different keys, so the edges sit as far as a power-of-two layout allows from where a swarm
+of ``2**j`` groups' worth of peers estimates itself (``N // (2 g)``, with its first edge at
+``4 g``, put 64 peers at ``g`` 16 on the edge, and 4 in 10 of 10,000 simulated peers on a layout
+nobody else used). In a bucket, a peer sizes its row from the peers it saw there (at least the
+``N / B`` it expects).
 
 The rows' means are then combined by the delegates of the rows (:mod:`averaging.levels`), whose
 own search uses :class:`SizePlan` too (:meth:`RoundPlan.top_sizes`): one group that closes once
@@ -30,7 +33,6 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-BUCKET_MIN_PEERS_PER_GROUP = 4  # shard the key only from this many groups' worth of peers
 BUCKET_PEERS_PER_GROUP = 2  # a bucket holds about this many groups' worth of peers
 MAX_ROWS = 256  # the most delegates in one group (averaging.matchmaking.group.MAX_GROUP_SIZE)
 
@@ -53,8 +55,8 @@ def row_floor(num_peers: int, group_size: int) -> int:
 
 
 def num_buckets(num_peers: int, group_size: int) -> int:
-    """How many keys the peers of one round are spread over (1 below ``4 g`` peers)."""
-    if num_peers < BUCKET_MIN_PEERS_PER_GROUP * group_size:
+    """How many keys the peers of one round are spread over (1 below about ``2.8 g`` peers)."""
+    if num_peers <= 0:
         return 1
     return 2 ** max(0, round(math.log2(num_peers / (BUCKET_PEERS_PER_GROUP * group_size))))
 
