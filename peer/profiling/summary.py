@@ -155,9 +155,18 @@ def diagnose(seconds: Mapping[str, float], wall_s: float, *, sent_bytes: float =
     share = {phase: seconds.get(phase, 0.0) / wall_s for phase in PROFILE_PHASES}
     groups = group_shares(seconds, wall_s)
     top = max(LOST_GROUPS, key=groups.__getitem__)
-    if top == "cpu" and groups["cpu"] <= groups["compute"]:
+    cpu_share = 0.0
+    if top != "cpu" or groups["cpu"] <= groups["compute"]:
         # A busy host slows the work itself: a run computing more than it waits for a CPU is
-        # still bound by what it does (the next lost group, else compute), not by the host.
+        # bound by what it does, judged on the time it was not waiting for a CPU (the wait is
+        # spread over the phases it ran in, and would dilute the workload's own bottleneck).
+        cpu_share = groups["cpu"]
+        busy_s = wall_s - seconds.get("cpu_wait", 0.0)
+        if busy_s <= 0:
+            return Verdict("balanced", "no time measured yet")
+        seconds = {phase: spent_s for phase, spent_s in seconds.items() if phase != "cpu_wait"}
+        share = {phase: seconds.get(phase, 0.0) / busy_s for phase in PROFILE_PHASES}
+        groups = group_shares(seconds, busy_s)
         top = max((g for g in LOST_GROUPS if g != "cpu"), key=groups.__getitem__)
     if groups[top] < LOST_FRACTION:
         top = "compute"
@@ -190,6 +199,8 @@ def diagnose(seconds: Mapping[str, float], wall_s: float, *, sent_bytes: float =
             f"compute bound: forward/backward/optimizer {groups['compute']:.0%} of wall time "
             f"({heaviest} {share[heaviest]:.0%}); a faster device or a smaller model helps"
         )
+    if top != "cpu" and cpu_share > 0:
+        text += f" (shares of the time not waiting for a CPU; that wait was {cpu_share:.0%})"
     return Verdict(top, text)
 
 
