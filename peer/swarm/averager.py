@@ -106,17 +106,6 @@ def _stop_when(moved_on: Callable[[], int | None]) -> Callable[[], str | None]:
     return stop_when
 
 
-def moved_on_to(result: RoundResult) -> int | None:
-    """The swarm's epoch when ``result`` is a round that stopped looking because the swarm had
-    left its epoch (``moved_on``), else None."""
-    if result.status != "alone" or not result.reason.startswith(MOVED_ON):
-        return None
-    try:
-        return int(result.reason[len(MOVED_ON) :])
-    except ValueError:
-        return None
-
-
 class PendingRound:
     """A round running on the loop thread while the training thread goes on."""
 
