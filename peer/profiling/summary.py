@@ -10,15 +10,16 @@ bottleneck once it holds :data:`LOST_FRACTION` of the wall time, even when compu
 * ``communication`` (``matchmaking`` + ``allreduce`` + ``state_sync``): the network or the
   group formation; the all-reduce's rate is the bytes sent in the stretch over its all-reduce
   seconds (DHT traffic included, so it slightly overstates what the all-reduce achieved);
-* ``swarm`` (``idle``): waiting for other peers with nothing to do;
-* ``cpu`` (``cpu_wait``): runnable but waiting for a CPU (more threads than cores on the
-  machine; :mod:`peer.profiling.cpu_wait`): CPU contention, not the swarm or the network; named
-  only when it also exceeds compute (a host busy enough to slow a compute-bound run leaves it
-  compute bound, and the data-bound one data bound).
+* ``swarm`` (``idle``): waiting for other peers with nothing to do.
 
 Otherwise ``compute`` (``forward`` + ``backward`` + ``optimizer``) if it holds at least
 :data:`COMPUTE_FRACTION` (the device is the limit: where a healthy run is), else ``balanced``
 (``other``, time outside any phase, counts there).
+
+Time runnable but waiting for a CPU (``cpu_wait``, :mod:`peer.profiling.cpu_wait`) is the host's,
+not the workload's: the verdict judges the workload on the time it was not waiting, so the same
+run gets the same bottleneck on an idle and on a crowded machine, and CPU contention from
+:data:`LOST_FRACTION` of the wall time on is named in the text with what to do about it.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ VERDICT_GROUPS: dict[str, tuple[str, ...]] = {
     "compute": ("forward", "backward", "optimizer"),
     "communication": ("matchmaking", "allreduce", "state_sync"),
     "swarm": ("idle",),
+    # the host's, not the workload's: reported, never the bottleneck
     "cpu": ("cpu_wait",),
 }
 # The groups of time lost, in the order a tie goes.
-LOST_GROUPS = ("data", "communication", "swarm", "cpu")
+LOST_GROUPS = ("data", "communication", "swarm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +53,7 @@ class Verdict:
     """The bottleneck of a stretch and one sentence of evidence.
 
     Attributes:
-        bottleneck: ``data``, ``compute``, ``communication``, ``swarm``, ``cpu`` or
-            ``balanced``.
+        bottleneck: ``data``, ``compute``, ``communication``, ``swarm`` or ``balanced``.
         text: e.g. ``data-loading bound: 46% of wall time waiting for batches; ...``.
     """
 
@@ -152,28 +153,23 @@ def diagnose(seconds: Mapping[str, float], wall_s: float, *, sent_bytes: float =
     """
     if wall_s <= 0:
         return Verdict("balanced", "no time measured yet")
-    share = {phase: seconds.get(phase, 0.0) / wall_s for phase in PROFILE_PHASES}
-    groups = group_shares(seconds, wall_s)
+    # A busy host slows the work itself; the wait is spread over the phases it ran in and would
+    # dilute the workload's own bottleneck, so the workload is judged on the rest.
+    cpu_share = seconds.get("cpu_wait", 0.0) / wall_s
+    busy_s = wall_s - seconds.get("cpu_wait", 0.0)
+    if busy_s <= 0:
+        return Verdict("balanced", _contention(cpu_share))
+    seconds = {phase: spent_s for phase, spent_s in seconds.items() if phase != "cpu_wait"}
+    share = {phase: seconds.get(phase, 0.0) / busy_s for phase in PROFILE_PHASES}
+    groups = group_shares(seconds, busy_s)
+    del groups["cpu"]
     top = max(LOST_GROUPS, key=groups.__getitem__)
-    cpu_share = 0.0
-    if top != "cpu" or groups["cpu"] <= groups["compute"]:
-        # A busy host slows the work itself: a run computing more than it waits for a CPU is
-        # bound by what it does, judged on the time it was not waiting for a CPU (the wait is
-        # spread over the phases it ran in, and would dilute the workload's own bottleneck).
-        cpu_share = groups["cpu"]
-        busy_s = wall_s - seconds.get("cpu_wait", 0.0)
-        if busy_s <= 0:
-            return Verdict("balanced", "no time measured yet")
-        seconds = {phase: spent_s for phase, spent_s in seconds.items() if phase != "cpu_wait"}
-        share = {phase: seconds.get(phase, 0.0) / busy_s for phase in PROFILE_PHASES}
-        groups = group_shares(seconds, busy_s)
-        top = max((g for g in LOST_GROUPS if g != "cpu"), key=groups.__getitem__)
     if groups[top] < LOST_FRACTION:
-        top = "compute"
-        if groups[top] < COMPUTE_FRACTION:
-            parts = ", ".join(f"{g} {groups[g]:.0%}" for g in sorted(groups, key=groups.get)[::-1])
-            return Verdict("balanced", f"no single bottleneck: {parts}")
-    if top == "data":
+        top = "compute" if groups["compute"] >= COMPUTE_FRACTION else "balanced"
+    if top == "balanced":
+        parts = ", ".join(f"{g} {groups[g]:.0%}" for g in sorted(groups, key=groups.get)[::-1])
+        text = f"no single bottleneck: {parts}"
+    elif top == "data":
         if share["h2d"] > share["data"]:
             text = (
                 f"data-loading bound: host-to-device copies {share['h2d']:.0%} of wall time; "
@@ -188,20 +184,24 @@ def diagnose(seconds: Mapping[str, float], wall_s: float, *, sent_bytes: float =
         text = _communication(share, seconds.get("allreduce", 0.0), sent_bytes)
     elif top == "swarm":
         text = f"waiting on the swarm: idle {share['idle']:.0%} of wall time"
-    elif top == "cpu":
-        text = (
-            f"CPU contention: runnable but waiting for a CPU {share['cpu_wait']:.0%} of wall "
-            "time; run fewer processes or threads (--torch-threads) than the machine has cores"
-        )
     else:
         heaviest = max(VERDICT_GROUPS["compute"], key=share.__getitem__)
         text = (
             f"compute bound: forward/backward/optimizer {groups['compute']:.0%} of wall time "
             f"({heaviest} {share[heaviest]:.0%}); a faster device or a smaller model helps"
         )
-    if top != "cpu" and cpu_share > 0:
+    if cpu_share >= LOST_FRACTION:
+        text += f" (of the time not waiting for a CPU); {_contention(cpu_share)}"
+    elif cpu_share > 0:
         text += f" (shares of the time not waiting for a CPU; that wait was {cpu_share:.0%})"
     return Verdict(top, text)
+
+
+def _contention(cpu_share: float) -> str:
+    return (
+        f"CPU contention: runnable but waiting for a CPU {cpu_share:.0%} of wall time; run fewer "
+        "processes or threads (--torch-threads) than the machine has cores"
+    )
 
 
 def _communication(share: dict[str, float], allreduce_s: float, sent_bytes: float) -> str:

@@ -74,8 +74,8 @@ class ProfileRecord:
         rss_bytes: the process's resident memory.
         device: where it trains (``cpu``, ``cuda:0``, ...).
         loss: the last training loss, or None.
-        bottleneck: ``data``, ``compute``, ``communication``, ``swarm``, ``cpu`` (waiting for
-            a CPU) or ``balanced``.
+        bottleneck: ``data``, ``compute``, ``communication``, ``swarm`` or ``balanced``
+            (free text on the wire: peers before 2026-11-26 may say ``cpu``).
         verdict: one human sentence with the evidence (e.g. "data-loading bound: 46% ...").
         backend: ``native`` or ``hivemind``.
     """
