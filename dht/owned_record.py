@@ -32,7 +32,9 @@ class OwnedRecord:
 
     Args:
         dht: the owner's node.
-        key: the DHT key (the record goes under the owner's subkey of it).
+        key: the DHT key (the record goes under the owner's subkey of it), or a function that
+            says it at each store (a record that moves as the swarm grows; the old one
+            expires).
         make_value: builds the value from the DHT time of publishing (see :data:`MakeValue`).
         ttl_s: seconds a record lives after the time it describes.
         interval_s: seconds between two stores; None publishes only when asked.
@@ -45,7 +47,7 @@ class OwnedRecord:
         self,
         *,
         dht: DHTNode,
-        key: str,
+        key: str | Callable[[], str],
         make_value: MakeValue,
         ttl_s: float,
         interval_s: float | None,
@@ -57,7 +59,7 @@ class OwnedRecord:
         if interval_s is not None and not interval_s > 0:
             raise ValueError(f"{name}: interval_s must be > 0, got {interval_s}")
         self.dht = dht
-        self.key = key
+        self._key = key
         self.make_value = make_value
         self.ttl_s = ttl_s
         self.name = name
@@ -68,6 +70,11 @@ class OwnedRecord:
         self._periodic = (
             Periodic(self._tick, interval_s, f"{name}-publisher") if interval_s else None
         )
+
+    @property
+    def key(self) -> str:
+        """Where the next store goes."""
+        return self._key if isinstance(self._key, str) else self._key()
 
     async def publish(self) -> bool:
         """Store a fresh value now; False (and a warning) when no replica took it."""

@@ -1,12 +1,13 @@
 """Reads a run's records from the DHT into :class:`monitor.state.SwarmView` frames.
 
 Per run, the progress buckets (``{run}/progress/{level}/{bucket}``, :mod:`peer.records.progress`;
-the dashboard is no peer and reads every bucket, :class:`peer.records.progress_read.ProgressSweep`)
-and three dictionary keys, each holding one signed record per peer: ``{run}/profile``
-(:mod:`peer.records.profile`), ``{run}/rounds`` (:mod:`peer.records.rounds`) and ``{run}/state``
-(:mod:`peer.records.state`: the digests that mark a replica differing from its group's). A read
-fetches them at once (``latest=True``: the merge of the k closest replicas) under one timeout; a
-failed read keeps the last records and says why. Every record passes the schema of
+the dashboard is no peer and reads every bucket, :class:`peer.records.progress_read.ProgressSweep`);
+then, at the levels the peers counted reads as in use, the buckets of one signed record per peer
+of ``{run}/profile`` (:mod:`peer.records.profile`) and ``{run}/rounds``
+(:mod:`peer.records.rounds`; both :mod:`peer.records.buckets`), and the dictionary key
+``{run}/state`` (:mod:`peer.records.state`: the digests that mark a replica differing from its
+group's). All under one timeout (``latest=True`` while few keys: the merge of the k closest
+replicas); a failed read keeps the last records and says why. Every record passes the schema of
 :mod:`peer.records` (the rest is dropped and counted).
 """
 
@@ -25,9 +26,10 @@ from dht.launch import open_node
 from dht.net.config import TransportConfig
 from monitor.config import MonitorConfig
 from monitor.state import SwarmView, ViewBuilder
-from peer.records.profile import parse_profile, profile_key
+from peer.records.buckets import read_every_record
+from peer.records.profile import PROFILE_RECORDS_PER_BUCKET, parse_profile, profile_key
 from peer.records.progress_read import ProgressSweep
-from peer.records.rounds import parse_rounds, rounds_key
+from peer.records.rounds import ROUNDS_RECORDS_PER_BUCKET, parse_rounds, rounds_key
 from peer.records.state import parse_state, state_key
 
 logger = logging.getLogger(__name__)
@@ -62,16 +64,30 @@ class SwarmReader:
 
     async def _fetch(self) -> dict[str, list]:
         run_id = self.config.run_id
-        progress, profiles, rounds, states = await asyncio.gather(
-            self.progress.read(self.node),
-            self.node.get(profile_key(run_id), latest=True),
-            self.node.get(rounds_key(run_id), latest=True),
-            self.node.get(state_key(run_id), latest=True),
+        progress, states = await asyncio.gather(
+            self.progress.read(self.node), self.node.get(state_key(run_id), latest=True)
+        )
+        num_peers = max(len(progress), 1)
+        profiles, rounds = await asyncio.gather(
+            read_every_record(
+                self.node,
+                profile_key(run_id),
+                num_peers=num_peers,
+                records_per_bucket=PROFILE_RECORDS_PER_BUCKET,
+                parse=parse_profile,
+            ),
+            read_every_record(
+                self.node,
+                rounds_key(run_id),
+                num_peers=num_peers,
+                records_per_bucket=ROUNDS_RECORDS_PER_BUCKET,
+                parse=parse_rounds,
+            ),
         )
         parsed = {
             "progress": progress,
-            "profiles": [parse_profile(k, v) for k, v in _items(profiles)],
-            "rounds": [parse_rounds(k, v) for k, v in _items(rounds)],
+            "profiles": profiles,
+            "rounds": rounds,
             "states": [parse_state(k, v) for k, v in _items(states)],
         }
         return {name: [r for r in records if r is not None] for name, records in parsed.items()}

@@ -167,6 +167,10 @@ class Session:
             )
         self.loop_thread.run(services.state_server.announce(), timeout_s=CALL_TIMEOUT_S)
         device = getattr(self.counts, "device", None)
+
+        def num_peers() -> float:  # the swarm's size as the last progress read counted it
+            return services.tracker.global_progress.num_peers
+
         self.profiler.attach(
             progress=lambda: StepProgress(self.hook.epoch, self.counts.total_samples, last_loss()),
             counters=services.transport.counters,
@@ -178,8 +182,15 @@ class Session:
             run_id=config.run_id,
             peer_id=self.dht.peer_id,
             timeout_s=CALL_TIMEOUT_S,
+            num_peers=num_peers,
         )
-        self.reports.start(self.loop_thread, services.node, epoch=epoch, timeout_s=CALL_TIMEOUT_S)
+        self.reports.start(
+            self.loop_thread,
+            services.node,
+            epoch=epoch,
+            timeout_s=CALL_TIMEOUT_S,
+            num_peers=num_peers,
+        )
         services.tracker.report_local_progress(epoch, 0)  # training starts now
 
     def _wait_for_peers(self) -> None:

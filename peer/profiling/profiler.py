@@ -48,7 +48,8 @@ from peer.profiling.cpu_wait import COMMUNICATION_PHASES, CpuWaitAccount
 from peer.profiling.phases import PHASES, PhaseClock, _Scope
 from peer.profiling.summary import StretchSummary, breakdown_table, nonnegative
 from peer.profiling.trace import DEFAULT_MAX_BYTES, TraceWriter
-from peer.records.profile import ProfileRecord, profile_key
+from peer.records.buckets import record_key
+from peer.records.profile import PROFILE_RECORDS_PER_BUCKET, ProfileRecord, profile_key
 
 logger = logging.getLogger(__name__)
 # A profile record outlives this many publishing periods (and at least MIN_PROFILE_TTL_S).
@@ -410,8 +411,13 @@ class Profiler:
         run_id: str,
         peer_id: str,
         timeout_s: float,
+        num_peers: Callable[[], float] = lambda: 1.0,
     ) -> None:
-        """Publish the rolling summary on the DHT every ``interval_s`` until :meth:`close`."""
+        """Publish the rolling summary on the DHT every ``interval_s`` until :meth:`close`.
+
+        ``num_peers`` (called on the event loop) is this peer's count of the swarm: it picks
+        the record's bucket (:mod:`peer.records.buckets`).
+        """
         if self.publisher is not None:
             return
 
@@ -421,7 +427,9 @@ class Profiler:
 
         publisher = OwnedRecord(
             dht=dht,
-            key=profile_key(run_id),
+            key=lambda: record_key(
+                profile_key(run_id), peer_id, num_peers(), PROFILE_RECORDS_PER_BUCKET
+            ),
             make_value=make_value,
             # a record outlives a few periods, so a late store does not blink the peer away
             ttl_s=max(PROFILE_TTL_PERIODS * self.config.interval_s, MIN_PROFILE_TTL_S),

@@ -27,6 +27,8 @@ from peer.records.schema import (
 )
 
 PROFILE_KEY_SUFFIX = "profile"
+# Records a profile bucket holds, about (a few hundred bytes each: some 10 KB a key).
+PROFILE_RECORDS_PER_BUCKET = 32
 # The phases a peer's time is attributed to (:mod:`peer.profiling.phases` keeps the clock of them;
 # the metrics stream and the profile record carry them in this order). ``cpu_wait`` is time the
 # peer was runnable but waited for a CPU (:mod:`peer.profiling.cpu_wait`); older peers lack it.
@@ -53,7 +55,8 @@ PHASE_GROUPS: dict[str, tuple[str, ...]] = {
 
 
 def profile_key(run_id: str) -> str:
-    """The DHT key of a run's profile records."""
+    """The prefix of a run's profile keys (records live in its buckets:
+    :mod:`peer.records.buckets`)."""
     return f"{run_id}/{PROFILE_KEY_SUFFIX}"
 
 

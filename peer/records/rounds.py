@@ -1,9 +1,10 @@
-"""The round record (``{run_id}/rounds``): one peer's recent averaging rounds, and its parser.
+"""The round record (``{run_id}/rounds/{level}/{bucket}``): one peer's recent averaging
+rounds, and its parser.
 
 A training peer keeps its last rounds and stores them, with its run settings and round counters,
-as one signed, expiring record under its own subkey (:func:`dht.kademlia.validation.owner_subkey`).
-The dashboard reads the whole dictionary to show the swarm's last rounds and the loss over time.
-Torch-free, like everything in :mod:`peer.records`.
+as one signed, expiring record under its own subkey (:func:`dht.kademlia.validation.owner_subkey`)
+of its bucket (:mod:`peer.records.buckets`). The dashboard reads every bucket to show the swarm's
+last rounds and the loss over time. Torch-free, like everything in :mod:`peer.records`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ ROUND_STATUSES = ("ok", "partial", "alone", "failed")
 MAX_REASON_CHARS = 120
 # Most round entries a record may carry (a publisher keeps its last 10).
 MAX_WIRE_ROUNDS = 256
+# Records a rounds bucket holds, about (up to 2 KB each at 10 rounds: some 64 KB a key).
+ROUNDS_RECORDS_PER_BUCKET = 32
 
 
 def group_name(members) -> str:
@@ -42,7 +45,8 @@ def group_name(members) -> str:
 
 
 def rounds_key(run_id: str) -> str:
-    """The DHT key of a run's round records."""
+    """The prefix of a run's round keys (records live in its buckets:
+    :mod:`peer.records.buckets`)."""
     return f"{run_id}/{ROUNDS_KEY_SUFFIX}"
 
 

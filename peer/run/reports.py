@@ -63,10 +63,19 @@ class RunReports:
         self.exporter.install(transport)
 
     def start(
-        self, loop_thread: EventLoopThread, node: DHTNode, *, epoch: int, timeout_s: float
+        self,
+        loop_thread: EventLoopThread,
+        node: DHTNode,
+        *,
+        epoch: int,
+        timeout_s: float,
+        num_peers: Callable[[], float] = lambda: 1.0,
     ) -> None:
-        """Start publishing the round record through ``node``."""
-        self.round_log = RoundLog(dht=node, prefix=self.run_id, config=self.round_config)
+        """Start publishing the round record through ``node`` (``num_peers``: this peer's
+        count of the swarm, read on the event loop; it picks the record's bucket)."""
+        self.round_log = RoundLog(
+            dht=node, prefix=self.run_id, config=self.round_config, num_peers=num_peers
+        )
         self.round_log.set_epoch(epoch)
         loop_thread.run(self.round_log.__aenter__(), timeout_s=timeout_s)
 

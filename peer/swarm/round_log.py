@@ -8,13 +8,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dht.config import get_dht_time
 from dht.errors import ConfigError
 from dht.kademlia.node import DHTNode
 from dht.owned_record import OwnedRecord
+from peer.records.buckets import record_key
 from peer.records.rounds import (
+    ROUNDS_RECORDS_PER_BUCKET,
     RoundEntry,
     RoundLogRecord,
     group_name,
@@ -63,9 +66,16 @@ class RoundLog:
     stores the record whenever it changed, and again before it expires.
     """
 
-    def __init__(self, *, dht: DHTNode, prefix: str, config: RoundLogConfig):
+    def __init__(
+        self,
+        *,
+        dht: DHTNode,
+        prefix: str,
+        config: RoundLogConfig,
+        num_peers: Callable[[], float] = lambda: 1.0,
+    ):
         self.dht = dht
-        self.key = rounds_key(prefix)
+        self.prefix = rounds_key(prefix)
         self.config = config
         self._lock = threading.Lock()
         self._rounds: tuple[RoundEntry, ...] = ()
@@ -77,7 +87,10 @@ class RoundLog:
         self._force = False
         self._store = OwnedRecord(
             dht=dht,
-            key=self.key,
+            # the swarm's size (as this peer counts it, on the event loop) picks the bucket
+            key=lambda: record_key(
+                self.prefix, dht.peer_id, num_peers(), ROUNDS_RECORDS_PER_BUCKET
+            ),
             make_value=self._due_value,
             ttl_s=config.record_ttl_s,
             interval_s=config.publish_interval_s,
