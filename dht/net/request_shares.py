@@ -77,7 +77,7 @@ class TokenBuckets:
 
 
 class _Bucket:
-    __slots__ = ("last_s", "told_until_s", "tokens")
+    __slots__ = ("last_s", "tokens", "told_until_s")
 
     def __init__(self, tokens: float, now_s: float):
         self.tokens = tokens
