@@ -74,7 +74,8 @@ class DHTConfig:
         max_signature_checks_per_s_per_peer: signatures one proven peer id may have checked per
             second (bursts of a second's worth): the queue's turns are fair among those that
             wait, but one sender alone would keep its worker (a core) busy; beyond it a store
-            is refused at once (429), a find answer's rest dropped.
+            is refused at once (429). (Answers to this node's own lookups have only the queue
+            share.)
         max_signature_checks_per_s_per_address: the same for one source address (an IPv6 /64).
         rpc_timeout_s: bound on one DHT request to another node, in seconds.
         bootstrap_timeout_s: bound on reaching the initial peers when starting, in seconds.

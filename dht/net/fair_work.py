@@ -71,7 +71,9 @@ class FairWork:
         self._closed = False
         self.num_jobs_done = 0
 
-    async def run(self, peer: str, host: str, units: int, fn: Callable[[], T]) -> T:
+    async def run(
+        self, peer: str, host: str, units: int, fn: Callable[[], T], *, rated: bool = True
+    ) -> T:
         """Run ``fn()`` in the worker thread in ``peer``'s turn and return what it returns.
 
         Args:
@@ -79,6 +81,8 @@ class FairWork:
             host: its source IP ("" when unknown, e.g. relayed).
             units: what the job costs (e.g. its signatures to check), held until it is done.
             fn: the work; it runs in another thread, so it must be thread-safe.
+            rated: charge the holder's rate share (False for work this node asked for, such as
+                checking the answers to its own lookups: only the queue share applies).
 
         Raises:
             OverShare: ``units`` do not fit in the holder's share or the pool, or in what it may
@@ -87,7 +91,8 @@ class FairWork:
         """
         if self._closed:
             raise RuntimeError("this work queue is closed")
-        self._take_rate(peer, host, units)
+        if rated:
+            self._take_rate(peer, host, units)
         with self.budget.account(peer, host) as account:
             account.charge(units)
             future = asyncio.get_running_loop().create_future()
