@@ -71,6 +71,12 @@ class DHTConfig:
         max_signature_checks_per_peer: the share of that queue of one proven peer id; a store
             request whose new signatures do not fit is refused at once (429).
         max_signature_checks_per_address: the share of one source address (an IPv6 /64).
+        max_signature_checks_per_s_per_peer: signatures one proven peer id may have checked per
+            second (bursts of a second's worth): the queue's turns are fair among those that
+            wait, but one sender alone would keep its worker (a core) busy; beyond it a store
+            is refused at once (429). (Answers to this node's own lookups have only the queue
+            share.)
+        max_signature_checks_per_s_per_address: the same for one source address (an IPv6 /64).
         rpc_timeout_s: bound on one DHT request to another node, in seconds.
         bootstrap_timeout_s: bound on reaching the initial peers when starting, in seconds.
         liveness_check_after_s: a full bucket pings its least recently seen node before
@@ -100,6 +106,8 @@ class DHTConfig:
     max_signature_checks: int = 8192
     max_signature_checks_per_peer: int = 256
     max_signature_checks_per_address: int = 1024
+    max_signature_checks_per_s_per_peer: float = 1000.0
+    max_signature_checks_per_s_per_address: float = 2000.0
     rpc_timeout_s: float = 5.0
     bootstrap_timeout_s: float = 10.0
     liveness_check_after_s: float = 60.0
@@ -132,6 +140,8 @@ class DHTConfig:
             "max_signature_checks",
             "max_signature_checks_per_peer",
             "max_signature_checks_per_address",
+            "max_signature_checks_per_s_per_peer",
+            "max_signature_checks_per_s_per_address",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

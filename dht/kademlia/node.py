@@ -160,6 +160,8 @@ class DHTNode:
                 max_units_per_peer=config.max_signature_checks_per_peer,
                 max_units_per_address=config.max_signature_checks_per_address,
                 unit="signatures to check",
+                max_units_per_s_per_peer=config.max_signature_checks_per_s_per_peer,
+                max_units_per_s_per_address=config.max_signature_checks_per_s_per_address,
             ),
         )
         self.maintenance = Maintenance(self)

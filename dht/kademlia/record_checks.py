@@ -173,7 +173,7 @@ class RecordChecker:
         if self.work is None:
             return await asyncio.to_thread(self._check, key_id, batch, source, tally)
         job = lambda: self._check(key_id, batch, source, tally)  # noqa: E731
-        return await self.work.run(peer, "", len(batch), job)
+        return await self.work.run(peer, "", len(batch), job, rated=False)  # a lookup's own
 
     def _check(self, key_id: int, items, source: str, tally: list[int]) -> dict:
         valid: dict[Subkey | None, Record] = {}

@@ -118,6 +118,26 @@ class TransportConfig:
             source IP address, per second (each costs a signature check).
         handshake_burst: handshakes one source IP address may make at once before that rate
             applies.
+        max_requests_per_s_per_peer: requests (RPCs, streams) one proven peer id may make per
+            second, sustained; beyond it a request is refused (429 with a ``Retry-After``)
+            before its body is read.
+        request_burst_per_peer: requests one proven peer id may make at once before that rate
+            applies.
+        max_requests_per_s_per_address: requests one source address (an IPv6 /64) may make per
+            second, all its peer ids together, checked before a request is authenticated,
+            while another address made a request within ``request_contention_window_s`` (an
+            address alone, say a swarm on one host, may use the whole node); requests relayed
+            to this node count per peer only.
+        request_burst_per_address: requests one source address may make at once before that
+            rate applies.
+        request_contention_window_s: see ``max_requests_per_s_per_address``, in seconds.
+        request_body_bytes_per_request: a request's body (or stream header) counts as one more
+            request of those shares per this many bytes that arrived (its parsing and handling
+            cost the node about in proportion), in bytes.
+        max_refusal_hold_s: a sender refused for its rate (or its share of a pool) that sends
+            again before the ``Retry-After`` it was told waits for that refusal until then, at
+            most this long, in seconds (each of its connections then costs the node at most one
+            refusal per hold).
         max_connections: TCP connections the server keeps open at once; more are closed at once.
         max_connections_per_address: TCP connections kept open at once from one source IP.
         idle_connection_timeout_s: a connection with no request in progress (including one
@@ -181,6 +201,13 @@ class TransportConfig:
     session_lifetime_s: float = 600.0
     max_handshakes_per_s_per_address: float = 50.0
     handshake_burst: int = 200
+    max_requests_per_s_per_peer: float = 200.0
+    request_burst_per_peer: int = 200
+    max_requests_per_s_per_address: float = 200.0
+    request_burst_per_address: int = 200
+    request_contention_window_s: float = 10.0
+    request_body_bytes_per_request: int = 4096
+    max_refusal_hold_s: float = 1.0
     max_connections: int = 1024
     max_connections_per_address: int = 256
     idle_connection_timeout_s: float = 30.0
@@ -213,6 +240,10 @@ class TransportConfig:
             "replay_window_s",
             "session_lifetime_s",
             "max_handshakes_per_s_per_address",
+            "max_requests_per_s_per_peer",
+            "max_requests_per_s_per_address",
+            "max_refusal_hold_s",
+            "request_contention_window_s",
             "idle_connection_timeout_s",
             "max_relayed_bytes_per_s",
             "relay_heartbeat_s",
@@ -227,6 +258,9 @@ class TransportConfig:
             "max_streams_per_address",
             "max_remembered_nonces",
             "handshake_burst",
+            "request_burst_per_peer",
+            "request_burst_per_address",
+            "request_body_bytes_per_request",
             "max_connections",
             "max_connections_per_address",
             "max_header_fields",

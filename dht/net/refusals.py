@@ -67,13 +67,32 @@ class ClientGone(Exception):
 
 
 class Refused(Exception):
-    """A request refused with an HTTP status and a one-line reason."""
+    """A request refused with an HTTP status and a one-line reason.
 
-    def __init__(self, status: int, reason: str, *, renew: bool = False):
+    Args:
+        status: the HTTP status (4xx, 5xx).
+        reason: one line, sent in the ``x-vp-error`` header and the body.
+        renew: tell the caller to make a new session (an unknown or expired ticket).
+        retry_after_s: a ``Retry-After`` to announce, in whole seconds (None: none).
+        hold_s: wait this long before answering, in seconds (a sender that ignored the last
+            ``Retry-After`` it was told: see :mod:`dht.net.request_shares`).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        *,
+        renew: bool = False,
+        retry_after_s: int | None = None,
+        hold_s: float = 0.0,
+    ):
         super().__init__(reason)
         self.status = status
         self.reason = reason
         self.renew = renew
+        self.retry_after_s = retry_after_s
+        self.hold_s = hold_s
 
 
 def status_of(error: DHTError) -> int:
@@ -83,13 +102,17 @@ def status_of(error: DHTError) -> int:
     return 500
 
 
-def error_response(status: int, reason: str, *, renew: bool = False) -> web.Response:
+def error_response(
+    status: int, reason: str, *, renew: bool = False, retry_after_s: int | None = None
+) -> web.Response:
     # A reason may quote the request: only printable ASCII goes into a header (aiohttp would
     # refuse a control character and drop the connection instead of answering).
     safe = "".join(c if " " <= c <= "~" else "?" for c in reason[:300])
     headers = {"x-vp-error": safe}
     if renew:
         headers[RENEW_HEADER] = "renew"
+    if retry_after_s is not None:
+        headers["retry-after"] = str(retry_after_s)
     return web.Response(status=status, text=safe, headers=headers)
 
 

@@ -4,7 +4,10 @@ The order of checks spends as little as possible on a stranger: a connection ove
 closed before it is parsed (:class:`dht.net.limits.ConnectionGate`); a request's headers are
 authenticated (session ticket, MAC, timestamp, nonce) before a byte of its body is read; a
 ``Content-Length`` over the limit is refused at once (413); bodies are read only within a global
-budget of bytes in flight, and their digest must match the one the MAC covered. Every refusal is
+budget of bytes in flight, and their digest must match the one the MAC covered. Each source
+address and each proven peer has a share of the requests handled (:mod:`dht.net.request_shares`),
+checked before the request is authenticated and right after: past it a request is refused (429
+with a ``Retry-After``) before any other work. Every refusal is
 a 4xx/5xx whose reason is in the ``x-vp-error`` header and the body, logged as one line (at most
 one line per second per reason kind under a flood); the node keeps serving.
 """
@@ -42,6 +45,7 @@ from dht.net.refusals import (
     status_of,
 )
 from dht.net.replay import ReplayGuard
+from dht.net.request_shares import RateRefusal, RequestShares
 from dht.net.session import (
     HelloRequest,
     SessionIssuer,
@@ -136,6 +140,14 @@ class HttpServer:
             max_per_address=config.max_streams_per_address,
             max_total=config.max_connections,  # each stream holds a connection
         )
+        self.requests = RequestShares(
+            rate_per_s_per_peer=config.max_requests_per_s_per_peer,
+            burst_per_peer=config.request_burst_per_peer,
+            rate_per_s_per_address=config.max_requests_per_s_per_address,
+            burst_per_address=config.request_burst_per_address,
+            max_hold_s=config.max_refusal_hold_s,
+            contention_window_s=config.request_contention_window_s,
+        )
         self.num_refused = 0
         self._last_log_s: dict[int, float] = {}
         # peer id -> monotonic time of its last accepted hello (a dial-back's proof, see
@@ -183,14 +195,19 @@ class HttpServer:
             logger.debug("caller of %s went away: %s", request.path[:80], e)
             return web.Response(status=400, text="request cut short")
         except Refused as e:
-            status, reason, renew = e.status, e.reason, e.renew
+            refused = e
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            status, reason, renew = e.status, e.reason, False
+            refused = Refused(e.status, e.reason)
         self.num_refused += 1
-        self._log_refusal(request, status, reason)
-        return error_response(status, reason, renew=renew)
+        self._log_refusal(request, refused.status, refused.reason)
+        if refused.hold_s > 0:  # it ignored its last Retry-After: this answer waits for it
+            await asyncio.sleep(refused.hold_s)
+        return error_response(
+            refused.status, refused.reason, renew=refused.renew,
+            retry_after_s=refused.retry_after_s,
+        )  # fmt: skip
 
     def _log_refusal(self, request: web.Request, status: int, reason: str) -> None:
         now = time.monotonic()
@@ -213,7 +230,11 @@ class HttpServer:
     # ---- authentication ----------------------------------------------------------------------
 
     def authenticate(self, request: web.Request) -> Proven:
-        """Check a request's session ticket, MAC, timestamp and nonce (headers only)."""
+        """Check a request's session ticket, MAC, timestamp and nonce (headers only), each
+        within its sender's share of requests: its source address's before anything else, its
+        proven peer id's once the MAC checks."""
+        host = self.source_host(request)
+        _refuse_over_rate(self.requests.take_address(host))
         ticket = request.headers.get("x-vp-ticket", "")
         if not ticket or len(ticket) > 512 or not _printable_ascii(ticket):
             raise Refused(
@@ -235,11 +256,20 @@ class HttpServer:
         expected = request_mac(caller.key, request.method, request.path, body_digest, ts, nonce)
         if not macs_equal(expected, mac):
             raise Refused(401, "wrong request MAC")
+        _refuse_over_rate(self.requests.take_peer(caller.peer_id))
         try:
             self.replay.check(caller.peer_id, nonce, ts)
         except AuthError as e:
             raise Refused(401, str(e)) from None
-        return Proven(caller.peer_id, caller.key, nonce, body_digest, self.source_host(request))
+        return Proven(caller.peer_id, caller.key, nonce, body_digest, host)
+
+    def _refused_for_share(self, peer: str, status: int, reason: str) -> Refused:
+        """A refusal because ``peer`` holds its share of a pool (429): its request bucket is
+        emptied, so that a retry at once costs only the door's check (see
+        :meth:`RequestShares.drain`)."""
+        if status != 429:
+            return Refused(status, reason)
+        return Refused(429, reason, retry_after_s=self.requests.drain(peer))
 
     async def _read_body(
         self, request: web.Request, max_bytes: int, *, peer: str = "", host: str = ""
@@ -295,6 +325,9 @@ class HttpServer:
         body = await self._read_body(
             request, self.limits.max_body_bytes, peer=proven.peer_id, host=proven.host
         )
+        self.requests.charge_body(
+            proven.peer_id, proven.host, len(body) / self.config.request_body_bytes_per_request
+        )
         if digest(body) != proven.body_digest:
             raise Refused(401, "body does not match the digest its MAC covers")
         self.counters.add_recv(proven.peer_id, len(body))
@@ -302,7 +335,7 @@ class HttpServer:
             payload = unpack(body, self.limits)
             result = await handler(RequestContext(proven.peer_id, proven.host), payload)
         except DHTError as e:
-            raise Refused(status_of(e), str(e)) from None
+            raise self._refused_for_share(proven.peer_id, status_of(e), str(e)) from None
         out = pack(result)
         headers = {
             "x-vp-peer": self.peer_id,
@@ -320,8 +353,8 @@ class HttpServer:
         try:
             with self.slots.hold(proven.peer_id, proven.host):
                 return await self._serve_stream(request, proven, handler)
-        except OverBudget as e:
-            raise Refused(429, str(e)) from None
+        except OverBudget as e:  # (refused as cheaply as at the door: no need to drain)
+            raise Refused(429, str(e), retry_after_s=1) from None
 
     async def _serve_stream(self, request: web.Request, proven: Proven, handler: StreamHandler):
         tagger = FrameTagger(proven.key, proven.nonce) if self.swarm is not None else None
@@ -338,6 +371,10 @@ class HttpServer:
                     header_payload = await reader.read_message_raw(
                         charge=account.charge, stall_timeout_s=self.config.body_stall_timeout_s
                     )
+            self.requests.charge_body(
+                proven.peer_id, proven.host,
+                len(header_payload) / self.config.request_body_bytes_per_request,
+            )  # fmt: skip
             if digest(header_payload) != proven.body_digest:
                 raise Refused(401, "stream header does not match the digest its MAC covers")
             header = unpack(header_payload, self.limits)
@@ -378,6 +415,13 @@ class HttpServer:
             return await stream.finish()
         finally:
             stream.close()
+
+
+def _refuse_over_rate(refusal: RateRefusal | None) -> None:
+    if refusal is not None:
+        raise Refused(
+            429, refusal.reason, retry_after_s=refusal.retry_after_s, hold_s=refusal.hold_s
+        )
 
 
 def _plain_get(handler: HttpGetHandler):
