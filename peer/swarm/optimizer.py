@@ -159,6 +159,7 @@ class CollaborativeOptimizer:
         self.stats = EpochStats()
         self._gate = EstimateGate()
         self._alone = False
+        self._late_epoch = -1  # the epoch whose round this peer joined late (see _behind)
         self._num_at_epoch = 1
         self._pending: PendingRound | None = None
         self._pending_epoch = 0
@@ -227,6 +228,11 @@ class CollaborativeOptimizer:
         if swarm.epoch > self.epoch + 1:
             return True
         self._count_at_epoch(swarm)
+        if self._alone and self.config.diloco_overlap and self._late_epoch != self.epoch:
+            # rounds run in the background: the peers one epoch ahead entered it as their
+            # round of this one began, and may still be looking for this peer (once per epoch)
+            self._late_epoch = self.epoch
+            return False
         return self._alone
 
     def _swarm_ready(self, swarm: GlobalProgress, batch_samples: int = 0) -> bool:
@@ -274,9 +280,12 @@ class CollaborativeOptimizer:
             with self.contribution.replica_in_model():  # what the epoch's listeners snapshot
                 self._next_epoch()
             return None
-        looked = not self._alone
-        if self._alone:  # nobody else in the swarm: no matchmaking wait for a group of one
+        late = self._alone and self._late_epoch == self.epoch  # see _behind
+        looked = not self._alone or late
+        if not looked:  # nobody else in the swarm: no matchmaking wait for a group of one
             result = alone(self.epoch)
+        elif late:  # the others' records have left this epoch, their rounds maybe not yet
+            result = self.averager.average(tensors, **round_args)
         else:
             # nobody comes once the swarm has left this epoch: stop looking, catch up at once
             round_args["moved_on"] = _moved_on(self.progress, self.epoch)

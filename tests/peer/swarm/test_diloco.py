@@ -5,6 +5,8 @@ constant), with an in-process stand-in for the round (the real swarm: test_diloc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -210,3 +212,43 @@ def test_hand_computed_first_overlapped_round():
 def test_diloco_overlap_needs_mode_diloco():
     with pytest.raises(ConfigError, match="diloco_overlap needs mode diloco"):
         CollaborativeConfig(target_batch_size=8, diloco_overlap=True)
+
+
+class OneAheadSwarm(TwoPeerSwarm):
+    """The other peer's record is one epoch ahead: it entered that epoch as its round of this
+    one began in the background, and may still be looking for a group."""
+
+    def current(self):
+        progress = super().current()
+        own, other = progress.peers
+        ahead = dataclasses.replace(other, epoch=self.epoch + 1)
+        return dataclasses.replace(progress, epoch=self.epoch + 1, peers=(own, ahead))
+
+
+class Downloads:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def catch_up(self, swarm_epoch: int, *, epoch: int) -> int:
+        self.calls.append((swarm_epoch, epoch))
+        return epoch  # reached nothing: the test looks only at whether it was asked
+
+
+class Nobody(OtherPeer):
+    def average(self, tensors, **kwargs) -> RoundResult:
+        self.sent.append(tensors[0].clone())
+        return RoundResult("alone", "no other peer was looking for a group")
+
+
+@pytest.mark.parametrize("found", [True, False], ids=["joins-their-round", "then-downloads"])
+def test_one_epoch_behind_an_overlapped_swarm_joins_its_round_before_downloading(found):
+    averager = OtherPeer() if found else Nobody()
+    hook, model, optimizer = make(True, averager)
+    hook.progress = OneAheadSwarm()
+    hook.state = downloads = Downloads()
+    step(hook, model, optimizer)
+    assert len(averager.sent) == 1  # it looked for the group of its epoch, blocking
+    assert downloads.calls == ([] if found else [(1, 0)])
+    if found:  # and stepped with it: the model is the replica
+        assert hook.epoch == 1 and hook._pending is None
+        assert torch.equal(model.w.detach(), hook.contribution.outer.replica[0])
