@@ -78,11 +78,12 @@ def final_loss(seed: int, overlap: bool) -> float:
 
 @pytest.mark.timeout(120)
 def test_overlapped_loss_matches_blocking_within_the_seeds_spread():
-    seeds = (1, 2, 3)
+    seeds = (1, 2, 3, 4, 5)  # a pair trains in about a second
     blocking = [final_loss(seed, overlap=False) for seed in seeds]
     overlapped = [final_loss(seed, overlap=True) for seed in seeds]
-    spread = max(blocking) - min(blocking)
     initial = 2.30  # ln(10): the synthetic task's ten classes, before training
     assert max(blocking) < initial - 0.1  # blocking DiLoCo learns
-    # the overlapped mean within the blocking runs' range widened by its own spread
-    assert abs(statistics.fmean(overlapped) - statistics.fmean(blocking)) <= max(spread, 0.02)
+    # the means differ by less than the seeds' spread (max - min) of either mode: one run's
+    # loss varies by about 0.08 (sd) from seed to seed, five seeds spread over about 0.2
+    spread = max(max(losses) - min(losses) for losses in (blocking, overlapped))
+    assert abs(statistics.fmean(overlapped) - statistics.fmean(blocking)) <= spread
