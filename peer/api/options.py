@@ -167,7 +167,10 @@ def check_arguments(
     mode = _resolve_mode(mode, use_local_updates)
     compression = _compressions(grad_compression, state_averaging_compression)
     if delay_optimizer_step and mode != "grad":
-        raise ValueError(f"delay_optimizer_step: needs mode='grad', not {mode!r}")
+        hint = " (diloco overlaps its rounds with diloco_overlap=True)" if mode == "diloco" else ""
+        raise ValueError(f"delay_optimizer_step: needs mode='grad', not {mode!r}{hint}")
+    if ours.get("diloco_overlap") and mode != "diloco":
+        raise ValueError(f"diloco_overlap: needs mode='diloco', not {mode!r}")
     if reuse_grad_buffers and mode != "grad":
         raise ValueError(f"reuse_grad_buffers: needs mode='grad', not {mode!r}")
     config = make_config(
@@ -192,6 +195,7 @@ def check_arguments(
 
 # peer join's settings a library peer takes as keyword arguments (PeerConfig fields)
 _OURS = (
+    "diloco_overlap",
     "target_group_size",
     "min_group_size",
     "newcomer_wait",

@@ -99,6 +99,11 @@ class PeerConfig(BaseModel):
     delay_update: bool = Field(
         False, description="overlap each round with the next epoch's compute (grad mode)"
     )
+    diloco_overlap: bool = Field(
+        False,
+        description="diloco mode: run each outer round in the background while the next inner "
+        "steps go on; its outer step lands one round late, the inner progress made meanwhile kept",
+    )
     max_epochs: int | None = Field(None, gt=0, description="stop after this many epochs")
     max_steps: int | None = Field(None, gt=0, description="stop after this many local steps")
     max_time: float | None = Field(None, gt=0, description="stop after this many seconds")
@@ -181,6 +186,8 @@ class PeerConfig(BaseModel):
         self.lr_schedule_fn()  # raises ConfigError naming the option
         if self.delay_update and self.mode != "grad":
             raise ConfigError(f"--delay-update needs --mode grad, not {self.mode}")
+        if self.diloco_overlap and self.mode != "diloco":
+            raise ConfigError(f"--diloco-overlap needs --mode diloco, not {self.mode}")
         if self.relay_via and (self.client_mode or self.backend != "native"):
             raise ConfigError("--relay-via needs the native backend and no --client-mode")
         return self
@@ -272,6 +279,7 @@ class PeerConfig(BaseModel):
         return CollaborativeConfig(
             mode=self.mode,
             delay_update=self.delay_update,
+            diloco_overlap=self.diloco_overlap,
             target_batch_size=self.target_batch_size,
             averaging_timeout_s=self.matchmaking_time + self.averaging_timeout,
         )

@@ -7,15 +7,19 @@ built over them once) and everything that depends on the mode:
   ``accumulate_in_grad``); the round averages their mean; the local optimizer steps on it.
 * ``params``: the buffers are the parameters themselves; the optimizer steps every batch.
 * ``diloco``: the buffers hold the pseudo-gradient (parameters at the epoch's start minus now);
-  the outer optimizer (SGD, Nesterov momentum) applies the average from the epoch's start.
+  the outer optimizer (SGD, Nesterov momentum) applies the average (:mod:`peer.swarm.diloco`,
+  blocking or one round late).
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
 import torch
 from torch import nn
+
+from peer.swarm.diloco import OuterStep
 
 Mode = Literal["grad", "params", "diloco"]
 
@@ -39,6 +43,8 @@ class Contribution:
         separate_accumulators: gradients accumulate apart from the buffers (delayed updates:
             the buffers are busy in a round during the next epoch).
         outer_lr, outer_momentum: the outer optimizer's settings (``diloco``).
+        diloco_overlap: apply each average one round late, the inner steps going on meanwhile
+            (``diloco``; :mod:`peer.swarm.diloco`).
     """
 
     def __init__(
@@ -51,6 +57,7 @@ class Contribution:
         separate_accumulators: bool = False,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        diloco_overlap: bool = False,
     ):
         self.mode = mode
         self.optimizer = optimizer
@@ -64,12 +71,13 @@ class Contribution:
         self._accumulators = (
             averaged_buffers(self.params, "grad") if separate_accumulators else self.buffers
         )
-        self._start: list[torch.Tensor] | None = None
-        self._outer: torch.optim.Optimizer | None = None
+        self.outer: OuterStep | None = None
         if mode == "diloco":
-            self._start = [p.detach().clone() for p in self.params]
-            self._outer = torch.optim.SGD(
-                self.params, lr=outer_lr, momentum=outer_momentum, nesterov=True
+            self.outer = OuterStep(
+                self.params,
+                outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
+                overlap=diloco_overlap,
             )
         if self.in_grad:
             self._attach()
@@ -118,11 +126,7 @@ class Contribution:
                 for accumulator in self.buffers:
                     accumulator.div_(units)
         elif self.mode == "diloco":
-            with torch.no_grad():
-                for buffer, start, param in zip(
-                    self.buffers, self._start, self.params, strict=True
-                ):
-                    torch.sub(start, param, out=buffer)
+            self.outer.prepare(self.buffers)
         return self.buffers
 
     def apply(self) -> None:
@@ -137,15 +141,7 @@ class Contribution:
             if self.in_grad:
                 self._attach()
         elif self.mode == "diloco":
-            with torch.no_grad():
-                for param, start, pseudo_grad in zip(
-                    self.params, self._start, self.buffers, strict=True
-                ):
-                    param.copy_(start)
-                    param.grad = pseudo_grad
-            self._outer.step()
-            self._outer.zero_grad(set_to_none=True)
-            self._restart()
+            self.outer.apply(self.buffers)
 
     def discard(self) -> None:
         """Drop what was gathered (a downloaded state replaces it)."""
@@ -153,8 +149,9 @@ class Contribution:
             for accumulator in self._accumulators:
                 accumulator.zero_()
         elif self.mode == "diloco":
-            self._restart()
+            self.outer.restart()
 
-    def _restart(self) -> None:
-        for start, param in zip(self._start, self.params, strict=True):
-            start.copy_(param.detach())
+    def replica_in_model(self) -> AbstractContextManager[None]:
+        """Within: the model holds the replica the swarm agrees on (overlapped DiLoCo's ``g``;
+        the model itself in every other case)."""
+        return self.outer.replica_in_model() if self.outer is not None else nullcontext()

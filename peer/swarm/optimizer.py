@@ -17,6 +17,11 @@ Modes (``CollaborativeConfig.mode``):
 * ``diloco``: the inner optimizer steps locally; at each epoch boundary the peers average the
   pseudo-gradient (parameters at the start of the epoch minus now), parameters go back to the
   start of the epoch, and an outer optimizer (SGD with Nesterov momentum) applies the average.
+* ``diloco`` with ``diloco_overlap``: the round of epoch t runs in the background while the
+  inner steps of epoch t+1 go on from where epoch t ended; its average is applied when the round
+  ends (the outer step one round late, the inner progress made meanwhile kept: the update is in
+  :mod:`peer.swarm.diloco`). As with ``delay_update``, compute waits only for a round longer
+  than an epoch.
 
 A round that fails (no group, a timeout) is an expected outcome: the peer steps on its own
 contribution, counts it and logs one WARNING line; the next parameter sync brings it back in
@@ -71,6 +76,8 @@ class CollaborativeConfig:
             step: turn it off with fp16 loss scaling or ``max_grad_norm``.
         delay_update: overlap each round with the next epoch's compute (``grad`` mode; see the
             module docstring for the staleness).
+        diloco_overlap: overlap each outer round with the next epoch's inner steps (``diloco``
+            mode; :mod:`peer.swarm.diloco`).
     """
 
     mode: Mode = "grad"
@@ -80,10 +87,13 @@ class CollaborativeConfig:
     outer_momentum: float = 0.9
     accumulate_in_grad: bool = True
     delay_update: bool = False
+    diloco_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.delay_update and self.mode != "grad":
             raise ConfigError("delay_update needs mode grad")
+        if self.diloco_overlap and self.mode != "diloco":
+            raise ConfigError("diloco_overlap needs mode diloco")
         if self.mode not in ("grad", "params", "diloco"):
             raise ConfigError(f"mode must be grad, params or diloco, got {self.mode!r}")
         if self.target_batch_size < 1:
@@ -149,6 +159,7 @@ class CollaborativeOptimizer:
         self.stats = EpochStats()
         self._gate = EstimateGate()
         self._alone = False
+        self._late_epoch = -1  # the epoch whose round this peer joined late (see _behind)
         self._num_at_epoch = 1
         self._pending: PendingRound | None = None
         self._pending_epoch = 0
@@ -161,6 +172,11 @@ class CollaborativeOptimizer:
     def epoch(self) -> int:
         """This peer's epoch (read from its one owner, :class:`peer.swarm.epoch.Epoch`)."""
         return self.epoch_counter.value
+
+    @property
+    def _overlaps(self) -> bool:
+        """Whether rounds run in the background while the next epoch computes."""
+        return self.config.delay_update or self.config.diloco_overlap
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -212,6 +228,11 @@ class CollaborativeOptimizer:
         if swarm.epoch > self.epoch + 1:
             return True
         self._count_at_epoch(swarm)
+        if self._alone and self.config.diloco_overlap and self._late_epoch != self.epoch:
+            # rounds run in the background: the peers one epoch ahead entered it as their
+            # round of this one began, and may still be looking for this peer (once per epoch)
+            self._late_epoch = self.epoch
+            return False
         return self._alone
 
     def _swarm_ready(self, swarm: GlobalProgress, batch_samples: int = 0) -> bool:
@@ -253,14 +274,18 @@ class CollaborativeOptimizer:
             timeout_s=self.config.averaging_timeout_s,
             expected_peers=self._num_at_epoch,
         )
-        if self.config.delay_update and not self._alone:
+        if self._overlaps and not self._alone:
             self._pending = self.averager.start_average(tensors, **round_args)
             self._pending_epoch = self.epoch
-            self._next_epoch()
+            with self.contribution.replica_in_model():  # what the epoch's listeners snapshot
+                self._next_epoch()
             return None
-        looked = not self._alone
-        if self._alone:  # nobody else in the swarm: no matchmaking wait for a group of one
+        late = self._alone and self._late_epoch == self.epoch  # see _behind
+        looked = not self._alone or late
+        if not looked:  # nobody else in the swarm: no matchmaking wait for a group of one
             result = alone(self.epoch)
+        elif late:  # the others' records have left this epoch, their rounds maybe not yet
+            result = self.averager.average(tensors, **round_args)
         else:
             # nobody comes once the swarm has left this epoch: stop looking, catch up at once
             round_args["moved_on"] = _moved_on(self.progress, self.epoch)
@@ -397,6 +422,7 @@ def make_contribution(
         separate_accumulators=config.delay_update,
         outer_lr=config.outer_lr,
         outer_momentum=config.outer_momentum,
+        diloco_overlap=config.diloco_overlap,
     )
 
 
