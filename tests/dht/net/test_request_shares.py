@@ -77,17 +77,20 @@ def test_config_refuses_a_share_that_is_not_positive(name):
 
 
 async def test_a_real_server_refuses_a_peer_past_its_share_at_the_door(make_transport):
-    config = TransportConfig(max_requests_per_s_per_peer=1.0, request_burst_per_peer=5,
+    # a slow refill: the test sees one burst, however slowly a loaded machine runs it
+    config = TransportConfig(max_requests_per_s_per_peer=0.05, request_burst_per_peer=5,
                              max_refusal_hold_s=0.3)  # fmt: skip
     node = await make_transport(config)
     node.add_rpc_handler("echo", lambda ctx, payload: _echo(payload))
     async with WireClient() as client:
         session = await client.hello(node.address)
         body = pack([1])
-        answers = [await client.rpc(node.address, "echo", body, session=session)
-                   for _ in range(6)]  # fmt: skip
-        assert [a.status for a in answers] == [200] * 5 + [429]
-        assert answers[-1].headers["Retry-After"] == "1"
+        answers = []
+        while len(answers) < 20 and (not answers or answers[-1].status == 200):
+            answers.append(await client.rpc(node.address, "echo", body, session=session))
+        # the burst: 5 tokens, less what the bodies' bytes took (a fraction of one)
+        assert [a.status for a in answers] == [200] * 4 + [429]
+        assert int(answers[-1].headers["Retry-After"]) >= 1
         assert answers[-1].reason.startswith("too many requests from this peer")
         start = time.monotonic()
         held = await client.rpc(node.address, "echo", body, session=session)
