@@ -23,7 +23,12 @@ A record is a claim, so a minority of peers (or one stranger with a fresh key) m
   the partners' mean (or, with no partner at the epoch, the median of the peers at it): one
   stranger moves the estimate by at most that many peers' worth times its weight.
 * The swarm's epoch moves ahead of this peer's when at least two partners (or the only one) are
-  there, or a strict majority of the other peers seen is.
+  there, or a strict majority of the other peers seen is, or (a swarm split in two: peers that
+  started apart, a partition that healed) a third of them is at least two epochs ahead. Rounds
+  form among peers at one epoch, so nothing else would ever merge two groups of peers that run
+  at different epochs; a third, not a majority, because the group ahead may well be the smaller
+  one (the first peers of a run, which trained before the others came); at least three of
+  them, so that two fresh keys in a small swarm do not (a split of two ahead stays split).
 * Rates count at most ``max_rate_ratio`` times the median rate of the peers counted; a partner
   that left the last round with this peer cannot claim more samples than its rate allows over
   the time since that round ended (plus ``epoch_skew_s``); no record counts beyond the target.
@@ -187,13 +192,24 @@ def _after_round(
     )
 
 
+# A split swarm merges forward when a third of the others, and at least this many of them (two
+# strangers' fresh keys move nothing), are SPLIT_MIN_GAP epochs ahead or more (one epoch ahead is
+# only a group whose round ended first).
+SPLIT_MIN_AHEAD = 3
+SPLIT_MIN_GAP = 2
+
+
 def _swarm_epoch(own_epoch: int, others: list[PeerProgress], partners: list[PeerProgress]) -> int:
-    """The newest epoch ahead of ``own_epoch`` that two partners (or the only one) or a strict
-    majority of the other peers have reached; ``own_epoch`` if none (O(n log n): thousands of
-    records cost no more than sorting them)."""
+    """The newest epoch ahead of ``own_epoch`` that two partners (or the only one), a strict
+    majority of the other peers, or a third of them two or more epochs ahead have reached;
+    ``own_epoch`` if none (O(n log n): thousands of records cost no more than sorting them)."""
     candidates = [own_epoch]
-    if others:  # the (n // 2 + 1)-th newest epoch: a strict majority is there or beyond
-        candidates.append(sorted((r.epoch for r in others), reverse=True)[len(others) // 2])
+    newest = sorted((r.epoch for r in others), reverse=True)
+    if newest:  # the (n // 2 + 1)-th newest epoch: a strict majority is there or beyond
+        candidates.append(newest[len(newest) // 2])
+    quorum = max(SPLIT_MIN_AHEAD, math.ceil(len(newest) / 3))
+    if len(newest) >= quorum and newest[quorum - 1] >= own_epoch + SPLIT_MIN_GAP:
+        candidates.append(newest[quorum - 1])  # a third of the others is there or beyond
     if partners:  # the second newest of the partners' epochs (the newest, if only one)
         quorum = min(2, len(partners))
         candidates.append(sorted((r.epoch for r in partners), reverse=True)[quorum - 1])

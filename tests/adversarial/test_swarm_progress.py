@@ -50,11 +50,14 @@ def test_a_strangers_target_reached_record_does_not_end_an_honest_epoch():
 
 def test_fresh_keys_far_ahead_do_not_move_the_swarm_epoch():
     liars = [record(9, 2**53 - 1, 0), record(8, 2**53 - 1, 0)]
-    # with partners: two of them must be there
-    view = estimate([*HONEST, *liars], own=OWN, config=CONFIG, now=NOW, partners=PARTNERS)
+    # with partners: two of them must be there (or a third of the peers, two epochs ahead)
+    honest = [*HONEST, *(record(3 + i, 5, 100) for i in range(3))]
+    view = estimate([*honest, *liars], own=OWN, config=CONFIG, now=NOW, partners=PARTNERS)
     assert view.epoch == 5
-    # a newcomer with no partner yet: a strict majority of the peers it sees must be there
+    # a newcomer with no partner yet: a strict majority of the peers it sees must be there (or,
+    # two epochs ahead of it, a third and at least three)
     assert estimate([*HONEST, *liars], own=record(0, 0, 0), config=CONFIG, now=NOW).epoch == 5
+    assert estimate([*honest, *liars], own=record(0, 0, 0), config=CONFIG, now=NOW).epoch == 5
     # while the honest peers moving on move it, whoever else is there
     ahead = [record(1, 6, 0), record(2, 6, 0)]
     assert estimate([*ahead, *liars], own=OWN, config=CONFIG, now=NOW, partners=PARTNERS).epoch == 6
@@ -62,6 +65,19 @@ def test_fresh_keys_far_ahead_do_not_move_the_swarm_epoch():
     assert (
         estimate([record(1, 7, 0)], own=OWN, config=CONFIG, now=NOW, partners=PARTNERS).epoch == 7
     )
+
+
+def test_a_swarm_split_in_two_merges_forward_and_one_epoch_ahead_is_no_split():
+    behind = [record(1 + i, 5, 100) for i in range(6)]
+    partners = frozenset(r.peer_id for r in behind[:3])
+    ahead = [record(20 + i, 9, 0) for i in range(3)]  # the first peers of the run, on their own
+    view = estimate([*behind, *ahead], own=OWN, config=CONFIG, now=NOW, partners=partners)
+    assert view.epoch == 9  # a third of the others, four epochs ahead: catch up with them
+    assert estimate([*behind, *ahead[:2]], own=OWN, config=CONFIG, now=NOW,
+                    partners=partners).epoch == 5  # fmt: skip  # two of eight: no
+    one_ahead = [record(20 + i, 6, 0) for i in range(3)]  # their round ended first
+    assert estimate([*behind, *one_ahead], own=OWN, config=CONFIG, now=NOW,
+                    partners=partners).epoch == 5  # fmt: skip
 
 
 def test_a_partner_claims_no_more_than_its_rate_allows_since_the_round():
