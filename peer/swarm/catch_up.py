@@ -12,7 +12,7 @@ failed download is retried only after ``RESYNC_COOLDOWN_S`` of training (a donor
 one that worked but landed behind again (epochs faster than a download) is retried at once, and
 a lone peer ahead holds its epoch for this one meanwhile (:mod:`peer.swarm.newcomer_hold`).
 
-In ``grad`` mode it also checks that this peer's replica is the one the swarm agrees on
+It also checks that this peer's replica is the one the swarm agrees on
 (:mod:`peer.swarm.state_resync`), and :meth:`StateCatchUp.resync` replaces one that is not.
 """
 
@@ -42,7 +42,7 @@ from peer.swarm.state_digest import (
     state_digest,
 )
 from peer.swarm.state_download import download_state, layout_of
-from peer.swarm.state_resync import ReplicaCheck
+from peer.swarm.state_resync import RESYNC_WAIT_S, ReplicaCheck
 from peer.swarm.state_sync import StateRejected, StateSnapshot, StateSyncError
 from peer.train.checkpoint import CheckpointError, Progress, pack_state, unpack_state
 from peer.train.trainer import Trainer
@@ -101,16 +101,15 @@ class StateCatchUp:
         # the longest the swarm takes to leave an epoch whose round is starting
         self._round_s = config.matchmaking_time + config.averaging_timeout
         self.num_resyncs = 0  # re-syncs tried (a replica that differed from the agreed one)
-        self.replicas: ReplicaCheck | None = None
-        if self._shares_optimizer:  # grad mode: see peer.swarm.state_resync
-            self.replicas = ReplicaCheck(
-                dht=services.node,
-                prefix=config.run_id,
-                server=services.state_server,
-                partners=lambda: services.tracker.partners,
-                config=config.state_sync_config(),
-            )
-            loop_thread.run(self._start_replica_check())
+        # in every mode: see peer.swarm.state_resync
+        self.replicas: ReplicaCheck | None = ReplicaCheck(
+            dht=services.node,
+            prefix=config.run_id,
+            server=services.state_server,
+            partners=lambda: services.tracker.partners,
+            config=config.state_sync_config(),
+        )
+        loop_thread.run(self._start_replica_check())
 
     async def _start_replica_check(self) -> None:
         self.replicas.start()  # its owner is the services' stack, which closes it first
@@ -122,8 +121,10 @@ class StateCatchUp:
 
     def resync(self, epoch: int) -> int | None:
         """Replace this peer's replica (at ``epoch``) by the agreed state of ``epoch`` or later,
-        from the peers that announce it, exactly (no bf16); the epoch loaded, or None."""
-        target = self.replicas.take(epoch) if self.replicas is not None else None
+        from the peers that announce it, exactly (no bf16); the epoch loaded, or None. A donor
+        that has not served ``epoch`` yet (it announces a moment after entering it) is waited
+        for, up to ``RESYNC_WAIT_S``."""
+        target = self.replicas.take() if self.replicas is not None else None
         if target is None:
             return None
         self.num_resyncs += 1
@@ -136,11 +137,14 @@ class StateCatchUp:
             target.digest[:12],
             self.num_resyncs,
         )
-        reached = self._download(epoch, fallback=epoch - 1, donors=target.donors, exact=True)
-        if reached < epoch:
-            return None
-        self.services.state_server.update(self.snapshot(reached))
-        return reached
+        reached = self._download(
+            epoch, fallback=epoch - 1, donors=target.donors, exact=True, wait_s=RESYNC_WAIT_S
+        )
+        loaded = reached if reached >= epoch else None
+        self.replicas.resynced(epoch, loaded)
+        if loaded is not None:
+            self.services.state_server.update(self.snapshot(loaded))
+        return loaded
 
     def download(self, min_epoch: int, *, fallback: int) -> int:
         """Load the state of epoch >= ``min_epoch`` from a donor; the epoch reached, or
@@ -245,9 +249,11 @@ class StateCatchUp:
         donors: frozenset[str] | None = None,
         exact: bool = False,
         arriving: int | None = None,
+        wait_s: float = 0.0,
     ) -> int:
         """The epoch loaded, or ``fallback``. ``arriving``: the epoch this peer announces while
-        it downloads (see :meth:`_announcing`); None announces nothing."""
+        it downloads (see :meth:`_announcing`); None announces nothing. ``wait_s``: how long to
+        wait for donors that serve only older states yet."""
         tensors, _ = pack_state(
             model=self.model,
             optimizer=self.optimizer,
@@ -276,6 +282,7 @@ class StateCatchUp:
                             digest_of=self.digest,
                             verify=self._loadable,
                             donors=donors,
+                            wait_s=wait_s,
                         ),
                     )
                 )

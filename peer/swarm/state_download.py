@@ -31,6 +31,7 @@ from peer.records.state import StateAnnouncement, agreed_digests, parse_state, s
 from peer.swarm.state_receive import (
     Assembly,
     Layout,
+    NotServedYet,
     Template,
     check_header,
     layout_of,
@@ -139,6 +140,7 @@ async def download_state(
     digest_of: DigestFn = default_digest,
     verify: Verify | None = None,
     donors: Collection[str] | None = None,
+    wait_s: float = 0.0,
 ) -> StateSnapshot:
     """Download a verified state of ``min_epoch`` or later, trying donors in turn.
 
@@ -148,11 +150,53 @@ async def download_state(
     only the expected tensors are asked for. The state's digest (``digest_of``, computed here
     from what arrived) must be agreed for its epoch, and ``verify`` (if given) must not raise.
     ``donors``: download only from these peers (their digest still has to be agreed).
+    ``wait_s``: while every donor tried serves only older states (it announces a new epoch's
+    state a moment after entering it), read the announcements and try again for this long.
 
     Raises:
-        StateSyncError: no donor, or ``max_attempts`` donors failed (each one's reason in it).
+        StateSyncError: no donor, or ``max_attempts`` donors failed (each one's reason in it);
+            :class:`NotServedYet` when none had a state of ``min_epoch`` within ``wait_s``.
     """
-    rng = rng or random.Random()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            return await _download_once(
+                transport,
+                dht,
+                prefix,
+                min_epoch=min_epoch,
+                template=functools.partial(
+                    Template, expected, extra_prefix, max_extra_bytes, config.compression == "bf16"
+                ),
+                config=config,
+                rng=rng or random.Random(),
+                digest_of=digest_of,
+                verify=verify,
+                donors=donors,
+            )
+        except NotServedYet as e:
+            if loop.time() + MIN_ANNOUNCE_GAP_S > deadline:
+                raise
+            logger.debug("no donor serves epoch %d yet (%s); trying again", min_epoch, e)
+            await asyncio.sleep(MIN_ANNOUNCE_GAP_S)
+
+
+async def _download_once(
+    transport: Transport,
+    dht: DHTNode,
+    prefix: str,
+    *,
+    min_epoch: int,
+    template: Callable[[], Template],
+    config: StateSyncConfig,
+    rng: random.Random,
+    digest_of: DigestFn,
+    verify: Verify | None,
+    donors: Collection[str] | None,
+) -> StateSnapshot:
+    """One pass of :func:`download_state` over the donors (``template``: a fresh one for each
+    download, which counts the bytes allocated)."""
     bf16 = config.compression == "bf16"
     agreement = await read_agreement(dht, prefix, config)
     order = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng, only=donors)
@@ -162,7 +206,7 @@ async def download_state(
     async def verified(fetch: Callable[[Template], Awaitable[StateSnapshot]]) -> StateSnapshot:
         nonlocal agreement
         async with asyncio.timeout(config.download_timeout_s):
-            snapshot = await fetch(Template(expected, extra_prefix, max_extra_bytes, bf16))
+            snapshot = await fetch(template())
             agreement = await _check_digest(snapshot, dht, prefix, config, agreement, digest_of)
             if verify is not None:
                 await asyncio.to_thread(verify, snapshot)
@@ -171,7 +215,7 @@ async def download_state(
     group = split_donors(
         order, agreement.agreed, min_epoch=min_epoch, bf16=bf16, max_donors=config.max_split_donors
     )
-    reasons = []
+    reasons, not_yet = [], True
     if len(group) >= 2:
         try:
             snapshot = await verified(
@@ -183,6 +227,7 @@ async def download_state(
             return snapshot
         except DOWNLOAD_ERRORS as e:
             reasons.append(f"{len(group)} donors at once: {_reason(e)}")
+            not_yet = not_yet and isinstance(e, NotServedYet)
             logger.warning("state download from %d donors failed: %s", len(group), _reason(e))
     for attempt, donor in enumerate(order[: config.max_attempts]):
         if attempt:
@@ -196,8 +241,12 @@ async def download_state(
             return snapshot
         except DOWNLOAD_ERRORS as e:
             reasons.append(f"{address}: {_reason(e)}")
-            logger.warning("state download from %s failed: %s", address, _reason(e))
-    raise StateSyncError("every donor failed: " + "; ".join(reasons))
+            not_yet = not_yet and isinstance(e, NotServedYet)
+            # a donor a moment behind is no fault of its own: said quietly
+            level = logging.DEBUG if isinstance(e, NotServedYet) else logging.WARNING
+            logger.log(level, "state download from %s failed: %s", address, _reason(e))
+    error = NotServedYet if not_yet else StateSyncError
+    raise error("every donor failed: " + "; ".join(reasons))
 
 
 def _reason(error: BaseException) -> str:

@@ -30,13 +30,17 @@ def layout_of(tensors: dict[str, torch.Tensor]) -> Layout:
     return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
 
 
+class NotServedYet(StateSyncError):
+    """The donor serves no state of the epoch asked for yet (its newest is older)."""
+
+
 def check_header(header: Any, min_epoch: int) -> tuple[int, list]:
     """``(epoch, layout)`` of a donor's reply header; :class:`StateSyncError` when it has no
-    state that recent, is busy, or the header is malformed."""
+    state that recent (:class:`NotServedYet`), is busy, or the header is malformed."""
     if isinstance(header, dict) and header.get("epoch") is None and header.get("busy"):
         raise StateSyncError(f"the donor is busy: {str(header['busy'])[:200]}")
     if not isinstance(header, dict) or header.get("epoch") is None:
-        raise StateSyncError("the donor has no state that recent")
+        raise NotServedYet("the donor has no state that recent")
     epoch, layout = header["epoch"], header.get("tensors")
     if (
         isinstance(epoch, bool)

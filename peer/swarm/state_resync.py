@@ -38,7 +38,7 @@ from dht.errors import DHTError
 from dht.kademlia.node import DHTNode
 from peer.records.state import ResyncTarget, resync_target
 from peer.swarm.state_download import read_announcements
-from peer.swarm.state_sync import StateServer, StateSyncConfig
+from peer.swarm.state_sync import REREAD_WINDOW_S, StateServer, StateSyncConfig
 
 logger = logging.getLogger(__name__)
 # Reads of an epoch's announcements while nobody else has announced it, before it is let go.
@@ -49,6 +49,12 @@ MAX_READS_PER_EPOCH = 3
 NUM_CONFIRMATIONS = 2
 # The longest the check waits after failures, in check intervals.
 MAX_BACKOFF = 64
+# How long a re-sync waits for its donors to serve the state of this peer's epoch, in seconds:
+# a donor serves an epoch's state once its digest is announced (MIN_ANNOUNCE_GAP_S after the
+# previous announcement, plus the digest's time), and with epochs shorter than that its newest
+# served state trails the epoch this peer re-syncs at. Its round of that epoch waits meanwhile
+# for this peer, whose record says it is there.
+RESYNC_WAIT_S = REREAD_WINDOW_S
 
 
 class Resyncer(Protocol):
@@ -104,16 +110,28 @@ class ReplicaCheck:
     def due(self) -> bool:
         return self._target is not None
 
-    def take(self, epoch: int) -> ResyncTarget | None:
-        """The target to re-sync to now (at ``epoch``), cleared; the next re-sync waits
-        ``_gap_epochs`` epochs, and the gap doubles until an epoch agrees again."""
+    def take(self) -> ResyncTarget | None:
+        """The target to re-sync to now, cleared (say how it went with :meth:`resynced`)."""
         with self._lock:
             target, self._target = self._target, None
-            if target is not None:
-                self._num_lost = 0
-                self._next_allowed_epoch = epoch + self._gap_epochs
-                self._gap_epochs = min(2 * self._gap_epochs, self.config.resync_max_epochs)
             return target
+
+    def resynced(self, epoch: int, reached: int | None) -> None:
+        """The re-sync taken at ``epoch`` loaded the state of ``reached`` (None: nothing).
+
+        Loaded: the next re-sync waits ``_gap_epochs`` epochs, and the gap doubles until an
+        epoch after ``reached`` agrees again; the epochs up to ``reached`` are decided (this
+        replica's digests before it are the old replica's, and ``reached``'s is the donor's
+        own). Nothing loaded (no donor had the state in time): no re-sync happened, so nothing
+        doubles; the replica is decided anew from the next epoch on."""
+        with self._lock:
+            self._num_lost = 0
+            if reached is None:
+                self._next_allowed_epoch = epoch + 1
+                return
+            self._next_allowed_epoch = reached + self._gap_epochs
+            self._gap_epochs = min(2 * self._gap_epochs, self.config.resync_max_epochs)
+            self._settled_epoch = max(self._settled_epoch, reached)
 
     # ---- the event loop's side ---------------------------------------------------------------
 
@@ -171,9 +189,11 @@ class ReplicaCheck:
             partners=self.partners(),
             min_peers=self.config.min_agreement,
         )
-        self._settle(decided.epoch)
-        self._num_lost = self._num_lost + 1 if target is not None else 0
-        with self._lock:
+        with self._lock:  # the training thread may have re-synced during the read
+            if decided.epoch <= self._settled_epoch:
+                return None  # a digest of the replica it replaced says nothing now
+            self._settle(decided.epoch)
+            self._num_lost = self._num_lost + 1 if target is not None else 0
             if target is None:
                 self._gap_epochs = self.config.resync_min_epochs  # in line again
             elif self._num_lost >= NUM_CONFIRMATIONS:
@@ -181,5 +201,5 @@ class ReplicaCheck:
         return target
 
     def _settle(self, epoch: int) -> None:
-        self._settled_epoch = epoch
+        self._settled_epoch = max(self._settled_epoch, epoch)
         self._reads = {e: n for e, n in self._reads.items() if e > epoch}
