@@ -141,7 +141,7 @@ class Session:
             lr_schedule=config.lr_schedule_fn(),
             state=self.state if on_behind is None else _CatchUp(on_behind),
             newcomer_hold=NewcomerHold(config.newcomer_hold_config()),
-            replicas=self.state if on_behind is None else None,
+            replicas=self.state,  # the library's too: a replica that differs re-syncs
         )
 
     def _initial_epoch(self, start_epoch: int) -> int:

@@ -4,6 +4,7 @@ loading the swarm's state."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import urllib.error
@@ -217,3 +218,62 @@ def test_it_is_a_torch_optimizer_for_code_that_takes_one():
         assert isinstance(opt.step(closure), torch.Tensor)  # as torch's step(closure)
         with pytest.raises(ValueError, match="add_param_group"):
             opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+
+
+def test_a_library_peer_whose_replica_differs_resyncs():
+    # two library peers in grad mode, same initial parameters; the second one's are moved
+    # after construction: the averaged gradients keep the difference for good unless it
+    # re-syncs
+    models = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        models.append(torch.nn.Linear(4, 2))
+    stop, errors = threading.Event(), []
+    with peer.DHT() as first_dht, peer.DHT(initial_peers=first_dht.urls) as second_dht:
+        opts: list = [None, None]
+
+        def build(index, dht):  # each waits for the other: they start at the same epoch
+            opts[index] = make_opt(dht, models[index], target_batch_size=256, wait_for_peers=2)
+
+        builders = [
+            threading.Thread(target=build, args=p) for p in enumerate((first_dht, second_dht))
+        ]
+        for thread in builders:
+            thread.start()
+        for thread in builders:
+            thread.join(timeout=60)
+        try:
+            for opt in opts:  # look at the announcements often in this short run
+                replicas = opt.session.state.replicas
+                replicas.config = dataclasses.replace(replicas.config, resync_check_s=0.2)
+            with torch.no_grad():
+                models[1].weight.add_(1e-3)
+
+            def train(opt, model):
+                try:
+                    while not stop.is_set() and opt.local_epoch < 30:
+                        time.sleep(0.01)  # epochs of about 0.2 s: a few per look
+                        train_steps(opt, model, 1)
+                except Exception as e:  # said by the test below
+                    errors.append(e)
+
+            threads = [
+                threading.Thread(target=train, args=pair) for pair in zip(opts, models, strict=True)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=90)
+        finally:
+            stop.set()
+            for opt in opts:
+                if opt is not None:
+                    opt.shutdown()
+    assert not errors
+    assert sorted(min(opt.session.state.num_resyncs, 1) for opt in opts) == [0, 1]
+    digests = [
+        {d.epoch: d.digest for d in opt.session.services.state_server.digests} for opt in opts
+    ]
+    common = sorted(set(digests[0]) & set(digests[1]))
+    assert len(common) >= 8, digests
+    assert all(digests[0][e] == digests[1][e] for e in common[-8:]), (common, digests)

@@ -18,6 +18,8 @@ from dht.kademlia.node import DHTNode
 from dht.kademlia.validation import owner_subkey
 from dht.net.config import TransportConfig
 from peer.records.state import EpochDigest, StateAnnouncement, resync_target, state_key
+from peer.swarm.state_resync import ReplicaCheck
+from peer.swarm.state_sync import StateSyncConfig
 from tests.peer.run.test_join import config, start_swarm, stop, train_in_thread, train_together
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,3 +150,19 @@ async def test_a_stranger_announcing_another_digest_alone_never_makes_a_peer_res
         stop_event.set()
         await asyncio.to_thread(stop, run, thread)
     assert run.state.num_resyncs == 0
+
+
+def test_only_a_resync_that_loaded_a_state_doubles_the_gap():
+    config = StateSyncConfig(resync_min_epochs=2, resync_max_epochs=8)
+    check = ReplicaCheck(dht=None, prefix="run", server=None, partners=frozenset, config=config)
+    # nothing loaded (no donor served the epoch in time): no re-sync happened, none doubles,
+    # and the replica is decided anew from the next epoch
+    check.resynced(5, None)
+    assert (check._gap_epochs, check._next_allowed_epoch, check._settled_epoch) == (2, 6, -1)
+    # loaded: the gap doubles, and the epochs up to the one loaded are decided (the digests
+    # before it are the replaced replica's)
+    check.resynced(7, 8)
+    assert (check._gap_epochs, check._next_allowed_epoch, check._settled_epoch) == (4, 10, 8)
+    check.resynced(12, 12)
+    check.resynced(20, 21)
+    assert (check._gap_epochs, check._next_allowed_epoch, check._settled_epoch) == (8, 29, 21)
