@@ -128,8 +128,13 @@ class Session:
             loop_thread=self.loop_thread,
             clock=clock,
             stop_event=self.stop_event,
+            outer=contribution.outer_optimizer,
         )
         self.epoch = Epoch(self._initial_epoch(start_epoch))
+        # the contribution was made over the model before a download replaced it: in diloco
+        # its anchor (and replica) would still be the model's initial values, and the first
+        # outer step would go from there
+        contribution.discard()
         self.hook = CollaborativeOptimizer(
             model=self.counts.model,
             optimizer=optimizer,

@@ -34,7 +34,7 @@ from peer.profiling.phases import PhaseClock
 from peer.run.config import PeerConfig
 from peer.swarm.arrival import FIRST_DOWNLOAD_S, arrives_late, wait_until_left
 from peer.swarm.services import SwarmServices
-from peer.swarm.state_check import loadable_metadata, parse_header
+from peer.swarm.state_check import EXTRA_PREFIX, loadable_metadata, parse_header
 from peer.swarm.state_digest import (
     OPTIMIZER_PREFIX,
     digest_scope,
@@ -69,6 +69,8 @@ class StateCatchUp:
         clock: the phase clock; downloads are charged to ``state_sync``.
         stop_event: when set, a download in progress ends at once (a slow or silent donor
             must not hold a peer that was told to leave for the whole download timeout).
+        outer: the outer optimizer (``diloco``): its momentum is part of the replica every
+            peer shares, so it is served, covered by the digest and loaded with the model.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class StateCatchUp:
         loop_thread: EventLoopThread,
         clock: PhaseClock,
         stop_event: threading.Event | None = None,
+        outer: torch.optim.Optimizer | None = None,
     ):
         self.config = config
         self._stop_event = stop_event or threading.Event()
@@ -92,7 +95,8 @@ class StateCatchUp:
         self.clock = clock
         self._last_failed_s = -float("inf")
         self._shares_optimizer = config.mode == "grad"
-        self._scope = digest_scope(config.mode)
+        self._outer = outer if config.mode == "diloco" else None
+        self._scope = digest_scope(config.mode) + ((EXTRA_PREFIX,) if self._outer else ())
         self._meta_key = next(
             iter(pack_state(model=self.model, optimizer=None, progress=Progress())[1])
         )
@@ -210,23 +214,33 @@ class StateCatchUp:
         return self.download(swarm_epoch, fallback=epoch)
 
     def snapshot(self, epoch: int) -> StateSnapshot:
-        """The state to serve now, labelled ``epoch``."""
-        tensors, metadata = pack_state(
-            model=self.model,
-            optimizer=self.optimizer,
-            progress=Progress(
-                epoch=epoch, step=self.trainer.step, samples=self.trainer.total_samples
-            ),
-        )
+        """The state to serve now, labelled ``epoch`` (in ``diloco`` the model and the outer
+        optimizer's state, under ``extra``: each peer's inner optimizer is its own)."""
+        progress = Progress(epoch=epoch, step=self.trainer.step, samples=self.trainer.total_samples)
+        if self._outer is not None:
+            tensors, metadata = pack_state(
+                model=self.model,
+                optimizer=None,
+                progress=progress,
+                extra=self._outer.state_dict(),
+            )
+        else:
+            tensors, metadata = pack_state(
+                model=self.model, optimizer=self.optimizer, progress=progress
+            )
         return StateSnapshot.capture(epoch, tensors, metadata)
 
     def digest(self, snapshot: StateSnapshot, bf16: bool) -> str:
         """The digest of ``snapshot`` in this run's scope (the optimizer's structure in
-        ``grad`` mode); :class:`StateRejected` when its metadata is malformed."""
+        ``grad`` mode, the outer optimizer's in ``diloco``); :class:`StateRejected` when its
+        metadata is malformed."""
         structure = None
-        if self._shares_optimizer:
+        if self._shares_optimizer or self._outer is not None:
             try:
-                structure = optimizer_structure(parse_header(snapshot.metadata, self._meta_key))
+                header = parse_header(snapshot.metadata, self._meta_key)
+                if self._outer is not None:  # the outer optimizer's, read as an optimizer's
+                    header = {"optimizer": header.get("extra")}
+                structure = optimizer_structure(header)
             except (KeyError, TypeError, ValueError, RecursionError) as e:
                 raise StateRejected(f"malformed optimizer state: {e}") from None
         return state_digest(
@@ -239,7 +253,15 @@ class StateCatchUp:
             model=self.model,
             optimizer=self.optimizer,
             with_optimizer=self._shares_optimizer,
+            outer=self._outer,
         )
+
+    @property
+    def _extra_prefix(self) -> str | None:
+        """The prefix of the tensors a download takes besides the model's, if any."""
+        if self._shares_optimizer:
+            return OPTIMIZER_PREFIX
+        return EXTRA_PREFIX if self._outer is not None else None
 
     def _download(
         self,
@@ -277,7 +299,7 @@ class StateCatchUp:
                             min_epoch=min_epoch,
                             expected=model_layout,
                             config=config,
-                            extra_prefix=OPTIMIZER_PREFIX if self._shares_optimizer else None,
+                            extra_prefix=self._extra_prefix,
                             max_extra_bytes=4 * model_bytes + 2**20,
                             digest_of=self.digest,
                             verify=self._loadable,
@@ -286,13 +308,15 @@ class StateCatchUp:
                         ),
                     )
                 )
-                progress, _ = unpack_state(
+                progress, extra = unpack_state(
                     snapshot.tensors,
                     self._loadable(snapshot),
                     model=self.model,
                     optimizer=self.optimizer if self._shares_optimizer else None,
                     path="<downloaded state>",
                 )
+                if self._outer is not None:  # checked by _loadable: its state, our settings
+                    self._outer.load_state_dict(extra)
             except (StateSyncError, CheckpointError) as e:
                 logger.warning(
                     "could not download the swarm's state (%s); training on from epoch %d",

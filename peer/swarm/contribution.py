@@ -143,6 +143,12 @@ class Contribution:
         elif self.mode == "diloco":
             self.outer.apply(self.buffers)
 
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The outer optimizer (``diloco``; None otherwise): its momentum is part of the state
+        peers share, served and re-synced with the model (:mod:`peer.swarm.catch_up`)."""
+        return self._outer
+
     def discard(self) -> None:
         """Drop what was gathered (a downloaded state replaces it)."""
         if self.mode == "grad":

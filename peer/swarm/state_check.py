@@ -11,7 +11,10 @@ peers announce (:mod:`peer.records.state`). Here, before anything is loaded:
 * the optimizer's hyperparameters are ours: the donor's ``param_groups`` (``lr``, betas, weight
   decay...) are replaced by the local optimizer's before loading;
 * in ``params`` and ``diloco`` modes the optimizer state is not taken at all (each peer's inner
-  optimizer is its own, and no digest covers it).
+  optimizer is its own, and no digest covers it);
+* in ``diloco`` the outer optimizer's state (its momentum, part of the replica every peer
+  shares) is taken under ``extra``, checked as the optimizer's is, with the local outer
+  optimizer's hyperparameters.
 
 Every failure is a :class:`~peer.swarm.state_sync.StateRejected` (a ``StateSyncError``): the
 downloader tries the next donor.
@@ -30,6 +33,8 @@ from peer.swarm.state_sync import StateRejected, StateSnapshot
 from peer.train.checkpoint import FORMAT, Progress, pack_state
 
 MAX_METADATA_CHARS = 1 << 20
+# The prefix of the tensors of a packed state's ``extra`` (the outer optimizer's, in diloco).
+EXTRA_PREFIX = "extra"
 MAX_STATE_NAME_CHARS = 64
 
 
@@ -74,10 +79,13 @@ def _scalar(value: Any) -> bool:
 
 
 def check_optimizer_state(
-    structure: Any, tensors: dict[str, torch.Tensor], params: list[torch.Tensor]
+    structure: Any,
+    tensors: dict[str, torch.Tensor],
+    params: list[torch.Tensor],
+    prefix: str = OPTIMIZER_PREFIX,
 ) -> None:
     """The donor's optimizer ``structure`` (encoded ``state``) fits ``params``: see the module
-    docstring. ``tensors`` are the downloaded ones (optimizer tensors under ``optim``)."""
+    docstring. ``tensors`` are the downloaded ones (optimizer tensors under ``prefix``)."""
     used: set[str] = set()
     for index, per_param in _entries(structure, "state"):
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(params):
@@ -89,7 +97,7 @@ def check_optimizer_state(
             if isinstance(value, dict) and set(value) == {"T"}:
                 ref = value["T"]
                 tensor = tensors.get(ref) if isinstance(ref, str) else None
-                if tensor is None or not ref.startswith(OPTIMIZER_PREFIX) or ref in used:
+                if tensor is None or not ref.startswith(prefix) or ref in used:
                     raise StateRejected(f"optimizer state {name[:32]!r} names no tensor sent")
                 used.add(ref)
                 if tensor.shape != param.shape and tensor.numel() != 1:
@@ -99,9 +107,30 @@ def check_optimizer_state(
                     )
             elif not _scalar(value):
                 raise StateRejected(f"optimizer state {name[:32]!r} is neither tensor nor scalar")
-    unused = {n for n in tensors if n.startswith(OPTIMIZER_PREFIX)} - used
+    unused = {n for n in tensors if n.startswith(prefix)} - used
     if unused:
         raise StateRejected(f"{len(unused)} optimizer tensors are not part of its state")
+
+
+def _verified_optimizer(
+    encoded: Any,
+    tensors: dict[str, torch.Tensor],
+    local: torch.optim.Optimizer,
+    *,
+    prefix: str,
+    what: str,
+) -> dict[str, Any]:
+    """The donor's encoded optimizer state dict, checked against ``local``'s parameters, with
+    ``local``'s hyperparameters (``param_groups``) instead of the donor's."""
+    _, packed = pack_state(model=torch.nn.Module(), optimizer=local, progress=Progress())
+    local_groups = dict(json.loads(next(iter(packed.values())))["optimizer"]["d"])["param_groups"]
+    try:
+        donor_state = dict(_entries(encoded, "state dict"))["state"]
+    except KeyError:
+        raise StateRejected(f"the state has no {what} state") from None
+    params = [p for group in local.param_groups for p in group["params"]]
+    check_optimizer_state(donor_state, tensors, params, prefix)
+    return {"d": [["state", donor_state], ["param_groups", local_groups]]}
 
 
 def loadable_metadata(
@@ -110,32 +139,37 @@ def loadable_metadata(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     with_optimizer: bool,
+    outer: torch.optim.Optimizer | None = None,
 ) -> dict[str, str]:
     """The metadata to load ``snapshot`` with, after every check of the module docstring: the
-    donor's optimizer state (if taken) with the local hyperparameters, the verified epoch.
+    donor's optimizer state (if taken) with the local hyperparameters, the donor's ``outer``
+    optimizer state (``diloco``: under ``extra``, when ``outer`` is given) likewise, the
+    verified epoch.
 
     Raises:
         StateRejected: a check failed.
     """
-    _, local = pack_state(model=model, optimizer=optimizer, progress=Progress())
+    _, local = pack_state(model=model, optimizer=None, progress=Progress())
     (meta_key,) = local
     header = parse_header(snapshot.metadata, meta_key)
-    local_header = json.loads(local[meta_key])
-    local_groups = dict(local_header["optimizer"]["d"])["param_groups"]
     check_finite(snapshot.tensors)
-    optimizer_header = None
+    optimizer_header = extra_header = None
     if with_optimizer:
-        try:
-            donor_state = dict(_entries(header.get("optimizer"), "state dict"))["state"]
-        except KeyError:
-            raise StateRejected("the state has no optimizer state") from None
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        check_optimizer_state(donor_state, snapshot.tensors, params)
-        optimizer_header = {"d": [["state", donor_state], ["param_groups", local_groups]]}
+        optimizer_header = _verified_optimizer(
+            header.get("optimizer"),
+            snapshot.tensors,
+            optimizer,
+            prefix=OPTIMIZER_PREFIX,
+            what="optimizer",
+        )
+    if outer is not None:
+        extra_header = _verified_optimizer(
+            header.get("extra"), snapshot.tensors, outer, prefix=EXTRA_PREFIX, what="outer"
+        )
     verified = {
         "format": FORMAT,
         "progress": {"epoch": snapshot.epoch, "step": 0, "samples": 0},
         "optimizer": optimizer_header,
-        "extra": None,
+        "extra": extra_header,
     }
     return {meta_key: json.dumps(verified)}

@@ -18,9 +18,17 @@ from dht.kademlia.node import DHTNode
 from dht.kademlia.validation import owner_subkey
 from dht.net.config import TransportConfig
 from peer.records.state import EpochDigest, StateAnnouncement, resync_target, state_key
+from peer.run.runner import PeerRun
 from peer.swarm.state_resync import ReplicaCheck
 from peer.swarm.state_sync import StateSyncConfig
-from tests.peer.run.test_join import config, start_swarm, stop, train_in_thread, train_together
+from tests.peer.run.test_join import (
+    config,
+    start_swarm,
+    stop,
+    train_in_thread,
+    train_together,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,3 +174,38 @@ def test_only_a_resync_that_loaded_a_state_doubles_the_gap():
     check.resynced(12, 12)
     check.resynced(20, 21)
     assert (check._gap_epochs, check._next_allowed_epoch, check._settled_epoch) == (8, 29, 21)
+
+
+def test_a_diloco_newcomer_takes_the_outer_momentum_and_stays_equal():
+    # the outer momentum is part of the replica in diloco: a newcomer that started from zero
+    # momentum would step apart from the swarm at its first round, for good
+    slow = dict(target_batch_size=4096, publish_interval=0.1, mode="diloco")
+    (first,) = start_swarm([config(seed=1, **slow)])
+    look_often(first)
+    first_thread = train_in_thread(first)
+    newcomer, newcomer_thread = None, None
+    try:
+        wait_for(lambda: first.hook.epoch >= 3, "the first peer did not reach epoch 3")
+        newcomer = PeerRun(config(seed=2, initial_peers=[first.address], **slow))
+        newcomer.start()
+        look_often(newcomer)
+        outer = newcomer.hook.contribution.outer_optimizer
+        assert outer.state_dict()["state"]  # downloaded: the swarm's momentum, not zero's
+        newcomer_thread = train_in_thread(newcomer)
+        wait_for(lambda: newcomer.hook.stats.last_group_size == 2, "they never averaged")
+        last_epoch = newcomer.hook.epoch + 10
+        for run in (first, newcomer):
+            run.config = run.config.model_copy(update={"max_epochs": last_epoch})
+        for thread in (first_thread, newcomer_thread):
+            thread.join(timeout=60)
+    finally:
+        if newcomer is not None:
+            stop(newcomer, newcomer_thread)
+        stop(first, first_thread)
+    runs = (first, newcomer)
+    digests = [{d.epoch: d.digest for d in run.services.state_server.digests} for run in runs]
+    common = sorted(set(digests[0]) & set(digests[1]))
+    assert len(common) >= 8, digests
+    assert all(digests[0][e] == digests[1][e] for e in common[-8:]), (common, digests)
+    # equal from the download on: nobody had to re-sync
+    assert [run.state.num_resyncs for run in runs] == [0, 0]
