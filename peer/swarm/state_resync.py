@@ -1,29 +1,33 @@
 """Replicas that disagree re-sync: a peer whose state differs from the one its swarm agrees on
 downloads that state instead of stepping on apart (issue 29, item 4).
 
-In ``grad`` mode every member of a full round applies the same averaged gradient to the same
-replica, so the digests honest peers announce for an epoch are equal bit for bit; one that
-differs stays apart for good (a round that failed and stepped alone, a group split, one level of
-a reduce lost). :class:`ReplicaCheck` runs on the event loop: after this peer's digest of an
-epoch is announced, it reads the announcements (:mod:`peer.records.state`) and asks
+What peers agree on, by mode (the digest's scope, :mod:`peer.swarm.catch_up`): in ``grad`` mode
+the model and the optimizer (every member of a full round applies the same averaged gradient to
+the same replica); in ``params`` mode the model (every member of a full round takes the same
+average); in ``diloco`` the model and the outer optimizer's momentum (every member applies the
+same averaged pseudo-gradient to the same replica with the same momentum; the momentum is served
+with the model). So the digests honest peers announce for an epoch are equal bit for bit, and
+one that differs stays apart (for good in ``grad`` and ``diloco``: a round that failed and
+stepped alone, a group split, one level of a reduce lost; in ``params`` until its next full
+round). :class:`ReplicaCheck` runs on the event loop: after this peer's digest of an epoch is
+announced, it reads the announcements (:mod:`peer.records.state`) and asks
 :func:`peer.records.state.resync_target` whether another digest of that epoch beats its own
 (more peers, or as many and a smaller peer id, and never a stranger's alone). If so on two
 decisions in a row (a read apart, on later and later epochs), the training thread downloads that
 state between two steps from the peers that announce it
-(:meth:`peer.swarm.catch_up.StateCatchUp.resync`: exact, with every check of a download).
+(:meth:`peer.swarm.catch_up.StateCatchUp.resync`: exact, with every check of a download),
+waiting up to ``RESYNC_WAIT_S`` for them to serve the state of its epoch.
 
 Bounded: at most one re-sync per ``resync_min_epochs`` epochs, twice as many after each re-sync
-until an epoch's digest agrees again (up to ``resync_max_epochs``); a read of the
-announcements at most every ``resync_check_s`` and only when this peer announced a new epoch
-(a few reads, when nobody else announces it), none while a re-sync would not be allowed. Each
-re-sync is counted and logged as one WARNING line.
+that loaded a state, until an epoch after it agrees again (up to ``resync_max_epochs``); one
+that loaded nothing (its donors did not serve its epoch in time) doubles nothing, and the
+replica is decided anew. A decision never rests on a digest of the replica a re-sync replaced.
+A read of the announcements at most every ``resync_check_s`` and only when this peer announced
+a new epoch (a few reads, when nobody else announces it), none while a re-sync would not be
+allowed. Each re-sync is counted and logged as one WARNING line.
 
 A peer that downloaded its state as bfloat16 (``--state-compression bf16``) holds a replica
 rounded away from everyone's: it differs, and re-syncs once, exactly.
-
-Only in ``grad`` mode: in ``params`` mode the next round's average brings replicas together by
-itself, and in ``diloco`` each peer's outer momentum (which no digest covers, since it is not
-served) makes honest replicas' digests differ.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class ReplicaCheck:
         self._reads: dict[int, int] = {}  # epoch -> reads that found nobody else there
         self._gap_epochs = config.resync_min_epochs
         self._next_allowed_epoch = 0
+        self._resyncing = False  # between take() and resynced()
         self.num_reads = 0
         self.num_failures = 0  # checks that raised (a bug), logged once
         self._task: asyncio.Task | None = None
@@ -111,9 +116,11 @@ class ReplicaCheck:
         return self._target is not None
 
     def take(self) -> ResyncTarget | None:
-        """The target to re-sync to now, cleared (say how it went with :meth:`resynced`)."""
+        """The target to re-sync to now, cleared (say how it went with :meth:`resynced`; no
+        decision is made until then: the digests read meanwhile are the replaced replica's)."""
         with self._lock:
             target, self._target = self._target, None
+            self._resyncing = target is not None
             return target
 
     def resynced(self, epoch: int, reached: int | None) -> None:
@@ -125,6 +132,8 @@ class ReplicaCheck:
         own). Nothing loaded (no donor had the state in time): no re-sync happened, so nothing
         doubles; the replica is decided anew from the next epoch on."""
         with self._lock:
+            self._resyncing = False
+            self._target = None
             self._num_lost = 0
             if reached is None:
                 self._next_allowed_epoch = epoch + 1
@@ -170,8 +179,8 @@ class ReplicaCheck:
         own = [d for d in list(self.server.digests) if d.epoch <= announced]
         if not own or own[-1].epoch <= self._settled_epoch:
             return None  # nothing new announced since the last decision
-        if own[-1].epoch < self._next_allowed_epoch:
-            return None  # a re-sync would not be allowed: no read
+        if own[-1].epoch < self._next_allowed_epoch or self._resyncing:
+            return None  # a re-sync would not be allowed (or is under way): no read
         self.num_reads += 1
         announcements = await read_announcements(self.dht, self.prefix)
         theirs = {d.epoch for a in announcements for d in a.digests}
@@ -190,7 +199,7 @@ class ReplicaCheck:
             min_peers=self.config.min_agreement,
         )
         with self._lock:  # the training thread may have re-synced during the read
-            if decided.epoch <= self._settled_epoch:
+            if self._resyncing or decided.epoch <= self._settled_epoch:
                 return None  # a digest of the replica it replaced says nothing now
             self._settle(decided.epoch)
             self._num_lost = self._num_lost + 1 if target is not None else 0
