@@ -120,7 +120,7 @@ class ReplicaCheck:
         decision is made until then: the digests read meanwhile are the replaced replica's)."""
         with self._lock:
             target, self._target = self._target, None
-            self._resyncing = target is not None
+            self._resyncing = self._resyncing or target is not None
             return target
 
     def resynced(self, epoch: int, reached: int | None) -> None:

@@ -17,7 +17,13 @@ from dht.identity import PeerIdentity
 from dht.kademlia.node import DHTNode
 from dht.kademlia.validation import owner_subkey
 from dht.net.config import TransportConfig
-from peer.records.state import EpochDigest, StateAnnouncement, resync_target, state_key
+from peer.records.state import (
+    EpochDigest,
+    ResyncTarget,
+    StateAnnouncement,
+    resync_target,
+    state_key,
+)
 from peer.run.runner import PeerRun
 from peer.swarm.state_resync import ReplicaCheck
 from peer.swarm.state_sync import StateSyncConfig
@@ -171,7 +177,13 @@ def test_only_a_resync_that_loaded_a_state_doubles_the_gap():
     # before it are the replaced replica's)
     check.resynced(7, 8)
     assert (check._gap_epochs, check._next_allowed_epoch, check._settled_epoch) == (4, 10, 8)
+    # a re-sync under way: the target is taken once, and whatever a read set meanwhile (from
+    # the replaced replica's digests) is dropped when it ends
+    check._target = ResyncTarget(12, digest(3), frozenset({"a"}))
+    assert check.take() is not None and check.take() is None and check._resyncing
+    check._target = ResyncTarget(12, digest(4), frozenset({"a"}))
     check.resynced(12, 12)
+    assert not check.due() and not check._resyncing
     check.resynced(20, 21)
     assert (check._gap_epochs, check._next_allowed_epoch, check._settled_epoch) == (8, 29, 21)
 
