@@ -147,7 +147,7 @@ class Contribution:
     def outer_optimizer(self) -> torch.optim.Optimizer | None:
         """The outer optimizer (``diloco``; None otherwise): its momentum is part of the state
         peers share, served and re-synced with the model (:mod:`peer.swarm.catch_up`)."""
-        return self._outer
+        return self.outer.optimizer if self.outer is not None else None
 
     def discard(self) -> None:
         """Drop what was gathered (a downloaded state replaces it)."""

@@ -79,6 +79,11 @@ class OuterStep:
             self.replica, lr=outer_lr, momentum=outer_momentum, nesterov=True
         )
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The outer optimizer (its momentum is served and loaded with the replica)."""
+        return self._outer
+
     @torch.no_grad()
     def prepare(self, buffers: Sequence[torch.Tensor]) -> None:
         """End of a phase: its pseudo-gradient ``a - x`` into ``buffers``; overlapped, the next
