@@ -18,6 +18,7 @@ cannot file records where they count twice). Torch-free, like everything in
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -64,6 +65,38 @@ def bucket_keys(prefix: str, levels: tuple[int, ...]) -> list[tuple[int, int, st
     ]
 
 
+def sample_bucket_keys(
+    prefix: str,
+    *,
+    num_peers: float,
+    records_per_bucket: int,
+    anchor: str,
+    num_buckets: int,
+    rng: random.Random,
+) -> list[tuple[int, int, str]]:
+    """``(level, bucket, key)`` of a bounded sample for a reader that needs some records, not all.
+
+    ``num_buckets`` buckets of the reader's level: ``anchor``'s (this peer's own) and others
+    drawn at random, each with its parent and its two children (the levels publishers that count
+    the swarm differently write at): at most ``4 * num_buckets`` keys, whatever the swarm's size.
+    Small layouts are read whole.
+    """
+    levels = read_levels(num_peers, records_per_bucket)
+    every = bucket_keys(prefix, levels)
+    if len(every) <= 4 * num_buckets:
+        return every
+    level = read_level(num_peers, records_per_bucket)
+    own = bucket_of(anchor, level)
+    others = rng.sample([b for b in range(2**level) if b != own], num_buckets - 1)
+    picked = []
+    for bucket in (own, *others):
+        family = [(level, bucket), (level + 1, 2 * bucket), (level + 1, 2 * bucket + 1)]
+        family += [(level - 1, bucket >> 1)] if level > 0 else []
+        picked += [(lv, b) for lv, b in family if lv <= MAX_LEVEL]
+    unique = dict.fromkeys(picked)
+    return [(lv, b, bucket_key(prefix, lv, b)) for lv, b in unique]
+
+
 def owns_bucket(peer_id: str | None, level: int, bucket: int) -> bool:
     """Whether ``peer_id``'s record belongs in bucket ``bucket`` of ``level``."""
     return peer_id is not None and bucket_of(peer_id, level) == bucket
@@ -92,7 +125,25 @@ async def read_every_record(
             (``latest=False``: cheaper, possibly as old as the node's read cache).
     """
     keys = bucket_keys(prefix, read_levels(num_peers, records_per_bucket))
-    latest = len(keys) <= max_latest_buckets
+    return await read_buckets(
+        node,
+        keys,
+        parse=parse,
+        latest=len(keys) <= max_latest_buckets,
+        max_in_flight=max_in_flight,
+    )
+
+
+async def read_buckets(
+    node: ValueReader,
+    keys: list[tuple[int, int, str]],
+    *,
+    parse: Callable[[object, object], Any],
+    latest: bool = True,
+    max_in_flight: int = 32,
+) -> list:
+    """The newest record of each peer found under ``keys`` (``(level, bucket, key)``), each
+    kept only in a bucket its owner hashes to."""
     gate = asyncio.Semaphore(max_in_flight)
 
     async def one(level: int, bucket: int, key: str) -> list:
