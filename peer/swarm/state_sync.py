@@ -26,9 +26,6 @@ import collections
 import concurrent.futures
 import logging
 import math
-import os
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +41,7 @@ from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, state_key
-from peer.swarm.digest_schedule import LINGER_S, DigestSchedule
+from peer.swarm.digest_schedule import LINGER_S, DigestSchedule, lower_priority
 from peer.swarm.state_digest import state_digest
 from peer.swarm.state_serve import (
     COMPRESSIONS,
@@ -80,10 +77,6 @@ MIN_ANNOUNCE_GAP_S = 0.5
 REREAD_WINDOW_S = 4.0
 # Snapshots waiting for their digest at most (a state copy each; the oldest is dropped).
 PENDING_DIGESTS = 4
-# How much nicer than the process the digest's thread runs (Linux): the training threads win the
-# cores, and one of them taken away stalls the step of all of them; not the lowest priority,
-# which a crowded machine would starve (the digest must keep up with the epochs it picks).
-DIGEST_NICE_INCREMENT = 5
 
 
 class StateSyncError(Exception):
@@ -280,7 +273,7 @@ class StateServer:
             self._linger = None
         if self._schedule.wants(snapshot.epoch, handed_s):
             self._queue(snapshot)
-        else:  # digested if it is still the newest a while later
+        else:  # digested if still the newest a while later
             self._linger = asyncio.get_running_loop().call_later(
                 LINGER_S, self._linger_over, snapshot
             )
@@ -348,7 +341,7 @@ class StateServer:
     def _digest_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="state-digest", initializer=_lower_priority
+                max_workers=1, thread_name_prefix="state-digest", initializer=lower_priority
             )
         return self._executor
 
@@ -429,16 +422,3 @@ class StateServer:
         if executor is not None:  # a digest under way ends on its own, its result unread
             executor.shutdown(wait=False, cancel_futures=True)
         await self._announcer.stop()
-
-
-def _lower_priority() -> None:
-    """Make the calling thread ``DIGEST_NICE_INCREMENT`` nicer than the process (Linux, where a
-    thread has its own niceness; elsewhere nothing)."""
-    if sys.platform != "linux":
-        return
-    try:
-        thread_id = threading.get_native_id()
-        nice = os.getpriority(os.PRIO_PROCESS, thread_id) + DIGEST_NICE_INCREMENT
-        os.setpriority(os.PRIO_PROCESS, thread_id, min(nice, 19))
-    except OSError as e:  # not allowed here: it runs at the process's priority
-        logger.debug("cannot lower the digest thread's priority: %s", e)
