@@ -24,13 +24,7 @@ newcomer, the end of a run), so that what it serves then is its current state.
 from __future__ import annotations
 
 import collections
-import logging
-import os
 import statistics
-import sys
-import threading
-
-logger = logging.getLogger(__name__)
 
 # The share of the wall time that hashing snapshots may take (of one core).
 DIGEST_CPU_BUDGET = 0.01
@@ -41,10 +35,6 @@ MAX_DIGEST_GAP_S = 1.0
 MAX_STRIDE = 64
 # Epoch durations the stride is chosen from (their median).
 NUM_EPOCH_TIMES = 16
-# How much nicer than the process the digest's thread runs (Linux): the training threads win the
-# cores, and one of them taken away stalls the step of all of them; not the lowest priority,
-# which a crowded machine would starve (the digest must keep up with the epochs it picks).
-DIGEST_NICE_INCREMENT = 5
 # A newest snapshot that no newer one followed for this long is digested, in seconds.
 LINGER_S = 0.5
 
@@ -99,16 +89,3 @@ class DigestSchedule:
     def _restride(self) -> None:
         epoch_s = statistics.median(self._epoch_times) if self._epoch_times else 0.0
         self.stride = choose_stride(cost_s=self._cost_s, epoch_s=epoch_s)
-
-
-def lower_priority() -> None:
-    """Make the calling thread ``DIGEST_NICE_INCREMENT`` nicer than the process (Linux, where a
-    thread has its own niceness; elsewhere nothing)."""
-    if sys.platform != "linux":
-        return
-    try:
-        thread_id = threading.get_native_id()
-        nice = os.getpriority(os.PRIO_PROCESS, thread_id) + DIGEST_NICE_INCREMENT
-        os.setpriority(os.PRIO_PROCESS, thread_id, min(nice, 19))
-    except OSError as e:  # not allowed here: it runs at the process's priority
-        logger.debug("cannot lower the digest thread's priority: %s", e)

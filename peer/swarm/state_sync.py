@@ -4,7 +4,7 @@ The state is the model's parameters and buffers, the optimizer's tensors and msg
 (epoch, optimizer and scheduler scalars), sent as raw little-endian tensor bytes behind a msgpack
 header over one transport stream: nothing is unpickled. A peer hands its server a snapshot at the
 start of every epoch; the server computes the snapshot's digests (:mod:`peer.swarm.state_digest`)
-on a worker thread of lower priority than training, for the epochs
+on a worker thread of its own, for the epochs
 :mod:`peer.swarm.digest_schedule` picks (every epoch unless hashing is costly next to an epoch),
 and announces ``{epoch, address, digests of its last epochs}`` under its own
 (signed) subkey of ``{prefix}/state`` (:mod:`peer.records.state`) right away (at most every
@@ -41,7 +41,7 @@ from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, state_key
-from peer.swarm.digest_schedule import LINGER_S, DigestSchedule, lower_priority
+from peer.swarm.digest_schedule import LINGER_S, DigestSchedule
 from peer.swarm.state_digest import state_digest
 from peer.swarm.state_serve import (
     COMPRESSIONS,
@@ -341,7 +341,7 @@ class StateServer:
     def _digest_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="state-digest", initializer=lower_priority
+                max_workers=1, thread_name_prefix="state-digest"
             )
         return self._executor
 
