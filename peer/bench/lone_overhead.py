@@ -10,8 +10,12 @@ per step, with its quartiles. Both sides share one process, so the peer's backgr
 during the plain blocks too: the per-thread CPU time of all threads but the training thread
 (``other_threads_cpu_us_per_step``, torch's own workers included on both sides) and the training
 thread's wait for a CPU (``main_cpu_wait_us_per_step``, from schedstat) say how much of the
-overhead is work on other threads. ``--no-digest`` hands no snapshot to the state server (what
-serving the state costs a lone peer; for attribution only: a peer must serve).
+overhead is work on other threads. On a crowded host, where wall-clock pairs drown in other
+processes' load, the CPU time of the training thread itself (``main_cpu_us_per_step``, and the
+median over pairs of peer minus plain, ``main_cpu_overhead_us_*``) and of the other threads
+(``other_threads_cpu_overhead_us_p50``) still say what the peer adds per step.
+``--no-digest`` hands no snapshot to the state server (what serving the state costs a lone
+peer; for attribution only: a peer must serve).
 """
 
 from __future__ import annotations
