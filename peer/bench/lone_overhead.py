@@ -10,8 +10,12 @@ per step, with its quartiles. Both sides share one process, so the peer's backgr
 during the plain blocks too: the per-thread CPU time of all threads but the training thread
 (``other_threads_cpu_us_per_step``, torch's own workers included on both sides) and the training
 thread's wait for a CPU (``main_cpu_wait_us_per_step``, from schedstat) say how much of the
-overhead is work on other threads. ``--no-digest`` hands no snapshot to the state server (what
-serving the state costs a lone peer; for attribution only: a peer must serve).
+overhead is work on other threads. On a crowded host, where wall-clock pairs drown in other
+processes' load, the CPU time of the training thread itself (``main_cpu_us_per_step``, and the
+median over pairs of peer minus plain, ``main_cpu_overhead_us_*``) and of the other threads
+(``other_threads_cpu_overhead_us_p50``) still say what the peer adds per step.
+``--no-digest`` hands no snapshot to the state server (what serving the state costs a lone
+peer; for attribution only: a peer must serve).
 """
 
 from __future__ import annotations
@@ -130,6 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         us = {kind: [] for kind in kinds}
         others = {kind: [] for kind in kinds}
         waits = {kind: [] for kind in kinds}
+        mains = {kind: [] for kind in kinds}
         for repetition in range(args.blocks):
             order = list(kinds) if repetition % 2 == 0 else list(reversed(kinds))
             for kind in order:
@@ -144,6 +149,7 @@ def run(args: argparse.Namespace) -> dict:
                 )
                 others[kind].append(other_ns / 1e3 / args.steps)
                 waits[kind].append((after[main_tid][1] - before[main_tid][1]) / 1e3 / args.steps)
+                mains[kind].append((after[main_tid][0] - before[main_tid][0]) / 1e3 / args.steps)
         peer._after_training()
         epochs = peer.epoch
         plain.stream.close()
@@ -151,6 +157,8 @@ def run(args: argparse.Namespace) -> dict:
         peer.close()
     diffs = [p - q for p, q in zip(us["peer"], us["plain"], strict=True)]
     ratios = [q / p for p, q in zip(us["peer"], us["plain"], strict=True)]
+    main_diffs = [p - q for p, q in zip(mains["peer"], mains["plain"], strict=True)]
+    other_diffs = [p - q for p, q in zip(others["peer"], others["plain"], strict=True)]
 
     def medians(values: dict[str, list[float]]) -> dict[str, float]:
         return {kind: round(statistics.median(v), 1) for kind, v in values.items()}
@@ -166,7 +174,12 @@ def run(args: argparse.Namespace) -> dict:
         "overhead_us_q25": round(_quantile(diffs, 0.25), 1),
         "overhead_us_q75": round(_quantile(diffs, 0.75), 1),
         "ratio_p50": round(statistics.median(ratios), 4),
+        "main_cpu_us_per_step": medians(mains),
+        "main_cpu_overhead_us_p50": round(statistics.median(main_diffs), 1),
+        "main_cpu_overhead_us_q25": round(_quantile(main_diffs, 0.25), 1),
+        "main_cpu_overhead_us_q75": round(_quantile(main_diffs, 0.75), 1),
         "other_threads_cpu_us_per_step": medians(others),
+        "other_threads_cpu_overhead_us_p50": round(statistics.median(other_diffs), 1),
         "main_cpu_wait_us_per_step": medians(waits),
         "epochs": epochs,
     }

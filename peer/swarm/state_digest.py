@@ -25,6 +25,8 @@ import torch
 DIGEST_TAG = b"vp-state/1"
 MODEL_PREFIX = "model/"
 OPTIMIZER_PREFIX = "optim"
+# float32 elements rounded to bfloat16 and hashed at a time (256 KiB: fits a core's L2 cache)
+ROUND_BLOCK = 1 << 16
 
 
 def digest_scope(mode: str) -> tuple[str, ...]:
@@ -47,9 +49,43 @@ def bf16_rounded_bits(tensor: torch.Tensor) -> np.ndarray:
     as many cores as torch threads the two teams' spinning halved the training speed.
     """
     bits = tensor.reshape(-1).numpy().view(np.uint32)
-    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
-    rounded[np.isnan(tensor.reshape(-1).numpy())] = np.uint32(0x7FC00000)
+    rounded = np.empty_like(bits)
+    _round_into(bits, rounded, np.empty_like(bits), np.empty(bits.size, dtype=bool))
     return rounded
+
+
+def _round_into(bits: np.ndarray, out: np.ndarray, carry: np.ndarray, nan: np.ndarray) -> None:
+    """``out[:] = bf16_rounded_bits(bits)`` with no array allocated (all four of one size)."""
+    np.right_shift(bits, 16, out=carry)
+    np.bitwise_and(carry, 1, out=carry)
+    np.add(carry, 0x7FFF, out=carry)  # round half to even: 0x7FFF, or 0x8000 on an odd bit
+    np.add(bits, carry, out=out)
+    np.bitwise_and(out, np.uint32(0xFFFF0000), out=out)
+    np.isnan(bits.view(np.float32), out=nan)
+    if nan.any():
+        out[nan] = np.uint32(0x7FC00000)
+
+
+class _Rounder:
+    """Hashes float32 tensors rounded to bfloat16 a block at a time, in buffers it reuses: no
+    temporary of a tensor's size (each was a fresh mapping, faulted in page by page), and a
+    block is hashed while it is still in the cache."""
+
+    def __init__(self) -> None:
+        self._buffers = (
+            np.empty(ROUND_BLOCK, np.uint32),
+            np.empty(ROUND_BLOCK, np.uint32),
+            np.empty(ROUND_BLOCK, dtype=bool),
+        )
+
+    def hash_rounded(self, hasher, tensor: torch.Tensor) -> None:
+        bits = tensor.reshape(-1).numpy().view(np.uint32)
+        out, carry, nan = self._buffers
+        for start in range(0, bits.size, ROUND_BLOCK):
+            block = bits[start : start + ROUND_BLOCK]
+            n = block.size
+            _round_into(block, out[:n], carry[:n], nan[:n])
+            hasher.update(memoryview(out[:n]).cast("B"))
 
 
 def state_digest(
@@ -65,14 +101,15 @@ def state_digest(
     bfloat16. CPU, contiguous tensors; call it off the event loop (hashing releases the GIL)."""
     hasher = hashlib.sha256(DIGEST_TAG)
     hasher.update(json.dumps([epoch, structure], sort_keys=True).encode())
+    rounder = _Rounder() if bf16 else None
     for name in sorted(tensors):
         if scope is not None and not name.startswith(scope):
             continue
         tensor = tensors[name].detach().contiguous()
         header = [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
         hasher.update(json.dumps(header).encode())
-        if bf16 and tensor.dtype == torch.float32:
-            hasher.update(memoryview(bf16_rounded_bits(tensor).view(np.uint8)))
+        if rounder is not None and tensor.dtype == torch.float32:
+            rounder.hash_rounded(hasher, tensor)
         else:
             hasher.update(_byte_view(tensor))
     return hasher.hexdigest()

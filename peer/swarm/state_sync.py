@@ -3,8 +3,10 @@
 The state is the model's parameters and buffers, the optimizer's tensors and msgpack metadata
 (epoch, optimizer and scheduler scalars), sent as raw little-endian tensor bytes behind a msgpack
 header over one transport stream: nothing is unpickled. A peer hands its server a snapshot at the
-start of every epoch; the server computes the snapshot's digest (:mod:`peer.swarm.state_digest`)
-off the event loop and announces ``{epoch, address, digests of its last epochs}`` under its own
+start of every epoch; the server computes the snapshot's digests (:mod:`peer.swarm.state_digest`)
+on a worker thread of its own, for the epochs
+:mod:`peer.swarm.digest_schedule` picks (every epoch unless hashing is costly next to an epoch),
+and announces ``{epoch, address, digests of its last epochs}`` under its own
 (signed) subkey of ``{prefix}/state`` (:mod:`peer.records.state`) right away (at most every
 ``MIN_ANNOUNCE_GAP_S``) and every ``announce_interval_s``. The downloader's side, which accepts a
 state only when enough peers announce its digest, is :mod:`peer.swarm.state_download`.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import math
 import time
@@ -38,6 +41,7 @@ from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, state_key
+from peer.swarm.digest_schedule import LINGER_S, DigestSchedule
 from peer.swarm.state_digest import state_digest
 from peer.swarm.state_serve import (
     COMPRESSIONS,
@@ -230,6 +234,10 @@ class StateServer:
         # (peers agree on epochs they all digested) unless epochs outrun hashing by this many
         self._pending: collections.deque[StateSnapshot] = collections.deque(maxlen=PENDING_DIGESTS)
         self._digest_task: asyncio.Task | None = None
+        self._digesting: StateSnapshot | None = None
+        self._schedule = DigestSchedule()
+        self._linger: asyncio.TimerHandle | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._last_announce = -math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
         self._announcer = Periodic(self.announce, config.announce_interval_s, "state-announce")
@@ -246,9 +254,10 @@ class StateServer:
         """Digest ``snapshot`` (this peer's state at the start of its epoch) and serve it once
         its digest is announced; call from the training thread at every epoch change."""
         self.snapshot = snapshot
-        self._update_times.append(time.monotonic())
+        handed_s = time.monotonic()
+        self._update_times.append(handed_s)
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._start_digesting, snapshot)
+            self._loop.call_soon_threadsafe(self._start_digesting, snapshot, handed_s)
 
     def _newest_verifiable(self) -> bool:
         """Whether a downloader can check the newest snapshot: its digest is announced within
@@ -258,9 +267,33 @@ class StateServer:
         times = self._update_times
         return len(times) < MAX_DIGESTS or times[-1] - times[0] > REREAD_WINDOW_S
 
-    def _start_digesting(self, snapshot: StateSnapshot) -> None:
-        self._pending.append(snapshot)
+    def _start_digesting(self, snapshot: StateSnapshot, handed_s: float) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        if self._schedule.wants(snapshot.epoch, handed_s):
+            self._queue(snapshot)
+        else:  # digested if still the newest a while later
+            self._linger = asyncio.get_running_loop().call_later(
+                LINGER_S, self._linger_over, snapshot
+            )
         self.limits.moved_on(self._current_ids())
+
+    def _linger_over(self, snapshot: StateSnapshot) -> None:
+        self._linger = None
+        if snapshot is self.snapshot and not self._will_announce(snapshot):
+            self._queue(snapshot)
+
+    def _will_announce(self, snapshot: StateSnapshot) -> bool:
+        """Whether ``snapshot``'s digest is announced, or about to be."""
+        return (
+            snapshot is self._digested
+            or snapshot is self._digesting
+            or any(snapshot is s for s in self._pending)
+        )
+
+    def _queue(self, snapshot: StateSnapshot) -> None:
+        self._pending.append(snapshot)
         if self._digest_task is None or self._digest_task.done():
             self._digest_task = asyncio.create_task(
                 self._digest_and_announce(), name="state-digest"
@@ -270,12 +303,17 @@ class StateServer:
         loop = asyncio.get_running_loop()
         while True:
             while self._pending:
-                snapshot = self._pending.popleft()
+                snapshot = self._digesting = self._pending.popleft()
                 try:
-                    exact, rounded = await asyncio.to_thread(self._digests_of, snapshot)
+                    exact, rounded, cost_s = await loop.run_in_executor(
+                        self._digest_executor(), self._digests_of, snapshot
+                    )
                 except Exception:  # a bug, not a peer's fault: say so, keep serving
                     logger.exception("cannot digest the state of epoch %d", snapshot.epoch)
                     return
+                finally:
+                    self._digesting = None
+                self._schedule.measured(cost_s)
                 if self.digests and self.digests[-1].epoch == snapshot.epoch:
                     self.digests.pop()  # a new snapshot of the same epoch (a download, a resume)
                 self.digests.append(EpochDigest(snapshot.epoch, exact, rounded))
@@ -290,25 +328,42 @@ class StateServer:
 
     async def settle(self) -> None:
         """Wait until the last snapshot handed over is digested and announced (at most
-        ``MIN_ANNOUNCE_GAP_S`` after the previous announcement)."""
+        ``MIN_ANNOUNCE_GAP_S`` after the previous announcement), also one the digest schedule
+        skipped."""
         await asyncio.sleep(0)  # an update from this thread schedules its digest first
+        newest = self.snapshot
+        if newest is not None and not self._will_announce(newest):
+            self._queue(newest)  # one the schedule skipped
         task = self._digest_task
         if task is not None:
             await asyncio.wait({task})
 
-    def _digests_of(self, snapshot: StateSnapshot) -> tuple[str, str]:
-        return self.digest_fn(snapshot, False), self.digest_fn(snapshot, True)
+    def _digest_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="state-digest"
+            )
+        return self._executor
+
+    def _digests_of(self, snapshot: StateSnapshot) -> tuple[str, str, float]:
+        """Both digests of ``snapshot`` and the CPU seconds they took (on the digest thread)."""
+        started_s = time.thread_time()
+        exact, rounded = self.digest_fn(snapshot, False), self.digest_fn(snapshot, True)
+        return exact, rounded, time.thread_time() - started_s
 
     async def _serve(self, stream: IncomingStream) -> None:
         request = parse_request(stream.header)
         snapshot = self.snapshot
         served = self.served
         fits = served is not None and request is not None and served.epoch >= request.min_epoch
-        if fits and not self._newest_verifiable():
+        verifiable = snapshot is not None and self._will_announce(snapshot)
+        if fits and not (verifiable and self._newest_verifiable()):
             snapshot = served
         if snapshot is None or request is None or snapshot.epoch < request.min_epoch:
             await stream.reply({"epoch": None})
             return
+        if not self._will_announce(snapshot):  # only the newest fits: its digest is due now
+            self._queue(snapshot)
         try:
             await serve_snapshot(
                 stream, snapshot, request, chunk_bytes=self.config.chunk_bytes, limits=self.limits
@@ -318,7 +373,7 @@ class StateServer:
 
     def _current_ids(self) -> set[int]:
         """The snapshots the server itself keeps (streams of others are "old")."""
-        held = [self.snapshot, self.served, self._digested, *self._pending]
+        held = [self.snapshot, self.served, self._digested, self._digesting, *self._pending]
         return {id(s) for s in held if s is not None}
 
     async def announce(self) -> None:
@@ -347,7 +402,7 @@ class StateServer:
     async def __aenter__(self) -> StateServer:
         self._loop = asyncio.get_running_loop()
         if self.snapshot is not None:  # handed over before the server started
-            self._start_digesting(self.snapshot)
+            self._start_digesting(self.snapshot, time.monotonic())
         self._announcer.start()
         return self
 
@@ -356,8 +411,14 @@ class StateServer:
 
     async def close(self) -> None:
         """Stop digesting and announcing; safe to call twice."""
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         task, self._digest_task = self._digest_task, None
         if task is not None:
             task.cancel()
             await asyncio.wait({task})
+        executor, self._executor = self._executor, None
+        if executor is not None:  # a digest under way ends on its own, its result unread
+            executor.shutdown(wait=False, cancel_futures=True)
         await self._announcer.stop()

@@ -20,5 +20,10 @@ def test_lone_overhead_prints_its_fields_for_a_few_short_blocks():
     assert fields["overhead_us_q25"] <= fields["overhead_us_p50"] <= fields["overhead_us_q75"]
     assert fields["ratio_p50"] > 0
     assert set(fields["other_threads_cpu_us_per_step"]) == {"plain", "peer"}
+    assert set(fields["main_cpu_us_per_step"]) == {"plain", "peer"}
+    assert min(fields["main_cpu_us_per_step"].values()) > 0  # the training thread's CPU time
+    q25, p50, q75 = (fields[f"main_cpu_overhead_us_{q}"] for q in ("q25", "p50", "q75"))
+    assert q25 <= p50 <= q75
+    assert "other_threads_cpu_overhead_us_p50" in fields
     # 200 warm-up steps and 40 measured ones of 32 samples, 256 per epoch: about 30 epochs
     assert fields["epochs"] >= 20

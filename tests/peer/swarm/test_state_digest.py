@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.swarm.state_digest import bf16_rounded_bits, state_digest
+from peer.swarm.state_digest import ROUND_BLOCK, bf16_rounded_bits, state_digest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,3 +59,17 @@ def test_a_nan_digests_alike_whatever_bits_torch_gave_it():
     assert state_digest(1, {"model/w": values}, bf16=True) == state_digest(
         1, {"model/w": received}, bf16=True
     )
+
+
+def test_a_tensor_of_several_blocks_digests_as_its_rounded_copy():
+    # the bf16 digest rounds a block at a time: blocks, their seams and a short last block
+    values = torch.randn(3 * ROUND_BLOCK + 5) * torch.logspace(-40, 38, 3 * ROUND_BLOCK + 5)
+    values[[0, ROUND_BLOCK - 1, ROUND_BLOCK, 3 * ROUND_BLOCK + 4]] = float("nan")
+    rounded = torch.from_numpy(bf16_rounded_bits(values).view(np.float32).copy())
+    assert torch.equal(rounded.isnan(), values.isnan())
+    expected = values.to(torch.bfloat16).to(torch.float32)
+    finite = ~values.isnan()
+    assert torch.equal(rounded[finite], expected[finite])
+    tensors = {"model/w": values, "model/b": torch.randn(7)}
+    same = {"model/w": rounded, "model/b": tensors["model/b"].to(torch.bfloat16).float()}
+    assert state_digest(2, tensors, bf16=True) == state_digest(2, same)

@@ -1,0 +1,126 @@
+"""A donor digests a deterministic subset of its epochs when hashing is costly next to an epoch:
+powers of two that nest across peers, every jump, the newest it lingers at, and what it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+
+from peer.swarm.digest_schedule import (
+    DIGEST_CPU_BUDGET,
+    MAX_DIGEST_GAP_S,
+    MAX_STRIDE,
+    DigestSchedule,
+    choose_stride,
+)
+from peer.swarm.state_download import download_state, layout_of
+from peer.swarm.state_sync import StateSnapshot, default_digest
+from tests.peer.swarm.test_state_sync import CONFIG, peer, trained_state
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_stride_is_the_smallest_power_of_two_within_the_budget():
+    # 10 ms of hashing per 90 ms epoch: 1% needs 1 s of epochs, more than the gap allows
+    assert choose_stride(cost_s=0.010, epoch_s=0.090) == 8
+    assert choose_stride(cost_s=0.010, epoch_s=0.090, max_gap_s=2.0) == 16
+    assert choose_stride(cost_s=0.0001, epoch_s=0.090) == 1  # cheap: every epoch
+    assert choose_stride(cost_s=1.0, epoch_s=5.0) == 1  # one epoch outlasts the gap
+    assert choose_stride(cost_s=1.0, epoch_s=1e-6) == MAX_STRIDE
+    assert choose_stride(cost_s=0.0, epoch_s=0.1) == choose_stride(cost_s=1, epoch_s=0) == 1
+    for stride in (2, 4, 8):  # within the budget, and the next smaller one was not
+        cost_s = DIGEST_CPU_BUDGET * stride * 0.05
+        assert choose_stride(cost_s=cost_s, epoch_s=0.05) == stride
+        assert choose_stride(cost_s=cost_s * 1.01, epoch_s=0.05) == 2 * stride
+    assert MAX_DIGEST_GAP_S >= 0.5
+
+
+def _digested(schedule: DigestSchedule, epochs, epoch_s: float, cost_s: float) -> set[int]:
+    out, now = set(), 0.0
+    for epoch in epochs:
+        if schedule.wants(epoch, now):
+            out.add(epoch)
+            schedule.measured(cost_s)
+        now += epoch_s
+    return out
+
+
+def test_peers_of_different_strides_share_the_coarser_grid():
+    fast, slow = DigestSchedule(), DigestSchedule()
+    epochs = range(10, 400)
+    mine = _digested(fast, epochs, epoch_s=0.03, cost_s=0.02)
+    theirs = _digested(slow, epochs, epoch_s=0.06, cost_s=0.02)
+    assert fast.stride == 32 and slow.stride == 16
+    grid = {e for e in epochs if e % 32 == 0 and e >= 64}  # once both strides settled
+    assert grid and grid <= mine & theirs
+    assert 10 in mine and 10 in theirs  # the first snapshot, digested whatever the stride
+
+
+def test_a_snapshot_that_does_not_follow_is_always_digested():
+    schedule = DigestSchedule()
+    _digested(schedule, range(1, 100), epoch_s=0.01, cost_s=0.05)
+    assert schedule.stride > 1
+    assert schedule.wants(200, 10.0)  # a download or a jump ahead
+    assert schedule.wants(200, 10.1)  # a re-sync: the same epoch again
+    assert not schedule.wants(201, 10.11)
+
+
+def _costly(snapshot: StateSnapshot, bf16: bool) -> str:
+    """The real digest, after 30 ms of CPU (a state much larger than the test's)."""
+    until = time.thread_time() + 0.03
+    while time.thread_time() < until:
+        pass
+    return default_digest(snapshot, bf16)
+
+
+async def test_a_donor_digests_its_grid_and_the_newest_it_lingers_at():
+    state = trained_state(0)
+    async with AsyncExitStack() as stack:
+        _, donor_node, donor = await stack.enter_async_context(peer([]))
+        donor.digest_fn = _costly
+        for epoch in range(1, 41):  # 60 ms of hashing per 10 ms epoch: a stride of 32 or more
+            donor.update(StateSnapshot.capture(epoch, state))
+            await asyncio.sleep(0.01)
+        assert donor._schedule.stride >= 8
+        for _ in range(200):  # lingered at 40: digested and announced
+            if donor.served is not None and donor.served.epoch == 40:
+                break
+            await asyncio.sleep(0.1)
+        digested = [d.epoch for d in donor.digests]
+        assert digested[0] == 1 and digested[-1] == 40, digested
+        # once the first digest's cost is known, only epochs some stride >= 2 picks, up to the
+        # newest (before it, at most the few that queued up while the first one was hashed)
+        assert all(e % 2 == 0 for e in digested[1:-1] if e > 10), digested
+        assert len([e for e in digested if e > 10]) < 30 // 2
+        # a newcomer gets the newest state, checked against its announced digest
+        transport, node, _ = await stack.enter_async_context(peer([donor_node.address]))
+        got = await download_state(
+            transport, node, "run", min_epoch=40, expected=layout_of(state), config=CONFIG
+        )
+    assert got.epoch == 40
+    assert all(torch.equal(got.tensors[k], v) for k, v in state.items())
+
+
+async def test_a_newcomer_asking_for_an_epoch_the_schedule_skipped_gets_it_digested():
+    state = trained_state(1)
+    async with AsyncExitStack() as stack:
+        _, donor_node, donor = await stack.enter_async_context(peer([]))
+        donor.digest_fn = _costly
+        donor.update(StateSnapshot.capture(1, state))
+        await donor.settle()
+        donor._schedule.stride = 1 << 20  # nothing after the first is due: off the grid
+        donor._schedule.measured = lambda cost_s: None
+        donor._schedule._restride = lambda: None
+        for epoch in (2, 3):
+            donor.update(StateSnapshot.capture(epoch, state))
+        await asyncio.sleep(0.05)
+        assert [d.epoch for d in donor.digests] == [1]
+        transport, node, _ = await stack.enter_async_context(peer([donor_node.address]))
+        got = await download_state(  # sooner than the linger: the request has it digested
+            transport, node, "run", min_epoch=3, expected=layout_of(state), config=CONFIG
+        )
+    assert got.epoch == 3
