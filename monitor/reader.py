@@ -3,11 +3,11 @@
 Per run, the progress buckets (``{run}/progress/{level}/{bucket}``, :mod:`peer.records.progress`;
 the dashboard is no peer and reads every bucket, :class:`peer.records.progress_read.ProgressSweep`);
 then, at the levels the peers counted reads as in use, the buckets of one signed record per peer
-of ``{run}/profile`` (:mod:`peer.records.profile`) and ``{run}/rounds``
-(:mod:`peer.records.rounds`; both :mod:`peer.records.buckets`), and the dictionary key
-``{run}/state`` (:mod:`peer.records.state`: the digests that mark a replica differing from its
-group's). All under one timeout (``latest=True`` while few keys: the merge of the k closest
-replicas); a failed read keeps the last records and says why. Every record passes the schema of
+of ``{run}/profile`` (:mod:`peer.records.profile`), ``{run}/rounds`` (:mod:`peer.records.rounds`)
+and ``{run}/state`` (:mod:`peer.records.state`: the digests that mark a replica differing from
+its group's; all three :mod:`peer.records.buckets`). All under one timeout (``latest=True``
+while few keys: the merge of the k closest replicas); a failed read keeps the last records and
+says why. Every record passes the schema of
 :mod:`peer.records` (the rest is dropped and counted).
 """
 
@@ -30,17 +30,11 @@ from peer.records.buckets import read_every_record
 from peer.records.profile import PROFILE_RECORDS_PER_BUCKET, parse_profile, profile_key
 from peer.records.progress_read import ProgressSweep
 from peer.records.rounds import ROUNDS_RECORDS_PER_BUCKET, parse_rounds, rounds_key
-from peer.records.state import parse_state, state_key
+from peer.records.state import STATE_RECORDS_PER_BUCKET, parse_state, state_key
 
 logger = logging.getLogger(__name__)
 # The largest believable rate of one peer (as :class:`peer.swarm.progress.ProgressConfig` has it).
 MAX_SAMPLES_PER_S = 1e6
-
-
-def _items(found) -> list[tuple[object, object]]:
-    if found is None or not isinstance(found.value, dict):
-        return []
-    return [(subkey, item.value) for subkey, item in found.value.items()]
 
 
 class SwarmReader:
@@ -64,11 +58,9 @@ class SwarmReader:
 
     async def _fetch(self) -> dict[str, list]:
         run_id = self.config.run_id
-        progress, states = await asyncio.gather(
-            self.progress.read(self.node), self.node.get(state_key(run_id), latest=True)
-        )
+        progress = await self.progress.read(self.node)
         num_peers = max(len(progress), 1)
-        profiles, rounds = await asyncio.gather(
+        profiles, rounds, states = await asyncio.gather(
             read_every_record(
                 self.node,
                 profile_key(run_id),
@@ -83,12 +75,20 @@ class SwarmReader:
                 records_per_bucket=ROUNDS_RECORDS_PER_BUCKET,
                 parse=parse_rounds,
             ),
+            read_every_record(
+                self.node,
+                state_key(run_id),
+                num_peers=num_peers,
+                records_per_bucket=STATE_RECORDS_PER_BUCKET,
+                parse=parse_state,
+                newest_by=lambda announcement: announcement.epoch,
+            ),
         )
         parsed = {
             "progress": progress,
             "profiles": profiles,
             "rounds": rounds,
-            "states": [parse_state(k, v) for k, v in _items(states)],
+            "states": states,
         }
         return {name: [r for r in records if r is not None] for name, records in parsed.items()}
 

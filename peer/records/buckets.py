@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from peer.records.progress import MAX_LEVEL, bucket_of, read_level
@@ -70,31 +70,31 @@ def sample_bucket_keys(
     *,
     num_peers: float,
     records_per_bucket: int,
-    anchor: str,
-    num_buckets: int,
+    anchors: Iterable[str],
+    num_random: int,
     rng: random.Random,
 ) -> list[tuple[int, int, str]]:
-    """``(level, bucket, key)`` of a bounded sample for a reader that needs some records, not all.
+    """``(level, bucket, key)`` of a bounded sample, for a reader that needs some records.
 
-    ``num_buckets`` buckets of the reader's level: ``anchor``'s (this peer's own) and others
-    drawn at random, each with its parent and its two children (the levels publishers that count
-    the swarm differently write at): at most ``4 * num_buckets`` keys, whatever the swarm's size.
-    Small layouts are read whole.
+    The buckets of the reader's level that ``anchors`` hash to (this peer, the peers it must
+    find) and ``num_random`` others drawn at random, each with its parent and its two children
+    (the levels publishers that count the swarm differently write at): at most four keys a
+    bucket, whatever the swarm's size. A layout that small is read whole.
     """
-    levels = read_levels(num_peers, records_per_bucket)
-    every = bucket_keys(prefix, levels)
-    if len(every) <= 4 * num_buckets:
+    anchors = list(anchors)
+    every = bucket_keys(prefix, read_levels(num_peers, records_per_bucket))
+    if len(every) <= 4 * (len(anchors) + num_random):
         return every
     level = read_level(num_peers, records_per_bucket)
-    own = bucket_of(anchor, level)
-    others = rng.sample([b for b in range(2**level) if b != own], num_buckets - 1)
-    picked = []
-    for bucket in (own, *others):
+    chosen = dict.fromkeys(bucket_of(peer_id, level) for peer_id in anchors)
+    rest = [b for b in range(2**level) if b not in chosen]
+    chosen.update(dict.fromkeys(rng.sample(rest, min(num_random, len(rest)))))
+    picked: dict[tuple[int, int], None] = {}
+    for bucket in chosen:
         family = [(level, bucket), (level + 1, 2 * bucket), (level + 1, 2 * bucket + 1)]
         family += [(level - 1, bucket >> 1)] if level > 0 else []
-        picked += [(lv, b) for lv, b in family if lv <= MAX_LEVEL]
-    unique = dict.fromkeys(picked)
-    return [(lv, b, bucket_key(prefix, lv, b)) for lv, b in unique]
+        picked.update((entry, None) for entry in family if entry[0] <= MAX_LEVEL)
+    return [(lv, b, bucket_key(prefix, lv, b)) for lv, b in picked]
 
 
 def owns_bucket(peer_id: str | None, level: int, bucket: int) -> bool:
@@ -111,6 +111,7 @@ async def read_every_record(
     parse: Callable[[object, object], Any],
     max_in_flight: int = 32,
     max_latest_buckets: int = 64,
+    newest_by: Callable[[Any], float] = lambda record: record.time,
 ) -> list:
     """Every peer's newest record under ``prefix``, for a reader counting ``num_peers`` peers.
 
@@ -123,6 +124,7 @@ async def read_every_record(
         max_in_flight: gets in flight at once.
         max_latest_buckets: reads of more buckets than this ask one replica per bucket
             (``latest=False``: cheaper, possibly as old as the node's read cache).
+        newest_by: what makes one of a peer's records newer than another.
     """
     keys = bucket_keys(prefix, read_levels(num_peers, records_per_bucket))
     return await read_buckets(
@@ -131,6 +133,7 @@ async def read_every_record(
         parse=parse,
         latest=len(keys) <= max_latest_buckets,
         max_in_flight=max_in_flight,
+        newest_by=newest_by,
     )
 
 
@@ -141,9 +144,11 @@ async def read_buckets(
     parse: Callable[[object, object], Any],
     latest: bool = True,
     max_in_flight: int = 32,
+    newest_by: Callable[[Any], float] = lambda record: record.time,
 ) -> list:
-    """The newest record of each peer found under ``keys`` (``(level, bucket, key)``), each
-    kept only in a bucket its owner hashes to."""
+    """The newest record (by ``newest_by``) of each peer found under ``keys`` (``(level,
+    bucket, key)``), each kept only in a bucket its owner hashes to (a peer whose count of the
+    swarm changed may have left a record at another level)."""
     gate = asyncio.Semaphore(max_in_flight)
 
     async def one(level: int, bucket: int, key: str) -> list:
@@ -158,6 +163,6 @@ async def read_buckets(
     found = await asyncio.gather(*(one(*entry) for entry in keys))
     newest: dict[str, Any] = {}
     for record in (r for records in found for r in records):
-        if record.peer_id not in newest or record.time > newest[record.peer_id].time:
+        if record.peer_id not in newest or newest_by(record) > newest_by(newest[record.peer_id]):
             newest[record.peer_id] = record
     return list(newest.values())

@@ -1,5 +1,6 @@
-"""The state announcement (``{run_id}/state``): which peer serves its state, of which epoch, and
-the digests of its state at its last epochs; and the rules that read digests as agreement.
+"""The state announcement (``{run_id}/state/{level}/{bucket}``): which peer serves its state,
+of which epoch, and the digests of its state at its last epochs; and the rules that read digests
+as agreement.
 
 Format version 2 (a msgpack map under the peer's owner subkey; unknown fields are ignored):
 ``v`` = 2; ``epoch`` (int in [0, 2**53)) the epoch of the state it serves now; ``address`` its
@@ -13,7 +14,9 @@ Version 1 (``{epoch, address}``, no digest) is dropped: its state cannot be chec
 A downloader accepts a state only if its digest is one that enough distinct peers announce for
 that epoch (:func:`agreed_digests`); the dashboard marks a peer whose newest digest differs from
 the one most peers at that epoch announce (:func:`replica_outliers`); a peer whose own digest
-loses to another one (:func:`resync_target`) downloads that state. Torch-free.
+loses to another one (:func:`resync_target`) downloads that state. Announcements live in buckets
+of about ``STATE_RECORDS_PER_BUCKET`` (:mod:`peer.records.buckets`): a peer reads its own
+bucket, its partners' and a few drawn at random, whatever the swarm's size. Torch-free.
 """
 
 from __future__ import annotations
@@ -25,17 +28,25 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from peer.records.buckets import record_key
 from peer.records.schema import Count, PeerUrl, WireModel, owner_of, parse_value
 
 STATE_KEY_SUFFIX = "state"
 STATE_RECORD_VERSION = 2
 MAX_DIGESTS = 16
+# Announcements a bucket holds, about (some 2 KB each: some 64 KB a key).
+STATE_RECORDS_PER_BUCKET = 32
 Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
 def state_key(run_id: str) -> str:
-    """The DHT key of a run's state announcements."""
+    """The prefix of a run's state announcement keys (:func:`announcement_key`)."""
     return f"{run_id}/{STATE_KEY_SUFFIX}"
+
+
+def announcement_key(run_id: str, peer_id: str, num_peers: float = 1.0) -> str:
+    """Where ``peer_id`` announces when it counts ``num_peers`` peers in the swarm."""
+    return record_key(state_key(run_id), peer_id, num_peers, STATE_RECORDS_PER_BUCKET)
 
 
 @dataclass(frozen=True)

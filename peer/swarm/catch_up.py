@@ -305,6 +305,7 @@ class StateCatchUp:
                             verify=self._loadable,
                             donors=donors,
                             wait_s=wait_s,
+                            num_peers=self.services.tracker.global_progress.num_peers,
                         ),
                     )
                 )

@@ -52,6 +52,8 @@ async def open_services(
             transport=transport, dht=node, prefix=prefix, config=config.state_sync_config()
         )
         tracker = ProgressTracker(dht=node, prefix=prefix, config=config.progress_config())
+        # where the announcements go: a bucket picked by the swarm's size as this peer counts it
+        state_server.num_peers = lambda: tracker.global_progress.num_peers
         averager = DecentralizedAverager(
             tensors,
             transport=transport,

@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from dht.errors import DHTError
 from dht.kademlia.node import DHTNode
 from dht.net.transport import Transport
-from peer.records.state import StateAnnouncement, agreed_digests, parse_state, state_key
+from peer.records.buckets import read_buckets, sample_bucket_keys
+from peer.records.state import (
+    STATE_RECORDS_PER_BUCKET,
+    StateAnnouncement,
+    agreed_digests,
+    parse_state,
+    state_key,
+)
 from peer.swarm.state_receive import (
     Assembly,
     Layout,
@@ -67,13 +74,36 @@ DOWNLOAD_ERRORS = (
 __all__ = ["Layout", "download_state", "layout_of", "read_announcements"]
 
 
-async def read_announcements(dht: DHTNode, prefix: str) -> list[StateAnnouncement]:
-    """Every other peer's well-formed announcement (malformed ones are dropped and counted)."""
-    found = await dht.get(state_key(prefix), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    parsed = (parse_state(subkey, item.value) for subkey, item in found.value.items())
-    return [a for a in parsed if a is not None and a.peer_id != dht.peer_id]
+# Buckets drawn at random on top of this peer's and its anchors' (a read of the announcements
+# costs at most four keys a bucket, whatever the swarm's size)
+RANDOM_BUCKETS = 2
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Which announcements a read covers: the swarm's size as the reader counts it (the layout
+    in use) and the peers whose buckets it must read (donors it was told to use, partners)."""
+
+    num_peers: float = 1.0
+    anchors: frozenset[str] = frozenset()
+
+
+async def read_announcements(
+    dht: DHTNode, prefix: str, reach: Reach = Reach(), rng: random.Random | None = None
+) -> list[StateAnnouncement]:
+    """The other peers' well-formed announcements (malformed ones are dropped and counted): in
+    a small swarm every one; in a large one those of this peer's bucket, its anchors' and a few
+    drawn at random (:func:`peer.records.buckets.sample_bucket_keys`)."""
+    keys = sample_bucket_keys(
+        state_key(prefix),
+        num_peers=reach.num_peers,
+        records_per_bucket=STATE_RECORDS_PER_BUCKET,
+        anchors=[dht.peer_id, *sorted(reach.anchors)],
+        num_random=RANDOM_BUCKETS,
+        rng=rng or random.Random(),
+    )
+    found = await read_buckets(dht, keys, parse=parse_state, newest_by=lambda a: a.epoch)
+    return [a for a in found if a.peer_id != dht.peer_id]
 
 
 @dataclass(frozen=True)
@@ -88,8 +118,10 @@ class Agreement:
         return (epoch, digest) in self.agreed
 
 
-async def read_agreement(dht: DHTNode, prefix: str, config: StateSyncConfig) -> Agreement:
-    announcements = await read_announcements(dht, prefix)
+async def read_agreement(
+    dht: DHTNode, prefix: str, config: StateSyncConfig, reach: Reach = Reach()
+) -> Agreement:
+    announcements = await read_announcements(dht, prefix, reach)
     required = max(1, min(config.min_agreement, len(announcements)))
     agreed = agreed_digests(announcements, min_peers=required, bf16=config.compression == "bf16")
     return Agreement(announcements, agreed, required)
@@ -141,6 +173,7 @@ async def download_state(
     verify: Verify | None = None,
     donors: Collection[str] | None = None,
     wait_s: float = 0.0,
+    num_peers: float = 1.0,
 ) -> StateSnapshot:
     """Download a verified state of ``min_epoch`` or later, trying donors in turn.
 
@@ -152,6 +185,7 @@ async def download_state(
     ``donors``: download only from these peers (their digest still has to be agreed).
     ``wait_s``: while every donor tried serves only older states (it announces a new epoch's
     state a moment after entering it), read the announcements and try again for this long.
+    ``num_peers``: the swarm's size as this peer counts it (which announcements to read).
 
     Raises:
         StateSyncError: no donor, or ``max_attempts`` donors failed (each one's reason in it);
@@ -174,6 +208,7 @@ async def download_state(
                 digest_of=digest_of,
                 verify=verify,
                 donors=donors,
+                reach=Reach(num_peers, frozenset(donors or ())),
             )
         except NotServedYet as e:
             if loop.time() + MIN_ANNOUNCE_GAP_S > deadline:
@@ -194,11 +229,12 @@ async def _download_once(
     digest_of: DigestFn,
     verify: Verify | None,
     donors: Collection[str] | None,
+    reach: Reach,
 ) -> StateSnapshot:
     """One pass of :func:`download_state` over the donors (``template``: a fresh one for each
     download, which counts the bytes allocated)."""
     bf16 = config.compression == "bf16"
-    agreement = await read_agreement(dht, prefix, config)
+    agreement = await read_agreement(dht, prefix, config, reach)
     order = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng, only=donors)
     if not order:
         raise StateSyncError(f"no peer serves state of epoch >= {min_epoch}")
@@ -207,7 +243,9 @@ async def _download_once(
         nonlocal agreement
         async with asyncio.timeout(config.download_timeout_s):
             snapshot = await fetch(template())
-            agreement = await _check_digest(snapshot, dht, prefix, config, agreement, digest_of)
+            agreement = await _check_digest(
+                snapshot, dht, prefix, config, agreement, digest_of, reach
+            )
             if verify is not None:
                 await asyncio.to_thread(verify, snapshot)
         return snapshot
@@ -263,6 +301,7 @@ async def _check_digest(
     config: StateSyncConfig,
     agreement: Agreement,
     digest_of: DigestFn,
+    reach: Reach,
 ) -> Agreement:
     """The agreement (read again if the state is newer than it), once ``snapshot``'s digest is
     in it; :class:`StateRejected` if it is not."""
@@ -273,7 +312,7 @@ async def _check_digest(
         # the donor may have moved on since the read: peers announce a new epoch's digest
         # within a moment (MIN_ANNOUNCE_GAP_S, plus the time to compute it)
         await asyncio.sleep(MIN_ANNOUNCE_GAP_S * 2**attempt)
-        agreement = await read_agreement(dht, prefix, config)
+        agreement = await read_agreement(dht, prefix, config, reach)
     if not agreement.accepts(snapshot.epoch, digest):
         votes = sum(
             1

@@ -41,7 +41,7 @@ from typing import Protocol
 from dht.errors import DHTError
 from dht.kademlia.node import DHTNode
 from peer.records.state import ResyncTarget, resync_target
-from peer.swarm.state_download import read_announcements
+from peer.swarm.state_download import Reach, read_announcements
 from peer.swarm.state_sync import REREAD_WINDOW_S, StateServer, StateSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,8 @@ class ReplicaCheck:
         if own[-1].epoch < self._next_allowed_epoch or self._resyncing:
             return None  # a re-sync would not be allowed (or is under way): no read
         self.num_reads += 1
-        announcements = await read_announcements(self.dht, self.prefix)
+        reach = Reach(self.server.num_peers(), self.partners())
+        announcements = await read_announcements(self.dht, self.prefix, reach)
         theirs = {d.epoch for a in announcements for d in a.digests}
         decided = next((d for d in reversed(own) if d.epoch in theirs), None)
         if decided is None or decided.epoch <= self._settled_epoch:

@@ -40,7 +40,7 @@ from dht.kademlia.validation import owner_subkey
 from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
-from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, state_key
+from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, announcement_key
 from peer.swarm.digest_schedule import LINGER_S, DigestSchedule
 from peer.swarm.state_digest import state_digest
 from peer.swarm.state_serve import (
@@ -220,7 +220,10 @@ class StateServer:
         digest: DigestFn = default_digest,
     ):
         self.dht = dht
-        self.key = state_key(prefix)
+        self.prefix = prefix
+        # the swarm's size as this peer counts it (set by its owner; read on the event loop):
+        # it picks the announcement's bucket
+        self.num_peers: Callable[[], float] = lambda: 1.0
         self.config = config
         self.digest_fn = digest
         self.snapshot: StateSnapshot | None = None  # the newest handed over
@@ -391,7 +394,7 @@ class StateServer:
         )
         try:
             await self.dht.store(
-                self.key,
+                announcement_key(self.prefix, self.dht.peer_id, self.num_peers()),
                 announcement.to_wire(),
                 get_dht_time() + self.config.record_ttl_s,
                 subkey=owner_subkey(self.dht.peer_id),

@@ -33,9 +33,10 @@ from dht.identity import PeerIdentity
 from dht.kademlia.node import DHTNode
 from dht.kademlia.validation import owner_subkey
 from dht.net.config import TransportConfig
+from peer.records.buckets import read_every_record
 from peer.records.progress import bucket_key, bucket_of
 from peer.records.progress_read import ProgressSweep
-from peer.records.state import StateAnnouncement, parse_state, state_key
+from peer.records.state import STATE_RECORDS_PER_BUCKET, StateAnnouncement, parse_state, state_key
 
 RUN_ID = "run"
 SMALL_SWARM_LEVELS = (0, 1)  # the progress layouts of a swarm of up to about 45 peers
@@ -260,11 +261,14 @@ class Attacker:
 
     async def announcements(self) -> list[StateAnnouncement]:
         """Every state announcement in the DHT (the honest peers' digests among them)."""
-        found = await self.node.get(state_key(RUN_ID), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        parsed = (parse_state(k, item.value) for k, item in found.value.items())
-        return [a for a in parsed if a is not None]
+        return await read_every_record(
+            self.node,
+            state_key(RUN_ID),
+            num_peers=len(self.peer_ids) + 1,
+            records_per_bucket=STATE_RECORDS_PER_BUCKET,
+            parse=parse_state,
+            newest_by=lambda announcement: announcement.epoch,
+        )
 
     @property
     def peer_ids(self) -> set[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dht.config import get_dht_time
-from peer.records.state import EpochDigest, StateAnnouncement, state_key
+from peer.records.state import EpochDigest, StateAnnouncement, announcement_key
 from peer.swarm.state_digest import digest_scope, optimizer_structure, state_digest
 from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncConfig
 from peer.train.checkpoint import Progress, pack_state
@@ -137,7 +137,9 @@ async def test_a_newcomer_refuses_a_poisoned_donor_and_joins_with_the_honest_sta
                     None,
                     (EpochDigest(1000, _digest(poisoned, False), _digest(poisoned, True)),),
                 )
-                assert await attacker.store(state_key(RUN_ID), vouch.to_wire())
+                assert await attacker.store(
+                    announcement_key(RUN_ID, attacker.node.peer_id), vouch.to_wire()
+                )
                 newcomer = swarm.add_peer("--max-time", "35")
                 await swarm.wait_until(
                     lambda: newcomer.epoch() >= before + 1, "the newcomer never trained"

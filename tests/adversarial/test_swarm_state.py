@@ -22,7 +22,7 @@ from dht.identity import PeerIdentity
 from dht.kademlia.node import DHTNode
 from dht.kademlia.validation import owner_subkey
 from dht.net.config import TransportConfig
-from peer.records.state import EpochDigest, StateAnnouncement, state_key
+from peer.records.state import EpochDigest, StateAnnouncement, announcement_key
 from peer.swarm.state_check import loadable_metadata
 from peer.swarm.state_digest import digest_scope, optimizer_structure, state_digest
 from peer.swarm.state_download import download_state, layout_of
@@ -93,7 +93,7 @@ async def vouch(initial: list[str], epoch: int, digest_hex: str) -> DHTNode:
     await node.start()
     announcement = StateAnnouncement(node.peer_id, epoch, None, (EpochDigest(epoch, digest_hex),))
     stored = await node.store(
-        state_key("run"),
+        announcement_key("run", node.peer_id),
         announcement.to_wire(),
         get_dht_time() + 60,
         subkey=owner_subkey(node.peer_id),
@@ -254,7 +254,7 @@ async def test_a_malformed_stream_header_is_a_typed_failure():
             liar_node.peer_id, 5, liar_transport.address, (EpochDigest(5, digest(honest)),)
         )
         await liar_node.store(
-            state_key("run"),
+            announcement_key("run", liar_node.peer_id),
             announcement.to_wire(),
             get_dht_time() + 60,
             subkey=owner_subkey(liar_node.peer_id),

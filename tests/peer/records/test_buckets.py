@@ -23,6 +23,7 @@ from peer.records.buckets import (
     read_every_record,
     read_levels,
     record_key,
+    sample_bucket_keys,
     write_level,
 )
 from peer.records.progress import bucket_of
@@ -103,3 +104,22 @@ async def test_every_publisher_is_found_once_and_a_misfiled_record_is_dropped():
             value = getattr(await stranger.get(key, latest=True), "value", None)
             sizes.append(len(value) if isinstance(value, dict) else 0)
         assert sum(sizes) == NUM_PEERS + 1 and max(sizes) <= 4 * RECORDS_PER_BUCKET
+
+
+def test_a_sample_reads_the_anchors_buckets_and_a_few_more_whatever_the_swarm():
+    rng = random.Random(1)
+    anchors = [f"peer-{i}" for i in range(17)]  # this peer and a group's partners
+    small = sample_bucket_keys(PREFIX, num_peers=20, records_per_bucket=32, anchors=anchors,
+                               num_random=2, rng=rng)  # fmt: skip
+    assert small == bucket_keys(PREFIX, read_levels(20, 32))  # a small layout: read whole
+    for num_peers in (10_000, 10**6):
+        keys = sample_bucket_keys(PREFIX, num_peers=num_peers, records_per_bucket=32,
+                                  anchors=anchors, num_random=2, rng=rng)  # fmt: skip
+        assert len(keys) <= 4 * (len(anchors) + 2)
+        level = read_levels(num_peers, 32)[1]
+        read = {(lv, b) for lv, b, _ in keys}
+        for anchor in anchors:  # every publisher level an anchor may write at is read
+            for lv in read_levels(num_peers, 32):
+                assert (lv, bucket_of(anchor, lv)) in read, (num_peers, anchor, lv)
+        anchored = {bucket_of(anchor, level) for anchor in anchors}
+        assert len({b for lv, b, _ in keys if lv == level}) == len(anchored) + 2

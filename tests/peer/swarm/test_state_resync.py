@@ -21,8 +21,8 @@ from peer.records.state import (
     EpochDigest,
     ResyncTarget,
     StateAnnouncement,
+    announcement_key,
     resync_target,
-    state_key,
 )
 from peer.run.runner import PeerRun
 from peer.swarm.state_resync import ReplicaCheck
@@ -125,7 +125,7 @@ async def _lie(node: DHTNode, run, stop_event: threading.Event, stored: list[int
             announcement = StateAnnouncement(node.peer_id, lies[-1].epoch, node.address, lies)
             stored[0] += bool(
                 await node.store(
-                    state_key(run.config.run_id),
+                    announcement_key(run.config.run_id, node.peer_id),
                     announcement.to_wire(),
                     get_dht_time() + 30,
                     subkey=owner_subkey(node.peer_id),
