@@ -218,10 +218,7 @@ class HttpTransport:
             logger=HTTP_PARSER_LOGGER,
         )
         await self._runner.setup()
-        self.gate = ConnectionGate(
-            max_connections=cfg.max_connections,
-            max_per_address=cfg.max_connections_per_address,
-        )
+        self.gate = self.server.connection_gate()
         self.gate.install(self._runner.server)
         site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=server_ssl)
         try:
