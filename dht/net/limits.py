@@ -21,6 +21,7 @@ from dht.net.request_shares import RateShares
 from dht.net.shares import FairBudget, OverShare, address_key
 
 logger = logging.getLogger(__name__)
+MAX_CHECKED_PEERNAMES = 4096  # accepted connections remembered until aiohttp sets them up
 
 
 def peer_host(transport: asyncio.BaseTransport | None) -> str:
@@ -38,9 +39,10 @@ class ConnectionGate:
 
     It hooks the aiohttp ``web.Server`` (the protocol factory of the listening socket):
     aiohttp calls the server's ``connection_made`` / ``connection_lost`` for every connection,
-    which is the earliest point that knows the peer's address. A connection refused there is
-    aborted before a byte of it is parsed: what it cost is the accept and aiohttp's setup of a
-    protocol, a few tens of microseconds, against a request's parse, checks and answer.
+    which is the earliest point of aiohttp that knows the peer's address; a connection refused
+    there is aborted before a byte of it is parsed. The server's listening sockets
+    (:class:`dht.net.listener.GatedSocket`) ask :meth:`admit` earlier still, at ``accept()``,
+    and reset a refused connection before asyncio builds anything for it.
 
     Args:
         max_connections: the most connections open at once.
@@ -79,6 +81,7 @@ class ConnectionGate:
         self.num_refused_for_rate = 0
         self._open: dict[object, str] = {}
         self._per_address: Counter[str] = Counter()
+        self._checked: OrderedDict[object, None] = OrderedDict()
         self._last_warning_s = -float("inf")
 
     @property
@@ -93,11 +96,7 @@ class ConnectionGate:
         """Whether a new connection from ``host`` (a raw source IP) may stay open; a refusal is
         counted. Over a cap of open connections, no accept token is taken."""
         address = address_key(host)
-        if len(self._open) >= self.max_connections or (
-            self._per_address[address] >= self.max_per_address
-        ):
-            self.num_refused += 1
-            self._warn(address, "open")
+        if not self._admit_open(address):
             return False
         contended = self._requests is not None and self._requests.contended(address)
         if self.accepts.take(address, contended=contended) is not None:
@@ -107,6 +106,25 @@ class ConnectionGate:
             return False
         return True
 
+    def _admit_open(self, address: str) -> bool:
+        if len(self._open) < self.max_connections and (
+            self._per_address[address] < self.max_per_address
+        ):
+            return True
+        self.num_refused += 1
+        self._warn(address, "open")
+        return False
+
+    def checked_at_accept(self, peername: object) -> None:
+        """The connection from ``peername`` passed :meth:`admit` when it was accepted
+        (:class:`dht.net.listener.GatedSocket`): when aiohttp sets it up, only the caps of open
+        connections are checked again (a few may have been accepted at once), no accept token
+        is taken twice. Bounded: one that never reaches aiohttp (a TLS handshake that failed)
+        is forgotten in time."""
+        self._checked[peername] = None
+        while len(self._checked) > MAX_CHECKED_PEERNAMES:
+            self._checked.popitem(last=False)
+
     def install(self, server) -> None:
         """Wrap ``server.connection_made`` / ``connection_lost`` (an aiohttp ``web.Server``)."""
         made, lost = server.connection_made, server.connection_lost
@@ -114,7 +132,13 @@ class ConnectionGate:
         def connection_made(handler, transport) -> None:
             made(handler, transport)
             host = peer_host(transport)
-            if not self.admit(host):
+            peername = transport.get_extra_info("peername")
+            if peername in self._checked:
+                del self._checked[peername]
+                admitted = self._admit_open(address_key(host))
+            else:  # (it did not come through a gated socket)
+                admitted = self.admit(host)
+            if not admitted:
                 # Abort once aiohttp has set the connection up (its request task is scheduled
                 # right after this hook returns): its connection_lost then cleans up as for any
                 # client that hung up, and nothing of the connection is ever parsed.
