@@ -11,8 +11,9 @@ microseconds: a cached ticket and one HMAC).
 A refusal answered at once invites a retry at once, and refusing also costs the loop. So a sender
 that comes back before the ``Retry-After`` it was told waits for its next refusal until that time
 (at most ``max_hold_s``): each of its connections then sends at most one request per hold, and
-its connections per address are capped (:class:`dht.net.limits.ConnectionGate`). A sender that
-honours ``Retry-After`` is never held.
+its connections per address are capped, open ones and new ones a second
+(:class:`dht.net.limits.ConnectionGate`). A sender that honours ``Retry-After`` is never held.
+A handshake is a request of its address too, and has a share of its own (a signature check).
 """
 
 from __future__ import annotations

@@ -240,15 +240,9 @@ class HttpServer:
         except OverBudget as e:  # (refused as cheaply as at the door: no need to drain)
             raise Refused(429, str(e), retry_after_s=1) from None
 
-    async def _serve_stream(self, request: web.Request, proven: Proven, handler: StreamHandler):
-        tagger = FrameTagger(proven.key, proven.nonce) if self.swarm is not None else None
-        reader = FrameReader(
-            request.content,
-            limits=self.limits,
-            tagger=tagger,
-            idle_timeout_s=self.config.stream_idle_timeout_s,
-            direction=b"up",
-        )
+    async def _read_stream_header(self, reader: FrameReader, proven: Proven):
+        """A stream's first frame, its header: charged as it arrives, within the time to send a
+        request, and matching the digest the MAC covered."""
         try:
             with self.budget.account(proven.peer_id, proven.host) as account:
                 async with asyncio.timeout(self.config.request_timeout_s):
@@ -261,7 +255,7 @@ class HttpServer:
             )  # fmt: skip
             if digest(header_payload) != proven.body_digest:
                 raise Refused(401, "stream header does not match the digest its MAC covers")
-            header = unpack(header_payload, self.limits)
+            return unpack(header_payload, self.limits)
         except TimeoutError:
             raise Refused(408, "stream header not received in time") from None
         except OverShare as e:
@@ -272,6 +266,17 @@ class HttpServer:
             raise ClientGone(str(e)) from None
         except DHTError as e:
             raise Refused(status_of(e), str(e)) from None
+
+    async def _serve_stream(self, request: web.Request, proven: Proven, handler: StreamHandler):
+        tagger = FrameTagger(proven.key, proven.nonce) if self.swarm is not None else None
+        reader = FrameReader(
+            request.content,
+            limits=self.limits,
+            tagger=tagger,
+            idle_timeout_s=self.config.stream_idle_timeout_s,
+            direction=b"up",
+        )
+        header = await self._read_stream_header(reader, proven)
         stream = ServerStream(
             request,
             sender=proven.peer_id,
