@@ -31,6 +31,7 @@ from dht.net.client import (
 from dht.net.config import TransportConfig
 from dht.net.frames import FrameReader, FrameWriter
 from dht.net.limits import ConnectionGate
+from dht.net.listener import start_gated_sites
 from dht.net.refusals import HTTP_PARSER_LOGGER, Refused, status_of
 from dht.net.server import HttpGetHandler, HttpServer
 from dht.net.session import digest
@@ -218,14 +219,12 @@ class HttpTransport:
             logger=HTTP_PARSER_LOGGER,
         )
         await self._runner.setup()
-        self.gate = ConnectionGate(
-            max_connections=cfg.max_connections,
-            max_per_address=cfg.max_connections_per_address,
-        )
+        self.gate = self.server.connection_gate()
         self.gate.install(self._runner.server)
-        site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=server_ssl)
-        try:
-            await site.start()
+        try:  # (its sockets' accept() asks the gate first: a refusal costs little)
+            await start_gated_sites(
+                self._runner, cfg.host, cfg.port, self.gate, ssl_context=server_ssl
+            )
         except OSError as e:
             await self.close()
             raise TransportError(f"cannot listen on {cfg.host}:{cfg.port}: {e}") from e

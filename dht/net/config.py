@@ -115,8 +115,10 @@ class TransportConfig:
         max_remembered_nonces: the most (sender, nonce) pairs remembered against replays.
         session_lifetime_s: how long a session made by the handshake is good for, in seconds.
         max_handshakes_per_s_per_address: sustained rate of handshakes accepted from one
-            source IP address, per second (each costs a signature check).
-        handshake_burst: handshakes one source IP address may make at once before that rate
+            source address (an IPv6 /64), per second (each costs a signature check); beyond it
+            429 with a ``Retry-After``. Each handshake also counts as a request of its
+            address's share (``max_requests_per_s_per_address``).
+        handshake_burst: handshakes one source address may make at once before that rate
             applies.
         max_requests_per_s_per_peer: requests (RPCs, streams) one proven peer id may make per
             second, sustained; beyond it a request is refused (429 with a ``Retry-After``)
@@ -139,7 +141,16 @@ class TransportConfig:
             most this long, in seconds (each of its connections then costs the node at most one
             refusal per hold).
         max_connections: TCP connections the server keeps open at once; more are closed at once.
-        max_connections_per_address: TCP connections kept open at once from one source IP.
+        max_connections_per_address: TCP connections kept open at once from one source address
+            (an IPv6 /64 counts as one); more are closed at once.
+        max_connection_accepts_per_s_per_address: new TCP connections accepted from one source
+            address (an IPv6 /64) per second, sustained, while another address made a request
+            or a connection within ``request_contention_window_s`` (an address alone, say a
+            swarm on one host, is never refused for it); beyond it a new connection is closed
+            at once, before a byte of it is parsed: a sender that hangs up after each refusal
+            and comes back costs the node no more than this.
+        connection_accept_burst_per_address: new connections one source address may open at
+            once before that rate applies.
         idle_connection_timeout_s: a connection with no request in progress (including one
             still sending its request headers) is closed after this long, in seconds.
         max_header_fields: the most HTTP header fields a request may have.
@@ -210,6 +221,8 @@ class TransportConfig:
     max_refusal_hold_s: float = 1.0
     max_connections: int = 1024
     max_connections_per_address: int = 256
+    max_connection_accepts_per_s_per_address: float = 20.0
+    connection_accept_burst_per_address: int = 100
     idle_connection_timeout_s: float = 30.0
     max_header_fields: int = 32
     max_header_field_bytes: int = 4096
@@ -244,6 +257,7 @@ class TransportConfig:
             "max_requests_per_s_per_address",
             "max_refusal_hold_s",
             "request_contention_window_s",
+            "max_connection_accepts_per_s_per_address",
             "idle_connection_timeout_s",
             "max_relayed_bytes_per_s",
             "relay_heartbeat_s",
@@ -263,6 +277,7 @@ class TransportConfig:
             "request_body_bytes_per_request",
             "max_connections",
             "max_connections_per_address",
+            "connection_accept_burst_per_address",
             "max_header_fields",
             "max_header_field_bytes",
             "max_body_bytes_in_flight",

@@ -1,10 +1,11 @@
 """What a node spends on others before and after they proved who they are, bounded.
 
-* :class:`ConnectionGate`: open TCP connections, in all and per source address; a connection
-  over either cap is closed at once, before a byte of it is parsed.
+* :class:`ConnectionGate`: open TCP connections, in all and per source address, and new ones per
+  source address per second; a connection over a cap or its address's share is closed at once,
+  before a byte of it is parsed.
 * :class:`BytesBudget`: request bytes being received before their digest is checked, across all
   requests; a request that does not fit is refused at once (503) instead of being buffered.
-* :class:`RateLimiter`: a token bucket per source address (handshakes cost a signature check).
+* :class:`RateLimiter`: a token bucket per source address (dial-backs, see `dht.reach`).
 * :class:`StreamSlots`: concurrent streams, a share per proven peer id and per source address.
 """
 
@@ -16,9 +17,11 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
-from dht.net.shares import FairBudget, OverShare
+from dht.net.request_shares import RateShares
+from dht.net.shares import FairBudget, OverShare, address_key
 
 logger = logging.getLogger(__name__)
+MAX_CHECKED_PEERNAMES = 4096  # accepted connections remembered until aiohttp sets them up
 
 
 def peer_host(transport: asyncio.BaseTransport | None) -> str:
@@ -32,28 +35,95 @@ def peer_host(transport: asyncio.BaseTransport | None) -> str:
 
 
 class ConnectionGate:
-    """Counts the server's connections and closes those over the caps.
+    """Counts the server's connections and closes those over the caps or the accept shares.
 
     It hooks the aiohttp ``web.Server`` (the protocol factory of the listening socket):
     aiohttp calls the server's ``connection_made`` / ``connection_lost`` for every connection,
-    which is the earliest point that knows the peer's address.
+    which is the earliest point of aiohttp that knows the peer's address; a connection refused
+    there is aborted before a byte of it is parsed. The server's listening sockets
+    (:class:`dht.net.listener.GatedSocket`) ask :meth:`admit` earlier still, at ``accept()``,
+    and reset a refused connection before asyncio builds anything for it.
 
     Args:
         max_connections: the most connections open at once.
-        max_per_address: the most connections open at once from one source IP.
+        max_per_address: the most connections open at once from one source address (an IPv6
+            /64 counts as one).
+        accepts_per_s_per_address: new connections accepted from one source address per
+            second, sustained, while contended (see ``contention_window_s``).
+        accept_burst_per_address: new connections one source address may open at once before
+            that rate applies.
+        contention_window_s: the accept share applies while another address opened a
+            connection within this many seconds, or made a request (``requests``) within its
+            own window: alone, an address may open as many as it likes.
+        requests: the server's request shares of source addresses (their recent use tells
+            whether others are being served); None: connections only.
     """
 
-    def __init__(self, *, max_connections: int, max_per_address: int):
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        max_per_address: int,
+        accepts_per_s_per_address: float,
+        accept_burst_per_address: float,
+        contention_window_s: float,
+        requests: RateShares | None = None,
+    ):
         self.max_connections = max_connections
         self.max_per_address = max_per_address
+        self.accepts = RateShares(
+            rate_per_s=accepts_per_s_per_address, burst=accept_burst_per_address,
+            max_hold_s=0.0, holder="address", what="connections",
+            contention_window_s=contention_window_s,
+        )  # fmt: skip
+        self._requests = requests
         self.num_refused = 0
+        self.num_refused_for_rate = 0
         self._open: dict[object, str] = {}
         self._per_address: Counter[str] = Counter()
+        self._checked: OrderedDict[object, None] = OrderedDict()
         self._last_warning_s = -float("inf")
 
     @property
     def num_open(self) -> int:
         return len(self._open)
+
+    def open_from(self, host: str) -> int:
+        """Connections open from ``host``'s address (its /64 for IPv6)."""
+        return self._per_address.get(address_key(host), 0)
+
+    def admit(self, host: str) -> bool:
+        """Whether a new connection from ``host`` (a raw source IP) may stay open; a refusal is
+        counted. Over a cap of open connections, no accept token is taken."""
+        address = address_key(host)
+        if not self._admit_open(address):
+            return False
+        contended = self._requests is not None and self._requests.contended(address)
+        if self.accepts.take(address, contended=contended) is not None:
+            self.num_refused += 1
+            self.num_refused_for_rate += 1
+            self._warn(address, "accepted per second")
+            return False
+        return True
+
+    def _admit_open(self, address: str) -> bool:
+        if len(self._open) < self.max_connections and (
+            self._per_address[address] < self.max_per_address
+        ):
+            return True
+        self.num_refused += 1
+        self._warn(address, "open")
+        return False
+
+    def checked_at_accept(self, peername: object) -> None:
+        """The connection from ``peername`` passed :meth:`admit` when it was accepted
+        (:class:`dht.net.listener.GatedSocket`): when aiohttp sets it up, only the caps of open
+        connections are checked again (a few may have been accepted at once), no accept token
+        is taken twice. Bounded: one that never reaches aiohttp (a TLS handshake that failed)
+        is forgotten in time."""
+        self._checked[peername] = None
+        while len(self._checked) > MAX_CHECKED_PEERNAMES:
+            self._checked.popitem(last=False)
 
     def install(self, server) -> None:
         """Wrap ``server.connection_made`` / ``connection_lost`` (an aiohttp ``web.Server``)."""
@@ -62,38 +132,42 @@ class ConnectionGate:
         def connection_made(handler, transport) -> None:
             made(handler, transport)
             host = peer_host(transport)
-            if (
-                len(self._open) >= self.max_connections
-                or self._per_address[host] >= self.max_per_address
-            ):
-                self.num_refused += 1
-                self._warn(host)
+            peername = transport.get_extra_info("peername")
+            if peername in self._checked:
+                del self._checked[peername]
+                admitted = self._admit_open(address_key(host))
+            else:  # (it did not come through a gated socket)
+                admitted = self.admit(host)
+            if not admitted:
                 # Abort once aiohttp has set the connection up (its request task is scheduled
                 # right after this hook returns): its connection_lost then cleans up as for any
                 # client that hung up, and nothing of the connection is ever parsed.
                 asyncio.get_running_loop().call_soon(transport.abort)
                 return
-            self._open[handler] = host
-            self._per_address[host] += 1
+            address = address_key(host)
+            self._open[handler] = address
+            self._per_address[address] += 1
 
         def connection_lost(handler, exc=None) -> None:
-            host = self._open.pop(handler, None)
-            if host is not None:
-                self._per_address[host] -= 1
-                if not self._per_address[host]:
-                    del self._per_address[host]
+            address = self._open.pop(handler, None)
+            if address is not None:
+                self._per_address[address] -= 1
+                if not self._per_address[address]:
+                    del self._per_address[address]
             lost(handler, exc)
 
         server.connection_made = connection_made
         server.connection_lost = connection_lost
 
-    def _warn(self, host: str) -> None:
+    def _warn(self, address: str, cap: str) -> None:
         now = time.monotonic()
         if now - self._last_warning_s >= 10.0:  # a flood must not flood the log too
             self._last_warning_s = now
             logger.warning(
-                "refused connections over the caps (%d open, %d from %s; %d refused so far)",
-                len(self._open), self._per_address[host], host or "?", self.num_refused,
+                "refused connections over the caps (%s; %d open, %d from %s; %d refused so "
+                "far, %d for their rate)",
+                cap, len(self._open), self._per_address[address], address or "?",
+                self.num_refused, self.num_refused_for_rate,
             )  # fmt: skip
 
 

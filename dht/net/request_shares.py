@@ -11,8 +11,9 @@ microseconds: a cached ticket and one HMAC).
 A refusal answered at once invites a retry at once, and refusing also costs the loop. So a sender
 that comes back before the ``Retry-After`` it was told waits for its next refusal until that time
 (at most ``max_hold_s``): each of its connections then sends at most one request per hold, and
-its connections per address are capped (:class:`dht.net.limits.ConnectionGate`). A sender that
-honours ``Retry-After`` is never held.
+its connections per address are capped, open ones and new ones a second
+(:class:`dht.net.limits.ConnectionGate`). A sender that honours ``Retry-After`` is never held.
+A handshake is a request of its address too, and has a share of its own (a signature check).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class RateShares:
         burst: requests a key may make at once before that rate applies.
         max_hold_s: the longest a refusal waits for a sender that ignored its ``Retry-After``.
         holder: what a key is, for the refusal's reason ("peer", "address").
+        what: what is counted, for the refusal's reason ("requests", "handshakes").
         contention_window_s: None: the share always applies. Else it applies only while
             another key made a request within this many seconds: a key alone may use the whole
             node (a swarm on one host, all at one address, is never refused for its rate).
@@ -107,9 +109,11 @@ class RateShares:
         burst: float,
         max_hold_s: float,
         holder: str,
+        what: str = "requests",
         contention_window_s: float | None = None,
         max_keys: int = 4096,
     ):
+        self.what = what
         self.contention_window_s = contention_window_s
         self.rate_per_s = rate_per_s
         self.burst = burst
@@ -120,10 +124,14 @@ class RateShares:
         self.num_held = 0
         self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
 
-    def take(self, key: str, now_s: float | None = None) -> RateRefusal | None:
-        """Take one request's token for ``key``: None if it had one, the refusal otherwise."""
+    def take(
+        self, key: str, now_s: float | None = None, *, contended: bool = False
+    ) -> RateRefusal | None:
+        """Take one request's token for ``key``: None if it had one, the refusal otherwise.
+        ``contended``: the share applies whatever the contention window says (the caller knows
+        of another key's use elsewhere)."""
         now_s = time.monotonic() if now_s is None else now_s
-        contended = self._contended(key, now_s)
+        contended = contended or self.contended(key, now_s)
         bucket = self._bucket(key, now_s)
         if bucket.tokens >= 1.0:
             bucket.tokens -= 1.0
@@ -132,11 +140,12 @@ class RateShares:
             return None
         return self._refuse(bucket, now_s)
 
-    def _contended(self, key: str, now_s: float) -> bool:
+    def contended(self, key: str, now_s: float | None = None) -> bool:
         """Whether another key than ``key`` made a request within the contention window (the
         buckets are in order of use: the most recent other key is one of the last two)."""
         if self.contention_window_s is None:
             return True
+        now_s = time.monotonic() if now_s is None else now_s
         for other in itertools.islice(reversed(self._buckets), 2):
             if other != key:
                 return now_s - self._buckets[other].last_s <= self.contention_window_s
@@ -185,18 +194,37 @@ class RateShares:
         retry_after_s = self._retry_after_s(bucket)
         bucket.told_until_s = max(bucket.told_until_s, now_s + hold_s + retry_after_s)
         reason = (
-            f"too many requests from this {self.holder}: its share is {self.rate_per_s:g} "
+            f"too many {self.what} from this {self.holder}: its share is {self.rate_per_s:g} "
             f"a second (bursts of {self.burst:g}); retry after {retry_after_s} s"
         )
         return RateRefusal(reason, retry_after_s, hold_s)
 
 
+class HandshakeShares(RateShares):
+    """Handshakes per source address (an IPv6 /64): each costs a signature check, so they have a
+    share of their own, which always applies."""
+
+    def __init__(self, *, rate_per_s: float, burst: float, max_hold_s: float):
+        super().__init__(
+            rate_per_s=rate_per_s, burst=burst, max_hold_s=max_hold_s, holder="address",
+            what="handshakes",
+        )  # fmt: skip
+
+    def allow(self, host: str) -> bool:
+        """Take one handshake's token for ``host`` (a raw source IP); False if it had none (for
+        the relay, which counts the handshakes it forwards to the peers relayed there)."""
+        return self.take(address_key(host)) is None
+
+
 class RequestShares:
-    """The request-rate shares of one server: per source address and per proven peer.
+    """The request-rate shares of one server: per source address and per proven peer, and the
+    handshakes per source address.
 
     Args:
         rate_per_s_per_peer, burst_per_peer: one proven peer id's bucket.
         rate_per_s_per_address, burst_per_address: one source address's bucket (an IPv6 /64).
+        handshakes_per_s_per_address, handshake_burst: one source address's bucket of
+            handshakes (each also counts as a request of its address).
         max_hold_s: the longest a refusal of a sender that ignored its ``Retry-After`` waits.
         contention_window_s: an address's share applies while another address made a request
             within this many seconds (alone, an address may use the whole node); a peer's share
@@ -210,6 +238,8 @@ class RequestShares:
         burst_per_peer: float,
         rate_per_s_per_address: float,
         burst_per_address: float,
+        handshakes_per_s_per_address: float,
+        handshake_burst: float,
         max_hold_s: float,
         contention_window_s: float,
     ):
@@ -221,18 +251,29 @@ class RequestShares:
             rate_per_s=rate_per_s_per_address, burst=burst_per_address, max_hold_s=max_hold_s,
             holder="address", contention_window_s=contention_window_s,
         )  # fmt: skip
+        self.hellos = HandshakeShares(
+            rate_per_s=handshakes_per_s_per_address, burst=handshake_burst, max_hold_s=max_hold_s
+        )
 
     @property
     def num_refused(self) -> int:
-        return self.peers.num_refused + self.addresses.num_refused
+        return self.peers.num_refused + self.addresses.num_refused + self.hellos.num_refused
 
     @property
     def num_held(self) -> int:
-        return self.peers.num_held + self.addresses.num_held
+        return self.peers.num_held + self.addresses.num_held + self.hellos.num_held
 
     def take_address(self, host: str) -> RateRefusal | None:
         """A request from ``host`` (a raw source IP; "" is unknown, e.g. relayed: not counted)."""
         return self.addresses.take(address_key(host)) if host else None
+
+    def take_hello(self, host: str) -> RateRefusal | None:
+        """A handshake from ``host`` (a raw source IP; "" is unknown: not counted): one request
+        of its address's share, and one of its handshakes (not taken if the first refused)."""
+        if not host:
+            return None
+        address = address_key(host)
+        return self.addresses.take(address) or self.hellos.take(address)
 
     def take_peer(self, peer: str) -> RateRefusal | None:
         """A request proven to come from ``peer``."""

@@ -1,15 +1,13 @@
 """The node's side of the aiohttp transport: handshakes, RPCs and streams, proven and bounded.
 
-The order of checks spends as little as possible on a stranger: a connection over the caps is
-closed before it is parsed (:class:`dht.net.limits.ConnectionGate`); a request's headers are
-authenticated (session ticket, MAC, timestamp, nonce) before a byte of its body is read; a
-``Content-Length`` over the limit is refused at once (413); bodies are read only within a global
-budget of bytes in flight, and their digest must match the one the MAC covered. Each source
-address and each proven peer has a share of the requests handled (:mod:`dht.net.request_shares`),
-checked before the request is authenticated and right after: past it a request is refused (429
-with a ``Retry-After``) before any other work. Every refusal is
-a 4xx/5xx whose reason is in the ``x-vp-error`` header and the body, logged as one line (at most
-one line per second per reason kind under a flood); the node keeps serving.
+The order of checks spends as little as possible on a stranger: a connection over the caps (or
+its address's share of new connections) is closed before it is parsed
+(:class:`dht.net.limits.ConnectionGate`); a request passes the door (:mod:`dht.net.door`: its
+address's and its proven peer's shares of requests, its session ticket, MAC, timestamp and nonce,
+all from headers) before a byte of its body is read; a ``Content-Length`` over the limit is
+refused at once (413); bodies are read only within a budget of bytes in flight, shared per peer
+and per address, and their digest must match the one the MAC covered. Every refusal is a 4xx/5xx
+with a reason (see :class:`dht.net.door.Door`); the node keeps serving.
 """
 
 from __future__ import annotations
@@ -17,80 +15,37 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from aiohttp import web
 
-from dht.errors import (
-    AuthError,
-    DHTError,
-    RemoteError,
-    TransportError,
-)
+from dht.errors import DHTError, RemoteError, TransportError
 from dht.identity import PeerIdentity
 from dht.net.auth import FrameTagger, SwarmAuth
-from dht.net.client import API_VERSION, MAX_HELLO_BYTES, MSGPACK, TUNNEL_HEADER
+from dht.net.client import API_VERSION, MAX_HELLO_BYTES, MSGPACK
 from dht.net.config import TransportConfig
+from dht.net.door import Door, Proven
 from dht.net.frames import FrameReader
-from dht.net.limits import OverBudget, RateLimiter, StreamSlots, peer_host
-from dht.net.refusals import (
-    ClientGone,
-    Refused,
-    error_response,
-    read_charged,
-    status_of,
-)
-from dht.net.replay import ReplayGuard
-from dht.net.request_shares import RateRefusal, RequestShares
-from dht.net.session import (
-    HelloRequest,
-    SessionIssuer,
-    digest,
-    macs_equal,
-    request_mac,
-    response_mac,
-)
+from dht.net.limits import ConnectionGate, OverBudget, StreamSlots
+from dht.net.refusals import ClientGone, Refused, read_charged, status_of
+from dht.net.session import HelloRequest, SessionIssuer, digest, response_mac
 from dht.net.shares import FairBudget, OverShare
 from dht.net.streams import ServerStream
 from dht.net.transport import ByteCounters, RequestContext, RpcHandler, StreamHandler
 from dht.net.wire import pack, unpack
 
 logger = logging.getLogger(__name__)
+__all__ = ["HttpGetHandler", "HttpServer", "Proven", "Refused"]  # (the relay's imports)
 
-_HEX = re.compile(r"[0-9a-f]+")
 MAX_REMEMBERED_HELLOS = 4096  # peers whose last hello time is kept (for dial-back proofs)
 # A plain GET route: returns (content type, body), directly or awaited.
 HttpGetHandler = Callable[[], tuple[str, bytes] | Awaitable[tuple[str, bytes]]]
 
 
-@dataclass(frozen=True)
-class Proven:
-    """An authenticated request: who sent it, the session key, and what its MAC covered."""
-
-    peer_id: str
-    key: bytes
-    nonce: str
-    body_digest: bytes
-    host: str
-
-
 def _caller_gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
-
-
-def _printable_ascii(text: str) -> bool:
-    return text.isascii() and text.isprintable()
-
-
-def _hex_header(request: web.Request, name: str, length: int) -> str:
-    value = request.headers.get(name, "")
-    if len(value) != length or not _HEX.fullmatch(value):
-        raise Refused(401, f"missing or malformed {name} header")
-    return value
 
 
 class HttpServer:
@@ -123,13 +78,11 @@ class HttpServer:
         self.issuer = SessionIssuer(
             identity, swarm_key=config.swarm_key, lifetime_s=config.session_lifetime_s
         )
-        self.replay = ReplayGuard(
-            window_s=config.replay_window_s, max_entries=config.max_remembered_nonces
-        )
         self.swarm = SwarmAuth(config.swarm_key) if config.swarm_key else None
-        self.hellos = RateLimiter(
-            rate_per_s=config.max_handshakes_per_s_per_address, burst=config.handshake_burst
-        )
+        self.door = Door(config)
+        self.requests = self.door.requests
+        self.hellos = self.requests.hellos  # (the relay counts the hellos it forwards here too)
+        self.replay = self.door.replay
         self.budget = FairBudget(
             max_total=config.max_body_bytes_in_flight,
             max_per_peer=config.max_body_bytes_in_flight_per_peer,
@@ -140,22 +93,36 @@ class HttpServer:
             max_per_address=config.max_streams_per_address,
             max_total=config.max_connections,  # each stream holds a connection
         )
-        self.requests = RequestShares(
-            rate_per_s_per_peer=config.max_requests_per_s_per_peer,
-            burst_per_peer=config.request_burst_per_peer,
-            rate_per_s_per_address=config.max_requests_per_s_per_address,
-            burst_per_address=config.request_burst_per_address,
-            max_hold_s=config.max_refusal_hold_s,
-            contention_window_s=config.request_contention_window_s,
-        )
-        self.num_refused = 0
-        self._last_log_s: dict[int, float] = {}
         # peer id -> monotonic time of its last accepted hello (a dial-back's proof, see
         # dht.reach.reachability); bounded, the oldest forgotten first
         self._hello_times: OrderedDict[str, float] = OrderedDict()
-        # Set while this node is relayed (dht.reach.relay_client): its tunnel's local requests carry
-        # it, so they are known to come through the relay and not from this host.
-        self.tunnel_token: str | None = None
+
+    @property
+    def num_refused(self) -> int:
+        """Requests refused so far (any 4xx/5xx this server answered)."""
+        return self.door.num_refused
+
+    @property
+    def tunnel_token(self) -> str | None:
+        """Set while this node is relayed (see :meth:`Door.source_host`)."""
+        return self.door.tunnel_token
+
+    @tunnel_token.setter
+    def tunnel_token(self, token: str | None) -> None:
+        self.door.tunnel_token = token
+
+    def connection_gate(self) -> ConnectionGate:
+        """A gate of this server's connections (to install on its aiohttp ``web.Server``): its
+        accept shares know which addresses this server answers requests for."""
+        cfg = self.config
+        return ConnectionGate(
+            max_connections=cfg.max_connections,
+            max_per_address=cfg.max_connections_per_address,
+            accepts_per_s_per_address=cfg.max_connection_accepts_per_s_per_address,
+            accept_burst_per_address=cfg.connection_accept_burst_per_address,
+            contention_window_s=cfg.request_contention_window_s,
+            requests=self.requests.addresses,
+        )
 
     def hello_seen_since(self, peer_id: str, since_s: float) -> bool:
         """Whether ``peer_id`` made a session with this server at or after ``since_s``
@@ -163,17 +130,17 @@ class HttpServer:
         return self._hello_times.get(peer_id, -float("inf")) >= since_s
 
     def source_host(self, request: web.Request) -> str:
-        """The source IP of a request; "" for one that came through this node's relay tunnel
-        (the relay already applied the per-address limits, and this node cannot verify the
-        caller's address: its claims are pinged back)."""
-        token = self.tunnel_token
-        if token is not None and macs_equal(token, request.headers.get(TUNNEL_HEADER, "")):
-            return ""
-        return peer_host(request.transport)
+        """The source IP of a request ("" for one relayed to this node: see
+        :meth:`Door.source_host`)."""
+        return self.door.source_host(request)
+
+    def authenticate(self, request: web.Request) -> Proven:
+        """Check a request at the door (see :meth:`Door.authenticate`)."""
+        return self.door.authenticate(request, self.issuer)
 
     def application(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.limits.max_body_bytes, middlewares=[self._refusals]
+            client_max_size=self.limits.max_body_bytes, middlewares=[self.door.refusals]
         )
         v = API_VERSION
         app.router.add_post(f"/{v}/hello", self._handle_hello)
@@ -185,91 +152,10 @@ class HttpServer:
             app.router.add_get(path, _plain_get(handler))
         return app
 
-    # ---- refusals ----------------------------------------------------------------------------
-
-    @web.middleware
-    async def _refusals(self, request: web.Request, handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except ClientGone as e:
-            logger.debug("caller of %s went away: %s", request.path[:80], e)
-            return web.Response(status=400, text="request cut short")
-        except Refused as e:
-            refused = e
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            refused = Refused(e.status, e.reason)
-        self.num_refused += 1
-        self._log_refusal(request, refused.status, refused.reason)
-        if refused.hold_s > 0:  # it ignored its last Retry-After: this answer waits for it
-            await asyncio.sleep(refused.hold_s)
-        return error_response(
-            refused.status, refused.reason, renew=refused.renew,
-            retry_after_s=refused.retry_after_s,
-        )  # fmt: skip
-
-    def _log_refusal(self, request: web.Request, status: int, reason: str) -> None:
-        now = time.monotonic()
-        if now - self._last_log_s.get(status, -float("inf")) < 1.0:
-            return  # one line per second per status: a flood must not flood the log
-        self._last_log_s[status] = now
-        sender = request.headers.get("x-vp-peer", "?")[:16]
-        sender = sender if _printable_ascii(sender) else "?"
-        host = peer_host(request.transport)
-        logger.warning(
-            "refused %s %s from %s (%s): %d %s (%d refusals so far)",
-            request.method, request.path[:80].encode("ascii", "backslashreplace").decode(),
-            sender, host, status, reason,
-            self.num_refused,
-        )  # fmt: skip
-
     async def _handle_old_version(self, request: web.Request) -> web.Response:
         raise Refused(426, f"this node speaks /{API_VERSION}/ (proven identity); upgrade")
 
-    # ---- authentication ----------------------------------------------------------------------
-
-    def authenticate(self, request: web.Request) -> Proven:
-        """Check a request's session ticket, MAC, timestamp and nonce (headers only), each
-        within its sender's share of requests: its source address's before anything else, its
-        proven peer id's once the MAC checks."""
-        host = self.source_host(request)
-        _refuse_over_rate(self.requests.take_address(host))
-        ticket = request.headers.get("x-vp-ticket", "")
-        if not ticket or len(ticket) > 512 or not _printable_ascii(ticket):
-            raise Refused(
-                401, f"no session: make one first (POST /{API_VERSION}/hello)", renew=True
-            )
-        try:
-            caller = self.issuer.open_ticket(ticket)
-        except AuthError as e:
-            raise Refused(401, str(e), renew=True) from None
-        claimed = request.headers.get("x-vp-peer")
-        if claimed is not None and claimed != caller.peer_id:
-            raise Refused(401, "x-vp-peer is not the peer the session was made with")
-        nonce = _hex_header(request, "x-vp-nonce", 32)
-        body_digest = bytes.fromhex(_hex_header(request, "x-vp-digest", 64))
-        mac = _hex_header(request, "x-vp-mac", 64)
-        ts = request.headers.get("x-vp-ts", "")[:32]
-        if not _printable_ascii(ts):  # (headers are decoded leniently: anything may be here)
-            raise Refused(401, "malformed x-vp-ts header")
-        expected = request_mac(caller.key, request.method, request.path, body_digest, ts, nonce)
-        if not macs_equal(expected, mac):
-            raise Refused(401, "wrong request MAC")
-        _refuse_over_rate(self.requests.take_peer(caller.peer_id))
-        try:
-            self.replay.check(caller.peer_id, nonce, ts)
-        except AuthError as e:
-            raise Refused(401, str(e)) from None
-        return Proven(caller.peer_id, caller.key, nonce, body_digest, host)
-
-    def _refused_for_share(self, peer: str, status: int, reason: str) -> Refused:
-        """A refusal because ``peer`` holds its share of a pool (429): its request bucket is
-        emptied, so that a retry at once costs only the door's check (see
-        :meth:`RequestShares.drain`)."""
-        if status != 429:
-            return Refused(status, reason)
-        return Refused(429, reason, retry_after_s=self.requests.drain(peer))
+    # ---- bodies ----------------------------------------------------------------------------
 
     async def _read_body(
         self, request: web.Request, max_bytes: int, *, peer: str = "", host: str = ""
@@ -299,9 +185,7 @@ class HttpServer:
         )
 
     async def _handle_hello(self, request: web.Request) -> web.Response:
-        host = self.source_host(request)
-        if host and not self.hellos.allow(host):
-            raise Refused(429, "too many handshakes from this address; slow down")
+        host = self.door.admit_hello(request)
         body = await self._read_body(request, MAX_HELLO_BYTES, host=host)
         try:
             if self.swarm is not None:
@@ -335,7 +219,7 @@ class HttpServer:
             payload = unpack(body, self.limits)
             result = await handler(RequestContext(proven.peer_id, proven.host), payload)
         except DHTError as e:
-            raise self._refused_for_share(proven.peer_id, status_of(e), str(e)) from None
+            raise self.door.refused_for_share(proven.peer_id, status_of(e), str(e)) from None
         out = pack(result)
         headers = {
             "x-vp-peer": self.peer_id,
@@ -356,15 +240,9 @@ class HttpServer:
         except OverBudget as e:  # (refused as cheaply as at the door: no need to drain)
             raise Refused(429, str(e), retry_after_s=1) from None
 
-    async def _serve_stream(self, request: web.Request, proven: Proven, handler: StreamHandler):
-        tagger = FrameTagger(proven.key, proven.nonce) if self.swarm is not None else None
-        reader = FrameReader(
-            request.content,
-            limits=self.limits,
-            tagger=tagger,
-            idle_timeout_s=self.config.stream_idle_timeout_s,
-            direction=b"up",
-        )
+    async def _read_stream_header(self, reader: FrameReader, proven: Proven):
+        """A stream's first frame, its header: charged as it arrives, within the time to send a
+        request, and matching the digest the MAC covered."""
         try:
             with self.budget.account(proven.peer_id, proven.host) as account:
                 async with asyncio.timeout(self.config.request_timeout_s):
@@ -377,7 +255,7 @@ class HttpServer:
             )  # fmt: skip
             if digest(header_payload) != proven.body_digest:
                 raise Refused(401, "stream header does not match the digest its MAC covers")
-            header = unpack(header_payload, self.limits)
+            return unpack(header_payload, self.limits)
         except TimeoutError:
             raise Refused(408, "stream header not received in time") from None
         except OverShare as e:
@@ -388,6 +266,17 @@ class HttpServer:
             raise ClientGone(str(e)) from None
         except DHTError as e:
             raise Refused(status_of(e), str(e)) from None
+
+    async def _serve_stream(self, request: web.Request, proven: Proven, handler: StreamHandler):
+        tagger = FrameTagger(proven.key, proven.nonce) if self.swarm is not None else None
+        reader = FrameReader(
+            request.content,
+            limits=self.limits,
+            tagger=tagger,
+            idle_timeout_s=self.config.stream_idle_timeout_s,
+            direction=b"up",
+        )
+        header = await self._read_stream_header(reader, proven)
         stream = ServerStream(
             request,
             sender=proven.peer_id,
@@ -415,13 +304,6 @@ class HttpServer:
             return await stream.finish()
         finally:
             stream.close()
-
-
-def _refuse_over_rate(refusal: RateRefusal | None) -> None:
-    if refusal is not None:
-        raise Refused(
-            429, refusal.reason, retry_after_s=refusal.retry_after_s, hold_s=refusal.hold_s
-        )
 
 
 def _plain_get(handler: HttpGetHandler):

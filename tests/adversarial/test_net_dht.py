@@ -45,7 +45,11 @@ def signed_store(identity: PeerIdentity, key: str, value: bytes, ttl_s: float) -
 async def test_storage_flooding_by_bytes_stops_at_the_caps(node_processes):  # noqa: F811
     caps = {"max_storage_bytes": 2 * MIB, "max_bytes_per_key": 256 * KIB,
             "max_bytes_per_owner": 128 * KIB}  # fmt: skip
-    a, b = await node_processes(2, dht=caps)
+    # (the storage caps, not the shares of requests: 240 stores of 60 KB are 3,600 requests'
+    # worth of bytes, past the attacker's share, see test_net_request_shares.py)
+    rates = {"max_requests_per_s_per_peer": 1e5, "max_requests_per_s_per_address": 1e5,
+             "request_burst_per_peer": 10**5, "request_burst_per_address": 10**5}  # fmt: skip
+    a, b = await node_processes(2, dht=caps, transport=rates)
     before = (await a.ask({"cmd": "info"}))["rss_bytes"]
     num_accepted = num_refused = 0
     async with WireClient(local_host=ATTACKER_HOST) as attacker:

@@ -126,10 +126,13 @@ async def test_join_and_leave_under_another_peers_id_are_refused(make_swarm):  #
         finally:
             done.set()
             await asyncio.gather(*tasks)
-    assert spoofed and all(a.status == 401 for a in spoofed), {a.status for a in spoofed}
-    assert own and all(a.status == 200 for a in own)
+    # refused: 401, or 429 once the spam is past its address's share of requests
+    assert spoofed and {a.status for a in spoofed} <= {401, 429}, {a.status for a in spoofed}
+    assert any(a.status == 401 for a in spoofed)
+    served = [a for a in own if a.status == 200]
+    assert served and {a.status for a in own} <= {200, 429}, {a.status for a in own}
     # the leader reads the proven sender: a seat for someone else is never given
-    assert "accepted" not in {a.message()["status"] for a in own}
+    assert "accepted" not in {a.message()["status"] for a in served}
     expected = exact_mean(vectors, [1.0, 1.0, 1.0])
     for peer, result in zip(peers, results, strict=True):
         assert result.status == "ok" and len(result.members) == 3, result

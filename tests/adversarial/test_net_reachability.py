@@ -75,7 +75,10 @@ async def test_dial_back_cannot_be_aimed_at_others_nor_flooded(node_processes): 
         assert all(m == {"reachable": False, "observed_host": ATTACKER_HOST} for m in served)
         assert victim.num_connections == 0
         assert 1 <= own.num_connections <= len(served)
-        assert all("too many dial-backs" in x.reason for x in answers if x.status == 429)
+        # (a dial-back refused for its share empties the peer's bucket of requests: the next are
+        # refused at the door, see dht/net/request_shares.py)
+        assert all(x.reason.startswith(("too many dial-backs", "too many requests from this peer"))
+                   for x in answers if x.status == 429)  # fmt: skip
     finally:
         own.close()
         victim.close()

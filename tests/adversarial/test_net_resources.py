@@ -8,6 +8,7 @@ node, and that the attacked node's memory stayed within a bound derived from its
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -176,12 +177,16 @@ async def test_handshake_floods_are_rate_limited(node_processes):  # noqa: F811
                                               "max_handshakes_per_s_per_address": 5.0})  # fmt: skip
     async with WireClient(local_host=ATTACKER_HOST) as attacker:
         statuses = []
+        started_s = time.monotonic()
         for _ in range(60):
             try:
                 await attacker.hello(a.address)
                 statuses.append(200)
             except AssertionError as e:
                 statuses.append(429 if "429" in str(e) else -1)
-    assert statuses.count(429) >= 30 and -1 not in statuses
+        elapsed_s = time.monotonic() - started_s
+    # past the burst, the rate: refusals ignored are held (see test_net_connection_shares.py)
+    assert statuses.count(429) >= 1 and -1 not in statuses
+    assert statuses.count(200) <= 20 + 5.0 * elapsed_s + 1, (statuses, elapsed_s)
     await assert_serving([b, a], "after-handshake-flood")  # other addresses are not limited
     assert_no_crashes([a, b])

@@ -125,13 +125,18 @@ async def _honest_pings(caller: HttpTransport, address: str, count: int = 20) ->
 
 async def _stranger_flood(host: str, port: int, request: bytes, stop: asyncio.Event) -> int:
     """Header-only requests from the attacker's address at about 100 a second (8 kB/s of
-    headers), each kept open (at most 200 at once, under the per-address connection cap)."""
+    headers), each kept open (at most 200 at once, under the per-address connection cap); the
+    number sent. Past its address's share of new connections a try is reset: it goes on."""
     open_writers: list[asyncio.StreamWriter] = []
     sent = 0
     while not stop.is_set():
-        _, writer = await _open_raw(host, port, request)
-        open_writers.append(writer)
         sent += 1
+        try:
+            _, writer = await _open_raw(host, port, request)
+        except OSError:  # reset by the node's connection gate
+            await asyncio.sleep(0.01)
+            continue
+        open_writers.append(writer)
         if len(open_writers) > 200:
             open_writers.pop(0).close()
         await asyncio.sleep(0.01)

@@ -10,8 +10,10 @@ import time
 import pytest
 
 from dht.errors import ConfigError
+from dht.net.client import HELLO_PATH
 from dht.net.config import TransportConfig
 from dht.net.request_shares import RateShares, RequestShares, TokenBuckets
+from dht.net.session import PendingHello
 from dht.net.wire import pack
 from tests.adversarial.harness_net import WireClient
 
@@ -46,13 +48,36 @@ def test_an_address_alone_is_not_refused_for_its_rate():
 
 
 def test_work_done_is_charged_as_debt_and_drain_empties_a_bucket():
-    shares = RequestShares(rate_per_s_per_peer=10, burst_per_peer=10, rate_per_s_per_address=10,
-                           burst_per_address=10, max_hold_s=1.0,
-                           contention_window_s=10.0)  # fmt: skip
+    shares = _request_shares(rate_per_s=10, burst=10)
     shares.charge_body("p", "", 15)  # a large body: 15 requests' worth, 10 at most in debt
     assert shares.take_peer("p") is not None
     assert shares.take_peer("q") is None
     assert shares.drain("q") == 1 and shares.take_peer("q") is not None
+
+
+def _request_shares(*, rate_per_s: float, burst: float, hello_burst: float = 10) -> RequestShares:
+    return RequestShares(rate_per_s_per_peer=rate_per_s, burst_per_peer=burst,
+                         rate_per_s_per_address=rate_per_s, burst_per_address=burst,
+                         handshakes_per_s_per_address=rate_per_s, handshake_burst=hello_burst,
+                         max_hold_s=1.0, contention_window_s=10.0)  # fmt: skip
+
+
+def test_a_handshake_counts_as_a_request_of_its_address_and_as_a_handshake():
+    # refills slow enough that a loaded machine sees one burst
+    shares = _request_shares(rate_per_s=0.01, burst=5, hello_burst=3)
+    assert shares.take_address("10.0.0.9") is None  # another address: the share applies
+    hellos = [shares.take_hello("10.0.0.1") for _ in range(4)]
+    assert hellos[:3] == [None] * 3
+    assert hellos[3].reason.startswith("too many handshakes from this address")
+    assert shares.take_address("10.0.0.1") is None  # 3 hellos and this: 4 of the 5 requests
+    assert shares.take_hello("10.0.0.1").reason.startswith("too many requests from this address")
+    assert shares.take_address("10.0.0.9") is None  # the other address has its own share
+    # an IPv6 /64 is one address; a relayed hello ("") is not counted here
+    assert shares.take_hello("2001:db8::1") is None
+    assert [shares.take_hello("2001:db8::2") for _ in range(2)] == [None, None]
+    assert shares.take_hello("2001:db8::3") is not None
+    assert all(shares.take_hello("") is None for _ in range(20))
+    assert not shares.hellos.allow("10.0.0.1")  # the relay's count of forwarded hellos
 
 
 def test_token_buckets_refuse_more_than_a_burst_and_say_how_long_to_wait():
@@ -102,3 +127,23 @@ async def test_a_real_server_refuses_a_peer_past_its_share_at_the_door(make_tran
 
 async def _echo(payload):
     return payload
+
+
+async def test_a_real_server_refuses_handshakes_past_their_share_with_a_retry_after(
+    make_transport,
+):
+    config = TransportConfig(max_handshakes_per_s_per_address=0.05, handshake_burst=2,
+                             max_refusal_hold_s=0.3)  # fmt: skip
+    node = await make_transport(config)
+    async with WireClient() as client:
+        for _ in range(2):
+            await client.hello(node.address)
+        body = pack(PendingHello(client.identity).request.to_wire())
+        refused = await client.post(node.address + HELLO_PATH, body, {})
+        assert refused.status == 429 and int(refused.headers["Retry-After"]) >= 1
+        assert refused.reason.startswith("too many handshakes from this address")
+        start = time.monotonic()
+        with pytest.raises(AssertionError, match="429"):  # it ignored the Retry-After: held
+            await client.hello(node.address)
+        assert time.monotonic() - start >= 0.25
+    assert node.server.requests.hellos.num_held == 1
