@@ -49,10 +49,12 @@ class BulkChunkWriter:
         return cls(writer)
 
     async def write(self, data: bytes | memoryview) -> None:
-        """Send ``data`` as one chunk of the body, then wait while the transport is full.
+        """Send ``data`` as one chunk of the body; return once the transport holds none of it.
 
         Raises:
-            aiohttp.ClientConnectionResetError: the connection is closing or closed.
+            aiohttp.ClientConnectionResetError: the connection is closing or closed (and
+                ConnectionResetError if it breaks while the rest is sent; then, as when the
+                wait is cancelled, the connection is aborted).
         """
         writer = self._writer
         transport = writer.transport
@@ -66,7 +68,14 @@ class BulkChunkWriter:
         transport.write(view)
         transport.write(b"\r\n")
         if transport.get_write_buffer_size():
-            await self._flushed(transport)
+            try:
+                await self._flushed(transport)
+            except BaseException:
+                # Cut short (cancelled, or the connection broke): what the transport still
+                # holds is the caller's memory, which it may change now, and half a chunk is of
+                # no use to the other end; so nothing more goes out on this connection.
+                transport.abort()
+                raise
 
     async def _flushed(self, transport) -> None:
         """Wait until ``transport`` has handed every byte written to the socket: with both its

@@ -155,6 +155,7 @@ class ServerStream:
             self._watchdog.waiting_since_s = None
 
     async def send(self, chunk: bytes | memoryview) -> None:
+        """Send ``chunk`` as one binary frame; ``chunk`` may be changed once this returns."""
         if self._writer is None:
             raise RuntimeError("call reply() before send()")
         await self._writer.write_chunk(chunk)
@@ -256,6 +257,8 @@ class ClientStream:
             yield piece
 
     async def send(self, chunk: bytes | memoryview) -> None:
+        """Queue ``chunk`` as one binary frame. A large chunk is read from the caller's memory
+        when its turn to be written comes: keep it unchanged until the reply to it arrived."""
         if self._done_sending:
             raise RuntimeError("send() after finish_sending()")
         if self._response_task.done() and self._reader is None:
