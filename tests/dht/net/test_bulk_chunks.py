@@ -9,6 +9,7 @@ import asyncio.transports
 import numpy as np
 import pytest
 
+from dht.errors import TransportError
 from dht.net.bulk_chunks import BULK_MIN_BYTES, BulkChunkWriter
 
 pytestmark = pytest.mark.timeout(60)
@@ -109,6 +110,42 @@ async def test_a_reply_buffer_may_change_once_send_returns(make_transport, monke
             filled += num_bytes
     assert filled == values.nbytes
     np.testing.assert_array_equal(received, expected)
+
+
+async def test_a_stream_left_mid_write_sends_none_of_the_callers_later_values(make_transport):
+    """The caller leaves while its chunks still wait to be written, then changes its values:
+    the connection is cut, and what was not yet in the kernel (on Python 3.12 and later a view
+    of the caller's memory) never goes out."""
+    received = {"bytes": 0, "changed": 0}
+    release, finished = asyncio.Event(), asyncio.Event()
+
+    async def slow_reader(stream):
+        await stream.reply({"ok": True})
+        await release.wait()
+        buffer = memoryview(bytearray(8 << 20))
+        try:
+            while (num_bytes := await stream.recv_into(buffer)) is not None:
+                values = np.frombuffer(buffer[:num_bytes], dtype=np.float32)
+                received["changed"] += int(np.isnan(values).sum())
+                received["bytes"] += num_bytes
+        except TransportError:
+            pass  # the connection was cut
+        finally:
+            finished.set()
+
+    server = await make_transport(streams={"slow": slow_reader})
+    client = await make_transport()
+    values = np.arange(2 << 20, dtype=np.float32)  # 8 MiB frames: more than the sockets hold
+    async with client.open_stream(server.address, "slow", {}) as stream:
+        assert await stream.reply_header() == {"ok": True}
+        for _ in range(3):
+            await stream.send(memoryview(values).cast("B"))
+        await asyncio.sleep(0.3)  # the body's writer waits for the reader
+    values.fill(np.nan)  # the caller's next values
+    release.set()
+    await asyncio.wait_for(finished.wait(), timeout=20)
+    assert received["changed"] == 0
+    assert received["bytes"] < 3 * values.nbytes
 
 
 def test_only_aiohttps_chunked_writer_is_bypassed():
