@@ -17,6 +17,7 @@ from aiohttp import web
 
 from dht.errors import AuthError, RemoteError, RequestTimeoutError, TransportError
 from dht.net.auth import FrameTagger
+from dht.net.bulk_chunks import BULK_MIN_BYTES, BulkChunkWriter, PiecesPayload, plain_piece
 from dht.net.client import ClientSessions, check_response, needs_new_session, signed_headers
 from dht.net.frames import FrameReader, FrameWriter
 from dht.net.session import digest, response_mac
@@ -92,6 +93,7 @@ class ServerStream:
         self._write_timeout_s = write_timeout_s
         self._response: web.StreamResponse | None = None
         self._writer: FrameWriter | None = None
+        self._bulk: BulkChunkWriter | None = None
         self._watchdog = _WriteWatchdog(request, write_timeout_s)
 
     @property
@@ -128,18 +130,21 @@ class ServerStream:
         self._response = response
         self._writer = FrameWriter(self._write, tagger=self._tagger, direction=b"down")
         self._watchdog.start()
-        await self._guarded(response.prepare(self._request))
+        self._bulk = BulkChunkWriter.wrap(await self._guarded(response.prepare(self._request)))
         await self._writer.write_message_bytes(packed)
 
     async def _write(self, data: bytes | memoryview) -> None:
-        await self._guarded(self._response.write(data))
+        if self._bulk is not None and len(data) >= BULK_MIN_BYTES:
+            await self._guarded(self._bulk.write(data))  # a tensor's bytes: not copied first
+        else:
+            await self._guarded(self._response.write(plain_piece(data)))
 
-    async def _guarded(self, writing) -> None:
+    async def _guarded(self, writing) -> Any:
         # A receiver that stops reading blocks the writes once the socket buffers are full;
         # the watchdog then cuts the connection (stream_write_timeout_s).
         self._watchdog.waiting_since_s = time.monotonic()
         try:
-            await writing
+            return await writing
         except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
             if self._watchdog.fired:
                 raise RequestTimeoutError(
@@ -150,6 +155,7 @@ class ServerStream:
             self._watchdog.waiting_since_s = None
 
     async def send(self, chunk: bytes | memoryview) -> None:
+        """Send ``chunk`` as one binary frame; ``chunk`` may be changed once this returns."""
         if self._writer is None:
             raise RuntimeError("call reply() before send()")
         await self._writer.write_chunk(chunk)
@@ -243,13 +249,16 @@ class ClientStream:
         return self
 
     async def _post(self, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        return await self._http.post(self._url, data=self._body(), headers=headers)
+        body = PiecesPayload(self._body())  # large pieces reach the socket uncopied
+        return await self._http.post(self._url, data=body, headers=headers)
 
     async def _body(self) -> AsyncIterator[bytes | memoryview]:
         while (piece := await self._queue.get()) is not _END:
             yield piece
 
     async def send(self, chunk: bytes | memoryview) -> None:
+        """Queue ``chunk`` as one binary frame. A large chunk is read from the caller's memory
+        when its turn to be written comes: keep it unchanged until the reply to it arrived."""
         if self._done_sending:
             raise RuntimeError("send() after finish_sending()")
         if self._response_task.done() and self._reader is None:
