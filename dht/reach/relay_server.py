@@ -36,6 +36,8 @@ RELAY_PREFIX = f"/{API_VERSION}/relay/"
 _NAME = "[A-Za-z0-9._-]{1,64}"
 FORWARDED_PATH = re.compile(rf"/{API_VERSION}/(hello|info|rpc/{_NAME}|stream/{_NAME})")
 FORWARDED_HEADERS = ("content-type",)
+# An HTTP header name (RFC 9110's token)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 def forwarded_headers(headers) -> dict[str, str]:
@@ -43,8 +45,9 @@ def forwarded_headers(headers) -> dict[str, str]:
     the tunnel's own mark (a caller cannot pass for the relayed node's tunnel).
 
     Raises:
-        BadMessageError: a value carried across is not printable ASCII (aiohttp decodes
-            request headers leniently, and would refuse such a value in an answer).
+        BadMessageError: a name carried across is no HTTP token, or a value is not printable
+            ASCII (aiohttp decodes request headers leniently, and would refuse either in an
+            answer, once the answer had begun).
     """
     carried = {
         name.lower(): value
@@ -53,6 +56,8 @@ def forwarded_headers(headers) -> dict[str, str]:
         and name.lower() != TUNNEL_HEADER
     }
     for name, value in carried.items():
+        if not _TOKEN.fullmatch(name):
+            raise BadMessageError(f"header name {name[:64]!r} is not an HTTP token")
         if not (value.isascii() and value.isprintable()):
             raise BadMessageError(f"header {name} is not printable ASCII")
     return carried
@@ -244,7 +249,8 @@ def _status(head: dict) -> int:
 def _headers(head: dict) -> dict[str, str]:
     headers = head.get("h")
     if not isinstance(headers, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
-    ):
+        isinstance(k, str) and isinstance(v, str) and _TOKEN.fullmatch(k)
+        for k, v in headers.items()
+    ):  # a name that is no token is malformed even where it would not be carried across
         raise TransportError("relayed peer answered malformed headers")
     return forwarded_headers(headers)

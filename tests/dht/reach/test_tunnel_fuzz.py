@@ -237,6 +237,9 @@ NAMED = {
     "RESET whose payload is not msgpack": [("RESET", "this", b"\xc1\xff")],
     "HEAD that is not a map": [("HEAD", "this", pack("s"))],
     "HEAD with a bad status": [("HEAD", "this", pack({"s": 101, "h": {}}))],
+    "HEAD with a header name that is no token": [
+        ("HEAD", "this", pack({"s": 200, "h": {"x-vp-bad\nname": "v"}}))
+    ],
     "a frame over the tunnel's size": [("DATA", "this", b"\x00" * (MAX_MESSAGE_BYTES + 16))],
     "a frame shorter than its prefix": [("SHORT", "this", b"\x02")],
     "a frame of an unknown kind": [("KIND7", "this", b"")],
