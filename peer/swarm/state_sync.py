@@ -41,7 +41,7 @@ from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, announcement_key
-from peer.swarm.digest_schedule import LINGER_S, DigestSchedule
+from peer.swarm.digest_schedule import LINGER_S, MAX_STRIDE, DigestSchedule
 from peer.swarm.state_digest import state_digest
 from peer.swarm.state_serve import (
     COMPRESSIONS,
@@ -116,6 +116,11 @@ class StateSyncConfig:
         resync_max_epochs: the most epochs between two re-syncs.
         resync_check_s: how often a peer looks whether its replica differs, in seconds (one
             read of the announcements per epoch at most).
+        max_digest_stride: a donor digests every epoch (1, the default), or, when hashing is
+            costly next to an epoch, only epochs that are multiples of a power of two up to
+            this (:mod:`peer.swarm.digest_schedule`): less CPU, but replica checks and
+            newcomers see fewer epochs to agree on, and an idle donor serves its newest state
+            only after ``LINGER_S``. A power of two.
     """
 
     announce_interval_s: float = 5.0
@@ -135,6 +140,7 @@ class StateSyncConfig:
     resync_min_epochs: int = 2
     resync_max_epochs: int = 64
     resync_check_s: float = 1.0
+    max_digest_stride: int = 1
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
@@ -172,6 +178,11 @@ class StateSyncConfig:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.min_agreement < 1:
             raise ConfigError(f"min_agreement must be >= 1, got {self.min_agreement}")
+        stride = self.max_digest_stride
+        if not (1 <= stride <= MAX_STRIDE and stride & (stride - 1) == 0):
+            raise ConfigError(
+                f"max_digest_stride must be a power of two in [1, {MAX_STRIDE}], got {stride}"
+            )
 
 
 @dataclass(frozen=True)
@@ -238,7 +249,7 @@ class StateServer:
         self._pending: collections.deque[StateSnapshot] = collections.deque(maxlen=PENDING_DIGESTS)
         self._digest_task: asyncio.Task | None = None
         self._digesting: StateSnapshot | None = None
-        self._schedule = DigestSchedule()
+        self._schedule = DigestSchedule(max_stride=config.max_digest_stride)
         self._linger: asyncio.TimerHandle | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._last_announce = -math.inf

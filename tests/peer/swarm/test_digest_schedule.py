@@ -4,6 +4,7 @@ powers of two that nest across peers, every jump, the newest it lingers at, and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from contextlib import AsyncExitStack
 
@@ -20,6 +21,9 @@ from peer.swarm.digest_schedule import (
 from peer.swarm.state_download import download_state, layout_of
 from peer.swarm.state_sync import StateSnapshot, default_digest
 from tests.peer.swarm.test_state_sync import CONFIG, peer, trained_state
+
+# the schedule is opt-in (StateSyncConfig.max_digest_stride)
+STRIDED = dataclasses.replace(CONFIG, max_digest_stride=64)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,7 +84,7 @@ def _costly(snapshot: StateSnapshot, bf16: bool) -> str:
 async def test_a_donor_digests_its_grid_and_the_newest_it_lingers_at():
     state = trained_state(0)
     async with AsyncExitStack() as stack:
-        _, donor_node, donor = await stack.enter_async_context(peer([]))
+        _, donor_node, donor = await stack.enter_async_context(peer([], config=STRIDED))
         donor.digest_fn = _costly
         for epoch in range(1, 41):  # 60 ms of hashing per 10 ms epoch: a stride of 32 or more
             donor.update(StateSnapshot.capture(epoch, state))
@@ -108,7 +112,7 @@ async def test_a_donor_digests_its_grid_and_the_newest_it_lingers_at():
 async def test_a_newcomer_asking_for_an_epoch_the_schedule_skipped_gets_it_digested():
     state = trained_state(1)
     async with AsyncExitStack() as stack:
-        _, donor_node, donor = await stack.enter_async_context(peer([]))
+        _, donor_node, donor = await stack.enter_async_context(peer([], config=STRIDED))
         donor.digest_fn = _costly
         donor.update(StateSnapshot.capture(1, state))
         await donor.settle()

