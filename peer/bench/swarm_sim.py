@@ -151,11 +151,9 @@ class _Swarm:
         samples = int(peer.samples_at(now))
         return PeerProgress(peer.peer_id, peer.epoch, samples, peer.rate, now, None, False)
 
-    def _read_bucket(
-        self, peer: _Peer, level: int, bucket: int, now: float, latest: bool = True
-    ) -> list:
+    def _read_bucket(self, peer: _Peer, level: int, bucket: int, now: float) -> list:
         # every writer here is honest and writes its own bucket: no record to filter out
-        return self.dht.get(peer.slot, bucket_key(PREFIX, level, bucket), now, latest=latest)
+        return self.dht.get(peer.slot, bucket_key(PREFIX, level, bucket), now)
 
     def _probe(self, peer: _Peer, now: float) -> None:
         sizes = [
@@ -178,8 +176,7 @@ class _Swarm:
         level = peer.size.level(self.config.records_per_bucket)
         plan = plan_read(level, peer.peer_id, partners, self.config, self.rng, peer.num_reads)
         peer.num_reads += 1
-        # as peer.swarm.progress_sample.read_sample: one replica per bucket of a sample
-        found = {b: self._read_bucket(peer, level, b, now, plan.whole) for b in plan.buckets}
+        found = {b: self._read_bucket(peer, level, b, now) for b in plan.buckets}
         fills = {b: len({r.peer_id for r in records}) for b, records in found.items()}
         records = newest_per_peer(r for bucket in found.values() for r in bucket)
         read = SampleRead(plan, records, fills)

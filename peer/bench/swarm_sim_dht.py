@@ -5,14 +5,13 @@ is too heavy for 10,000 nodes in one process for minutes of virtual time):
 
 * Every peer is a DHT node with the real node id (:meth:`dht.kademlia.routing.DHTID.from_peer_id`)
   and a key lives on its ``k`` closest live nodes by XOR distance (on the top 64 bits), as
-  Kademlia has it (``k`` is the DHT's ``num_replicas``, 5). A key's records are kept once (the replicas agree); a record outlives its
-  writer until it expires (``k`` replicas rarely all leave within a record's lifetime).
+  Kademlia has it (``k`` is the DHT's ``num_replicas``, 5). A key's records are kept once (the
+  replicas agree); a record outlives its writer until it expires (``k`` replicas rarely all
+  leave within a record's lifetime).
 * Costs are the real node's, measured over :mod:`dht.tools.memory` (real node code, packing
   and signatures; ``CostModel`` says how): a lookup is ``k`` RPCs to the key's replicas plus a
   few hops that grow with ``log2(N)``, each to a random node; ``get(latest=True)`` has every
-  replica answer with the whole value, a one-replica read (``latest=False, fresh=True``: the
-  progress buckets of a sample) only the first replica reached; a store sends the signed
-  record to every replica.
+  replica answer with the whole value; a store sends the signed record to every replica.
 * A node's bytes are both sides of every RPC it makes or answers (what the bench counts).
 """
 
@@ -122,18 +121,15 @@ class SimDHT:
             self._replicas[key] = found
         return found[0]
 
-    def _route(
-        self, client: int, key: str, rpc_bytes: float, num_replicas: int | None = None
-    ) -> np.ndarray:
-        """Bill a lookup's hops (random nodes) and its RPCs to the key's replicas (the first
-        ``num_replicas`` of them; None: all), and return those replicas."""
+    def _route(self, client: int, key: str, rpc_bytes: float) -> np.ndarray:
+        """Bill a lookup's hops (random nodes) and return the replicas it reaches."""
         hops = self.cost.hop_rpcs(self.num_alive)
         if self._alive_array is None:
             self._alive_array = np.array(self._alive_slots)
         drawn = self._alive_array[self._np_rng.integers(0, len(self._alive_array), hops)]
         self.node_bytes[drawn] += self.cost.find_rpc_bytes  # (a node drawn twice: billed once)
         self.node_bytes[client] += hops * self.cost.find_rpc_bytes
-        replicas = self.replicas(key)[:num_replicas]
+        replicas = self.replicas(key)
         self.node_bytes[replicas] += rpc_bytes
         self.node_bytes[client] += len(replicas) * rpc_bytes
         return replicas
@@ -145,14 +141,13 @@ class SimDHT:
         held[owner] = (value, expiration)
         self.max_key_records = max(self.max_key_records, len(held))
 
-    def get(self, client: int, key: str, now: float, *, latest: bool = True) -> list:
-        """Every unexpired record under ``key``: each replica answering with all of them
-        (``latest``), or the first one reached."""
+    def get(self, client: int, key: str, now: float) -> list:
+        """Every unexpired record under ``key``, each replica answering with all of them."""
         held = self.records.get(key, {})
         for owner in [o for o, (_, expiration) in held.items() if expiration <= now]:
             del held[owner]
         value_bytes = len(held) * self.cost.record_bytes
-        self._route(client, key, self.cost.find_rpc_bytes + value_bytes, None if latest else 1)
+        self._route(client, key, self.cost.find_rpc_bytes + value_bytes)
         return [value for value, _ in held.values()]
 
     def bytes_of(self, peer_ids) -> list[float]:
