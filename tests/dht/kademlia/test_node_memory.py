@@ -261,6 +261,24 @@ async def test_reader_drops_records_that_fail_validation(memory_swarm):
     assert found.value == {"free": ValueWithExpiration("free", now + 100)}
 
 
+async def test_a_fresh_read_skips_the_read_cache_and_latest_asks_the_replicas(memory_swarm):
+    swarm = await memory_swarm(12)
+    writer = swarm.nodes[0]
+    replicas = closest(swarm, "progress", writer.config.num_replicas)
+    reader = next(n for n in swarm.nodes if n.peer_id not in replicas and n is not writer)
+    now = get_dht_time()
+    subkey = owner_subkey(writer.peer_id)
+    assert await writer.store("progress", {"epoch": 1}, now + 60, subkey=subkey)
+    assert (await reader.get("progress")).value[subkey].value == {"epoch": 1}  # now cached
+    assert await writer.store("progress", {"epoch": 2}, now + 61, subkey=subkey)
+    assert (await reader.get("progress")).value[subkey].value == {"epoch": 1}  # the cache
+    assert (await reader.get("progress", fresh=True)).value[subkey].value == {"epoch": 2}
+    assert (await reader.get("progress", latest=True)).value[subkey].value == {"epoch": 2}
+    # the replicas, and no more, hold it: a latest read merges num_replicas copies, not k
+    holding = holders(swarm, "progress")
+    assert replicas <= holding and len(holding) <= writer.config.num_replicas + 1
+
+
 async def test_client_mode_node_stores_and_gets_through_others(memory_swarm):
     swarm = await memory_swarm(10)
     client = await swarm.add(client_mode=True)
