@@ -61,6 +61,12 @@ def num_buckets(num_peers: int, group_size: int) -> int:
     return 2 ** max(0, round(math.log2(num_peers / (BUCKET_PEERS_PER_GROUP * group_size))))
 
 
+def surely_in_bucket(expected: int) -> int:
+    """Peers that a bucket expected to hold ``expected`` nearly always holds: two standard
+    deviations below it (a bucket's count is binomial, about Poisson, around its share)."""
+    return max(1, math.floor(expected - 2 * math.sqrt(expected)))
+
+
 def bucket_of(key: str, peer_id: str, buckets: int) -> int:
     """The bucket of ``peer_id`` under ``key`` (the same for everyone, new every round)."""
     digest = hashlib.sha256(key.encode() + b"/" + bytes.fromhex(peer_id)).digest()
@@ -90,7 +96,10 @@ class SizePlan:
             in other groups already (:meth:`resized`).
         group_size: the largest row (``g``), for :meth:`resized`.
         sharded: ``expected_in_key`` is an estimate (a bucket's share of ``N``): the floor
-            follows the peers seen rather than the estimate.
+            follows the peers seen, but never below what a bucket nearly always holds
+            (:func:`surely_in_bucket`: peers that start their round seconds apart on a busy
+            host are not yet seen when the grace ends; following only the seen, leaders
+            closed rows of 2 to 7 where 32 peers were expected).
         num_left: peers of the key not known to be in another group, this one included (0:
             unknown). 1 after the grace: this peer is the last, it need not wait for a row.
         wait_for_seen: close only once every peer seen under the key is in (the delegates'
@@ -126,7 +135,10 @@ class SizePlan:
         if not self.expected_in_key:
             return self
         g = self.group_size
-        known = num_seen if self.sharded else max(num_seen, self.expected_in_key)
+        if self.sharded:
+            known = max(num_seen, surely_in_bucket(self.expected_in_key))
+        else:
+            known = max(num_seen, self.expected_in_key)
         num_left = max(1, known - num_taken)
         target = row_target(max(1, max(num_seen, self.expected_in_key) - num_taken), g)
         return dataclasses.replace(

@@ -38,8 +38,13 @@ class DHTConfig:
             first node of a swarm.
         bucket_size: k, the most nodes per k-bucket and the size of a lookup's result set.
         alpha: how many requests a lookup keeps in flight at once.
-        num_replicas: how many of the closest nodes each store goes to; defaults to
-            ``bucket_size``.
+        num_replicas: how many of the closest nodes each store goes to, and how many a
+            ``latest`` read merges (5, hivemind's default). Every store and every ``latest``
+            read moves one copy per replica: with ``bucket_size`` (20) replicas, the progress
+            and matchmaking keys, stored and read every few seconds, made DHT traffic the
+            largest cost of a light peer (``peer bench swarm``, docs/BENCHMARKS.md); a
+            record re-stored every few seconds survives churn with a few copies. At most
+            ``bucket_size`` (a larger value is lowered to it: a lookup finds no more nodes).
         refresh_interval_s: how often buckets that saw no traffic are refreshed by a lookup of a
             random id in their range, in seconds (also how often expired records are purged).
         republish_interval_s: how often held records that no one else re-stored meanwhile are
@@ -88,7 +93,7 @@ class DHTConfig:
     initial_peers: Sequence[str] = ()
     bucket_size: int = 20
     alpha: int = 3
-    num_replicas: int | None = None
+    num_replicas: int = 5
     refresh_interval_s: float = 600.0
     republish_interval_s: float = 1800.0
     cache_max_age_s: float = 30.0
@@ -117,13 +122,12 @@ class DHTConfig:
         if isinstance(self.initial_peers, str):
             raise ConfigError("initial_peers must be a list of URLs, not one string")
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
+        object.__setattr__(self, "num_replicas", min(self.num_replicas, self.bucket_size))
         for url in self.initial_peers:
             try:
                 parse_address(url, ("http", "https", "mem"))
             except BadMessageError as e:
                 raise ConfigError(f"initial_peers: {url!r}: {e}") from None
-        if self.num_replicas is None:
-            object.__setattr__(self, "num_replicas", self.bucket_size)
         for name in (
             "bucket_size",
             "alpha",

@@ -248,6 +248,10 @@ class DHTNode:
     ) -> LookupResult:
         """An iterative lookup of ``target`` over the network (the own storage is not read)."""
         k = self.config.bucket_size
+        if want_value and latest and converge_on is None:
+            # the replicas are the num_replicas closest: asking farther nodes for the value
+            # moved a copy per node asked (20 with k) for records that live on 5
+            converge_on = self.config.num_replicas
         return await iterative_find(
             target,
             self.routing.nearest(target, k),
@@ -376,7 +380,9 @@ class DHTNode:
 
     # ---- get ---------------------------------------------------------------------------------
 
-    async def get(self, key: Key, latest: bool = False) -> ValueWithExpiration | None:
+    async def get(
+        self, key: Key, latest: bool = False, *, fresh: bool = False
+    ) -> ValueWithExpiration | None:
         """The value under ``key``, or None if there is none (or the network failed).
 
         For a dictionary key the value is ``{subkey: ValueWithExpiration}``, with the
@@ -384,23 +390,30 @@ class DHTNode:
 
         Args:
             key: the key (str or bytes).
-            latest: ask the k closest nodes and merge their answers (every subkey any of them
-                holds, the newest version of each). Without it the answer may come from a read
+            latest: ask the ``num_replicas`` closest nodes (those every store goes to) and
+                merge their answers with what the nodes on the way held (every subkey any of
+                them holds, the newest version of each). Without it the answer may come from a read
                 of the last ``cache_max_age_s``, from this node's own replica, or from the first
                 node of the lookup that holds the key: cheaper, and complete as long as that
                 replica saw every store (a replica that joined late may lack older subkeys
                 until they are republished).
+            fresh: without ``latest``, never answer from the read cache: one replica's
+                current value (this node's own, or the first found by a lookup), for a
+                value that changes every few seconds and is read as a sample (one copy
+                moves, not one per replica).
         """
-        outcome = await self.get_outcome(key, latest=latest)
+        outcome = await self.get_outcome(key, latest=latest, fresh=fresh)
         return outcome.value
 
-    async def get_outcome(self, key: Key, *, latest: bool = False) -> GetOutcome:
+    async def get_outcome(
+        self, key: Key, *, latest: bool = False, fresh: bool = False
+    ) -> GetOutcome:
         """Like :meth:`get`, with where the value came from and the lookup's depth."""
         key_id = DHTID.from_key(key)
         now = self.clock.time()
         if not latest:
-            for source, entry in (("cache", self.cache.get(key_id, now)),
-                                  ("local", self.storage.get(key_id))):  # fmt: skip
+            cached = None if fresh else self.cache.get(key_id, now)
+            for source, entry in (("cache", cached), ("local", self.storage.get(key_id))):
                 value = self._decode(entry, key)
                 if value is not None:
                     return GetOutcome(value, source)  # type: ignore[arg-type]

@@ -55,6 +55,10 @@ class SwarmBenchConfig:
             shares its cores; at 64 peers on 2 cores the announce and the first read of the
             matchmaking key took about 3 s each, and 5 s formed no group at all).
         allreduce_timeout_s: the averager's bound on one all-reduce, in seconds.
+        min_deadline_s: the floor of the averager's adaptive waits (a sender's connection, a
+            reducer's next chunk), in seconds (None: 1, and num_peers / 32 above 32 peers: one
+            host's cores connect the senders of every group at once; at 64 peers on 2 cores,
+            10 to 26 of 64 rounds per epoch lost a sender not connected within 1 s).
         rpc_timeout_s: bound on one DHT request, in seconds (None: 5, and num_peers / 16 above
             80 peers).
         seed: seeds the peers' rates and vectors.
@@ -76,6 +80,7 @@ class SwarmBenchConfig:
     publish_interval_s: float = 2.0
     matchmaking_time_s: float | None = None
     allreduce_timeout_s: float = 30.0
+    min_deadline_s: float | None = None
     rpc_timeout_s: float | None = None
     seed: int = 0
     timeout_s: float | None = None
@@ -95,7 +100,8 @@ class SwarmBenchConfig:
                      "allreduce_timeout_s"):  # fmt: skip
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
-        for name in ("seconds", "matchmaking_time_s", "rpc_timeout_s", "timeout_s"):
+        for name in ("seconds", "matchmaking_time_s", "min_deadline_s", "rpc_timeout_s",
+                     "timeout_s"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {value}")
@@ -115,6 +121,13 @@ class SwarmBenchConfig:
         if self.matchmaking_time_s is not None:
             return self.matchmaking_time_s
         return max(5.0, self.num_peers / 5)
+
+    @property
+    def min_deadline(self) -> float:
+        """The floor of the adaptive waits used (given, or scaled with the swarm)."""
+        if self.min_deadline_s is not None:
+            return self.min_deadline_s
+        return max(1.0, self.num_peers / 32)
 
     @property
     def rpc_s(self) -> float:
@@ -158,6 +171,8 @@ class SwarmBenchConfig:
                 "matchmaking_time_s": self.matchmaking_s,
                 "allreduce_timeout_s": self.allreduce_timeout_s,
                 "request_timeout_s": self.rpc_s,
+                "min_deadline_s": self.min_deadline,
+                "max_deadline_s": max(120.0, 2 * self.min_deadline),
             },
             "step_timeout_s": self.matchmaking_s + self.allreduce_timeout_s,
             "rpc_timeout_s": self.rpc_s,
@@ -332,6 +347,7 @@ async def run_swarm_bench_async(config: SwarmBenchConfig) -> dict[str, Any]:
         "batch_size": config.batch_size,
         "matchmaking_s": config.matchmaking_s,
         "rpc_s": config.rpc_s,
+        "min_deadline": config.min_deadline,
     }
     return summarize(collected, dataclasses.asdict(config) | resolved)
 

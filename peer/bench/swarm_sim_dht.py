@@ -5,8 +5,9 @@ is too heavy for 10,000 nodes in one process for minutes of virtual time):
 
 * Every peer is a DHT node with the real node id (:meth:`dht.kademlia.routing.DHTID.from_peer_id`)
   and a key lives on its ``k`` closest live nodes by XOR distance (on the top 64 bits), as
-  Kademlia has it. A key's records are kept once (the replicas agree); a record outlives its
-  writer until it expires (``k`` replicas rarely all leave within a record's lifetime).
+  Kademlia has it (``k`` is the DHT's ``num_replicas``, 5). A key's records are kept once (the
+  replicas agree); a record outlives its writer until it expires (``k`` replicas rarely all
+  leave within a record's lifetime).
 * Costs are the real node's, measured over :mod:`dht.tools.memory` (real node code, packing
   and signatures; ``CostModel`` says how): a lookup is ``k`` RPCs to the key's replicas plus a
   few hops that grow with ``log2(N)``, each to a random node; ``get(latest=True)`` has every
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dht.kademlia.config import DHTConfig
 from dht.kademlia.routing import DHTID, ID_BITS
 
 
@@ -30,10 +32,11 @@ class CostModel:
     """Bytes and RPCs of the real DHT (bucket size 20), measured with 100 and 400 nodes over
     :mod:`dht.tools.memory`: 16 signed progress records stored from 16 nodes under one key,
     then read by 10 others with ``get(latest=True)`` (and an empty key read, for the routing
-    alone); bytes are one side of each RPC (request plus answer bodies).
+    alone); bytes are one side of each RPC (request plus answer bodies). Measured with 20
+    replicas; a lookup's path to the key's neighbourhood is the same with fewer.
 
     Attributes:
-        k: replicas of a key (the bucket size).
+        k: replicas of a key (the DHT's ``num_replicas``).
         find_rpc_bytes: one find RPC that carries no value (request and ``k`` contacts).
         store_rpc_bytes: one store RPC of one signed record (and the contacts it answers).
         record_bytes: one signed record in a replica's answer (value, subkey, signature).
@@ -41,7 +44,7 @@ class CostModel:
         rpcs_per_doubling: the RPCs a lookup adds each time the swarm doubles.
     """
 
-    k: int = 20
+    k: int = DHTConfig().num_replicas
     find_rpc_bytes: int = 1650
     store_rpc_bytes: int = 1840
     record_bytes: int = 250

@@ -184,4 +184,5 @@ def _settings(config: dict[str, Any], num_processes: int) -> dict[str, Any]:
         "samples_per_s": config["samples_per_s"],
         "matchmaking_time_s": config["matchmaking_s"],
         "rpc_timeout_s": config["rpc_s"],
+        "min_deadline_s": config.get("min_deadline"),
     }

@@ -96,6 +96,12 @@ def add_bench_swarm_command(bench_sub) -> None:
         help="the averager's matchmaking bound, s (default: 5, or peers / 5 when larger)",
     )
     parser.add_argument(
+        "--min-deadline-s",
+        type=positive_float,
+        default=None,
+        help="floor of the averager's adaptive waits, s (default: 1, or peers / 32 when larger)",
+    )
+    parser.add_argument(
         "--rpc-timeout-s",
         type=positive_float,
         default=None,
@@ -163,6 +169,7 @@ def run_bench_swarm(args: argparse.Namespace) -> int:
                 step_s=args.step_s,
                 publish_interval_s=args.publish_interval_s,
                 matchmaking_time_s=args.matchmaking_time_s,
+                min_deadline_s=args.min_deadline_s,
                 rpc_timeout_s=args.rpc_timeout_s,
                 seed=args.seed,
                 timeout_s=args.timeout_s,

@@ -27,7 +27,7 @@ from peer.records.progress import (
 class ValueReader(Protocol):
     """What reading needs of a DHT node (:class:`dht.kademlia.node.DHTNode` has it)."""
 
-    async def get(self, key: str, latest: bool = False): ...
+    async def get(self, key: str, latest: bool = False, *, fresh: bool = False): ...
 
 
 def parse_bucket(found: object, level: int, bucket: int, max_samples_per_s: float) -> list:
@@ -52,8 +52,9 @@ async def read_bucket(
     *,
     latest: bool = True,
 ) -> list[PeerProgress]:
-    """The records of one bucket (``latest``: merged from every replica)."""
-    found = await node.get(bucket_key(run_id, level, bucket), latest=latest)
+    """The records of one bucket (``latest``: merged from every replica; else one replica's,
+    never a cached read: records change every publishing interval)."""
+    found = await node.get(bucket_key(run_id, level, bucket), latest=latest, fresh=not latest)
     return parse_bucket(found, level, bucket, max_samples_per_s)
 
 
@@ -80,7 +81,7 @@ class ProgressSweep:
             (``ProgressConfig.records_per_bucket``).
         max_in_flight: gets in flight at once.
         max_latest_buckets: sweeps of more buckets than this read one replica per bucket
-            (``latest=False``: cheaper, and possibly as old as the node's read cache).
+            (``latest=False``: cheaper; a replica that missed a store misses that record).
     """
 
     def __init__(

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from averaging.levels import Spreads, Word, spread_group
-from averaging.matchmaking.rows import RoundPlan, bucket_key, row_floor, row_target
+from averaging.matchmaking.rows import (
+    RoundPlan,
+    bucket_key,
+    row_floor,
+    row_target,
+    surely_in_bucket,
+)
 from averaging.matchmaking.search import MatchResult
 from tests.averaging.conftest import exact_mean, fast_config, make_group
 
@@ -61,6 +67,8 @@ def test_rows_are_balanced_and_the_key_is_sharded_only_for_large_rounds():
     assert (sizes.target, sizes.floor) == (16, 16)
     assert (sizes.resized(40).target, sizes.resized(40).floor) == (14, 12)
     assert sizes.resized(20).target == 16 and sizes.resized(20).floor == 10
+    # seeing few of the 32 expected (the others start later): no row of 3 past the grace
+    assert surely_in_bucket(32) == 20 and sizes.resized(3).floor == 10
 
 
 def test_rows_are_sized_from_the_peers_left_once_formed_groups_are_known():

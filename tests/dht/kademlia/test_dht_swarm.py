@@ -116,8 +116,9 @@ async def test_values_survive_a_third_of_the_nodes_dying(dht_swarm):
     outcome = await writer.store_outcome("after-churn", "ok", expiration)
     # Every target accepted: no store went to a dead node. Until buckets refresh, routing tables
     # still name the dead and an answer lists only its k closest, so the live nodes farthest
-    # from the key can go unseen: at least half of k survivors hold it, and every node finds it.
-    assert outcome.ok and outcome.num_accepted == outcome.num_targets >= 10
+    # from the key can go unseen: most of the replicas hold it, and every node finds it.
+    num_replicas = writer.config.num_replicas
+    assert outcome.ok and outcome.num_accepted == outcome.num_targets >= num_replicas - 1
     for node in swarm.nodes:
         assert (await node.get("after-churn", latest=True)).value == "ok"
 

@@ -234,7 +234,7 @@ async def test_replayed_old_record_is_refused(memory_swarm):
     old = holder.storage.get(key_id)[subkey]
     assert await alice.store("state", "epoch 2", now + 200, subkey=subkey)
     newer = [n for n in swarm.nodes if (n.storage.get(key_id) or {}).get(subkey, old) != old]
-    assert len(newer) == len(swarm.nodes)  # 10 nodes, 20 replicas: every node holds it
+    assert len(newer) >= alice.config.num_replicas  # every replica holds the newer one
     for replica in newer:
         if replica is mallory:
             continue
@@ -261,6 +261,24 @@ async def test_reader_drops_records_that_fail_validation(memory_swarm):
     assert found.value == {"free": ValueWithExpiration("free", now + 100)}
 
 
+async def test_a_fresh_read_skips_the_read_cache_and_latest_asks_the_replicas(memory_swarm):
+    swarm = await memory_swarm(12)
+    writer = swarm.nodes[0]
+    replicas = closest(swarm, "progress", writer.config.num_replicas)
+    reader = next(n for n in swarm.nodes if n.peer_id not in replicas and n is not writer)
+    now = get_dht_time()
+    subkey = owner_subkey(writer.peer_id)
+    assert await writer.store("progress", {"epoch": 1}, now + 60, subkey=subkey)
+    assert (await reader.get("progress")).value[subkey].value == {"epoch": 1}  # now cached
+    assert await writer.store("progress", {"epoch": 2}, now + 61, subkey=subkey)
+    assert (await reader.get("progress")).value[subkey].value == {"epoch": 1}  # the cache
+    assert (await reader.get("progress", fresh=True)).value[subkey].value == {"epoch": 2}
+    assert (await reader.get("progress", latest=True)).value[subkey].value == {"epoch": 2}
+    # the replicas, and no more, hold it: a latest read merges num_replicas copies, not k
+    holding = holders(swarm, "progress")
+    assert replicas <= holding and len(holding) <= writer.config.num_replicas + 1
+
+
 async def test_client_mode_node_stores_and_gets_through_others(memory_swarm):
     swarm = await memory_swarm(10)
     client = await swarm.add(client_mode=True)
@@ -269,7 +287,8 @@ async def test_client_mode_node_stores_and_gets_through_others(memory_swarm):
         assert client.address is None
         now = get_dht_time()
         assert await client.store("from-client", "hi", now + 60)
-        assert holders(swarm, "from-client") == closest(swarm, "from-client", 20)
+        num_replicas = client.config.num_replicas
+        assert holders(swarm, "from-client") == closest(swarm, "from-client", num_replicas)
         assert (await swarm.nodes[3].get("from-client")).value == "hi"
         assert await swarm.nodes[3].store("to-client", "hello", now + 60)
         assert (await client.get("to-client")).value == "hello"
@@ -465,7 +484,8 @@ def test_config_errors_name_the_field(field, value):
 
 def test_config_defaults():
     config = DHTConfig(initial_peers=["http://127.0.0.1:1"])
-    assert config.num_replicas == config.bucket_size == 20 and config.alpha == 3
+    assert config.num_replicas == 5 and config.bucket_size == 20 and config.alpha == 3
+    assert DHTConfig(bucket_size=3).num_replicas == 3  # no more replicas than a lookup finds
     assert config.initial_peers == ("http://127.0.0.1:1",)
 
 
