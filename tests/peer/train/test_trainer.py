@@ -28,12 +28,19 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
+# Where the trainer trains by default (a CUDA machine: the GPU); the references run there too,
+# in float32 (the trainers they are held against turn mixed precision off)
+DEVICE = select_device("auto")
+FLOAT32 = TrainerConfig(amp="off")
+
+
 def hand_loop(task: Task, shard: DataShard, num_steps: int, max_grad_norm=None):
     """The reference: the loop a PyTorch user writes, over the same batches."""
-    model = task.build_model()
+    model = task.build_model().to(DEVICE)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for inputs, targets in itertools.islice(task.make_loader(shard), num_steps):
+        inputs, targets = inputs.to(DEVICE), targets.to(DEVICE)
         optimizer.zero_grad()
         loss = task.loss_fn(model(inputs), targets)
         loss.backward()
@@ -47,7 +54,9 @@ def hand_loop(task: Task, shard: DataShard, num_steps: int, max_grad_norm=None):
 def make_trainer(task: Task, shard: DataShard, **config) -> Trainer:
     model = task.build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    return Trainer(task, model, optimizer, shard=shard, config=TrainerConfig(**config))
+    return Trainer(
+        task, model, optimizer, shard=shard, config=TrainerConfig(**{"amp": "off", **config})
+    )
 
 
 def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -153,16 +162,16 @@ def test_custom_hook_gets_each_step_and_phases_are_marked():
     model = task.build_model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     hook = RecordingHook()
-    trainer = Trainer(task, model, sgd, shard=DataShard(), clock=clock, hook=hook)
+    trainer = Trainer(task, model, sgd, shard=DataShard(), clock=clock, hook=hook, config=FLOAT32)
     trainer.run(max_steps=6)
     assert [c.step for c in hook.contexts] == list(range(1, 7))
     assert all(c.batch_samples == 16 and c.loss.requires_grad is False for c in hook.contexts)
     # The reference: SGD on the sum of each pair of batches' mean-loss gradients.
-    reference = task.build_model()
+    reference = task.build_model().to(DEVICE)
     reference_sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
     batches = list(itertools.islice(task.make_loader(DataShard()), 6))
     for step, (inputs, targets) in enumerate(batches, start=1):
-        task.loss_fn(reference(inputs), targets).backward()
+        task.loss_fn(reference(inputs.to(DEVICE)), targets.to(DEVICE)).backward()
         if step % 2 == 0:
             reference_sgd.step()
             reference_sgd.zero_grad()
