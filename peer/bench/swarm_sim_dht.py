@@ -5,7 +5,7 @@ is too heavy for 10,000 nodes in one process for minutes of virtual time):
 
 * Every peer is a DHT node with the real node id (:meth:`dht.kademlia.routing.DHTID.from_peer_id`)
   and a key lives on its ``k`` closest live nodes by XOR distance (on the top 64 bits), as
-  Kademlia has it (``k`` is the DHT's ``num_replicas``, 5). A key's records are kept once (the
+  Kademlia has it (``k`` is the DHT's ``num_replicas``). A key's records are kept once (the
   replicas agree); a record outlives its writer until it expires (``k`` replicas rarely all
   leave within a record's lifetime).
 * Costs are the real node's, measured over :mod:`dht.tools.memory` (real node code, packing
