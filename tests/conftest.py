@@ -22,6 +22,7 @@ import pytest
 from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.net.config import TransportConfig
+from tests.socket_writes import transport_writes  # noqa: F401 (a fixture for every test)
 
 # Test files that make network namespaces (see the module docstring).
 NETNS_FILES = {

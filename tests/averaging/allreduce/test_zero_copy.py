@@ -11,35 +11,13 @@ import numpy as np
 import pytest
 
 from tests.averaging.conftest import exact_mean, fast_config, make_group
+from tests.socket_writes import bytes_handed_from
 
 pytestmark = pytest.mark.timeout(60)
 
 NUM_PEERS = 3
 CHUNK_NUMEL = 1 << 16  # 256 KiB chunks: every one is a bulk write
 NUMEL = NUM_PEERS * 4 * CHUNK_NUMEL  # each part is 4 whole chunks
-
-
-@pytest.fixture
-def transport_writes(monkeypatch) -> list[memoryview]:
-    """Every view (not bytes) handed to a socket transport's ``write`` while the test runs."""
-    writes: list[memoryview] = []
-    original = asyncio.selector_events._SelectorSocketTransport.write
-
-    def write(self, data):
-        if isinstance(data, memoryview):
-            writes.append(data)
-        return original(self, data)
-
-    monkeypatch.setattr(asyncio.selector_events._SelectorSocketTransport, "write", write)
-    return writes
-
-
-def bytes_handed_from(writes: list[memoryview], array: np.ndarray) -> int:
-    return sum(
-        view.nbytes
-        for view in writes
-        if np.may_share_memory(np.frombuffer(view, dtype=np.uint8), array)
-    )
 
 
 async def test_chunks_go_to_the_sockets_from_the_tensors_own_memory(make_peers, transport_writes):

@@ -11,32 +11,9 @@ import pytest
 
 from dht.errors import TransportError
 from dht.net.bulk_chunks import BULK_MIN_BYTES, BulkChunkWriter
+from tests.socket_writes import bytes_handed_from
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def transport_writes(monkeypatch) -> list[memoryview]:
-    """Every view (not bytes) handed to a socket transport's ``write`` while the test runs."""
-    writes: list[memoryview] = []
-    original = asyncio.selector_events._SelectorSocketTransport.write
-
-    def write(self, data):
-        if isinstance(data, memoryview):
-            writes.append(data)
-        return original(self, data)
-
-    monkeypatch.setattr(asyncio.selector_events._SelectorSocketTransport, "write", write)
-    return writes
-
-
-def bytes_handed_from(writes: list[memoryview], array: np.ndarray) -> int:
-    """How many bytes of ``array``'s memory were handed to a transport as views of it."""
-    return sum(
-        view.nbytes
-        for view in writes
-        if np.may_share_memory(np.frombuffer(view, dtype=np.uint8), array)
-    )
 
 
 async def test_large_payloads_reach_the_socket_uncopied_both_ways(make_transport, transport_writes):
