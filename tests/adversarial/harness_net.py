@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,13 @@ from tests.helpers.child import JsonLinesChild
 WORKER = Path(__file__).with_name("net_worker.py")
 # What a crashed task or handler leaves in a log; an honest node must never show them.
 CRASH_MARKERS = ("Traceback", "Task exception was never retrieved", "UNHANDLED")
+# a 500 in an error's text, not three digits inside a hex peer id or digest next to it
+_STATUS_500 = re.compile(r"(?<![0-9a-f])500(?![0-9a-f])")
+
+
+def is_status_500(error: BaseException) -> bool:
+    """Whether an error's text names an HTTP 500 (a server that crashed, not one that refused)."""
+    return _STATUS_500.search(str(error)) is not None
 
 
 @dataclass
