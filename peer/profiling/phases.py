@@ -244,7 +244,7 @@ class PhaseClock:
 
     def _read(self) -> float:
         # Caller holds the lock: advance to now, then let a subclass settle what it attributes
-        # only when the clock is read (``cpu_wait``, see peer.profiling.profiler.ProfiledClock).
+        # only when the clock is read (``cpu_wait``, see ``profiled_clock.ProfiledClock``).
         now = self._advance()
         self._settle()
         return now

@@ -18,7 +18,7 @@ import pytest
 
 from peer.profiling.cpu_wait import RunQueueProbe
 from peer.profiling.metrics_reader import validate_line
-from peer.profiling.profiler import ProfiledClock
+from peer.profiling.profiled_clock import ProfiledClock
 from peer.profiling.summary import diagnose
 
 BUSY_S = 1.0
