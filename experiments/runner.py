@@ -24,7 +24,7 @@ from experiments.analysis import STATUS_FILE, CurvePoint, loss_curve, read_json
 from experiments.launch.base import LaunchError, ProcessPlan, Session
 from experiments.spec import ExperimentSpec, RunConfig, cpu_split
 from peer.profiling.metrics_reader import read_metrics
-from peer.run.config import join_command
+from peer.run.flags import join_command
 
 WATCH_INTERVAL_S = 0.5
 # (bootstrap URL, session) -> a context manager showing the swarm while it is open.

@@ -74,7 +74,7 @@ from dht.launch import open_node
 from dht.net.config import TransportConfig
 from peer.bench.processes import STOP_GRACE_S, sample_memory, stop_process_group
 from peer.bench.train_windows import METRICS_INTERVAL_S, run_windows, window_fields
-from peer.run.config import join_command
+from peer.run.flags import join_command
 from peer.train.allocator import steady_allocator
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from dht.launch import open_node
 from dht.net.config import TransportConfig
 from peer.records.progress import PeerProgress
 from peer.records.progress_read import ProgressSweep
-from peer.run.config import join_command
+from peer.run.flags import join_command
 
 RUN_ID = "demo"
 REFRESH_S = 0.5

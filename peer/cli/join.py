@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 
-from peer.run.config import add_config_arguments, load_config
+from peer.run.flags import add_config_arguments, load_config
 
 
 def add_join_command(sub) -> None:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from experiments.launch.base import ProcessPlan
 from experiments.launch.netns import NetnsSession, address_of
 from experiments.spec import NetworkSpec
-from peer.run.config import join_command
+from peer.run.flags import join_command
 from tests.experiments.helpers import read_lines
 
 pytestmark = pytest.mark.timeout(300)

@@ -29,7 +29,7 @@ from dht.net.config import PortMappingConfig, ReachabilityConfig, TransportConfi
 from dht.reach.reachability import reachability_line
 from experiments.launch.netns import cleanup_all, list_namespaces
 from experiments.launch.netns_links import LAN_PEER_ADDRESS, home_router, in_namespace, ip
-from peer.run.config import join_command
+from peer.run.flags import join_command
 from tests.experiments.launch.namespace_loop import LoopInNamespace
 from tests.experiments.launch.test_nat import _in
 

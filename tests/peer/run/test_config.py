@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dht.errors import ConfigError
-from peer.run.config import PeerConfig, add_config_arguments, join_command, load_config
+from peer.run.config import PeerConfig
+from peer.run.flags import add_config_arguments, join_command, load_config
 
 pytestmark = pytest.mark.timeout(30)
 
