@@ -212,6 +212,8 @@ class DHTStorage:
         self._num_records = 0
         self.num_bytes = 0
         self._owner_bytes: dict[str, int] = {}
+        self._key_bytes: dict[int, int] = {}  # what charges() of each held entry sums to
+        self._key_unowned_bytes: dict[int, int] = {}  # its ANONYMOUS part
         self._expirations: list[tuple[float, int]] = []  # a heap; entries may be outdated
         self._updated_at_s: dict[int, float] = {}
 
@@ -241,31 +243,34 @@ class DHTStorage:
         if new is None:
             return False
         if new is not old:
-            if not self._fits(old, new):
+            if subkey is not None and isinstance(old, dict) and isinstance(new, dict):
+                # One subkey added or replaced: charge its difference alone, so that a store
+                # costs the same under a key of 3 records or of 3000.
+                change = _subkey_change(subkey, record, old.get(subkey))
+            else:
+                change = _change(old, new)
+            if not self._fits(key_id, change):
                 return False
-            self._replace(key_id, old, new)
+            self._replace(key_id, new, change)
             heapq.heappush(self._expirations, (record.expiration_time, key_id))
         # The same record again is a republish by another replica: ours can wait.
         self._updated_at_s[key_id] = time.monotonic()
         return True
 
-    def _fits(self, old: Entry | None, new: Entry) -> bool:
-        delta_records = _count(new) - (_count(old) if old is not None else 0)
-        if delta_records > 0 and self._num_records + delta_records > self.max_records:
+    def _fits(self, key_id: int, change: _Change) -> bool:
+        if change.num_records > 0 and self._num_records + change.num_records > self.max_records:
             return False
-        old_charges, new_charges = charges(old), charges(new)
-        old_bytes, new_bytes = sum(old_charges.values()), sum(new_charges.values())
-        if new_bytes > old_bytes and (
-            new_bytes > self.max_bytes_per_key
-            or self.num_bytes - old_bytes + new_bytes > self.max_bytes
+        delta_bytes = sum(change.bytes_by_owner.values())
+        key_bytes = self._key_bytes.get(key_id, 0) + delta_bytes
+        if delta_bytes > 0 and (
+            key_bytes > self.max_bytes_per_key or self.num_bytes + delta_bytes > self.max_bytes
         ):
             return False
-        for owner, num_bytes in new_charges.items():
-            delta = num_bytes - old_charges.get(owner, 0)
+        for owner, delta in change.bytes_by_owner.items():
             if delta <= 0:
                 continue
             if owner == ANONYMOUS:
-                if num_bytes > self.max_unowned_bytes_per_key:
+                if self._key_unowned_bytes.get(key_id, 0) + delta > self.max_unowned_bytes_per_key:
                     return False
                 cap = self.max_unowned_bytes
             else:
@@ -274,19 +279,15 @@ class DHTStorage:
                 return False
         return True
 
-    def _replace(self, key_id: int, old: Entry | None, new: Entry | None) -> None:
-        old_charges, new_charges = charges(old), charges(new)
-        for owner in old_charges.keys() | new_charges.keys():
-            held = self._owner_bytes.get(owner, 0)
-            held += new_charges.get(owner, 0) - old_charges.get(owner, 0)
-            if held:
-                self._owner_bytes[owner] = held
-            else:
-                self._owner_bytes.pop(owner, None)
-        self.num_bytes += sum(new_charges.values()) - sum(old_charges.values())
-        self._num_records += (_count(new) if new is not None else 0) - (
-            _count(old) if old is not None else 0
-        )
+    def _replace(self, key_id: int, new: Entry | None, change: _Change) -> None:
+        for owner, delta in change.bytes_by_owner.items():
+            _add(self._owner_bytes, owner, delta)
+            if owner == ANONYMOUS:
+                _add(self._key_unowned_bytes, key_id, delta)
+        delta_bytes = sum(change.bytes_by_owner.values())
+        self.num_bytes += delta_bytes
+        _add(self._key_bytes, key_id, delta_bytes)
+        self._num_records += change.num_records
         if new is None:
             self._data.pop(key_id, None)
             self._updated_at_s.pop(key_id, None)
@@ -344,7 +345,8 @@ class DHTStorage:
             _, key_id = heapq.heappop(self._expirations)
             entry = self._data.get(key_id)
             if entry is not None:
-                self._replace(key_id, entry, without_expired(entry, now))
+                alive = without_expired(entry, now)
+                self._replace(key_id, alive, _change(entry, alive))
         if len(self._expirations) > 4 * self._num_records + 64:
             # Overwritten records leave outdated heap entries behind; rebuild from what is held.
             self._expirations = [
@@ -356,8 +358,39 @@ class DHTStorage:
         return num_before - self._num_records
 
 
-def _count(entry: Entry) -> int:
+def _count(entry: Entry | None) -> int:
+    if entry is None:
+        return 0
     return 1 if isinstance(entry, Record) else len(entry)
+
+
+class _Change(NamedTuple):
+    """What a store changes in the counts: bytes by owner, and records."""
+
+    bytes_by_owner: dict[str, int]
+    num_records: int
+
+
+def _change(old: Entry | None, new: Entry | None) -> _Change:
+    """The change from ``old`` to ``new``, counted over every record of both."""
+    bytes_by_owner = charges(new)
+    for owner, num_bytes in charges(old).items():
+        bytes_by_owner[owner] = bytes_by_owner.get(owner, 0) - num_bytes
+    return _Change(bytes_by_owner, _count(new) - _count(old))
+
+
+def _subkey_change(subkey: Subkey, record: Record, replaced: Record | None) -> _Change:
+    """The change of writing ``record`` under ``subkey`` over ``replaced`` (None: a new one)."""
+    delta = record_cost(subkey, record) - (record_cost(subkey, replaced) if replaced else 0)
+    return _Change({subkey_owner(subkey) or ANONYMOUS: delta}, 0 if replaced else 1)
+
+
+def _add(counts: dict[T, int], key: T, delta: int) -> None:
+    held = counts.get(key, 0) + delta
+    if held:
+        counts[key] = held
+    else:
+        counts.pop(key, None)
 
 
 class ValueCache:
