@@ -132,23 +132,21 @@ def load_spec(path: str | Path) -> ExperimentSpec:
         SpecError: unreadable, not TOML, or invalid (the message names the key).
     """
     path = Path(path)
+    return parse_spec(_read_toml(path, ""), base_dir=path.parent)
+
+
+def _read_toml(path: Path, where: str) -> dict[str, Any]:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
-        raise SpecError(f"{path}: cannot read: {e.strerror or e}") from None
+        raise SpecError(f"{where}cannot read {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"{path}: not valid TOML: {e}") from None
-    return parse_spec(data, base_dir=path.parent)
+        raise SpecError(f"{where}{path} is not valid TOML: {e}") from None
 
 
 def _with_inventory(spec: ExperimentSpec, base_dir: Path) -> ExperimentSpec:
     path = spec.ssh.inventory if spec.ssh.inventory.is_absolute() else base_dir / spec.ssh.inventory
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise SpecError(f"ssh.inventory: cannot read {path}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"ssh.inventory: {path} is not valid TOML: {e}") from None
+    data = _read_toml(path, "ssh.inventory: ")
     hosts = []
     for number, host in enumerate(data.get("hosts", [])):
         try:
