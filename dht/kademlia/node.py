@@ -33,7 +33,6 @@ from dht.kademlia.storage import (
     Entry,
     Record,
     Subkey,
-    ValueCache,
     ValueWithExpiration,
     decode_entry,
     merge_entries,
@@ -44,6 +43,7 @@ from dht.kademlia.validation import (
     sign_record,
     subkey_owner,
 )
+from dht.kademlia.value_cache import ValueCache
 from dht.net.fair_work import FairWork
 from dht.net.transport import Transport
 from dht.net.wire import MessageLimits, pack

@@ -15,10 +15,10 @@ from dht.kademlia.storage import (
     RECORD_OVERHEAD_BYTES,
     DHTStorage,
     Record,
-    ValueCache,
     charges,
     merge_entries,
 )
+from dht.kademlia.value_cache import ValueCache
 from dht.net.wire import pack
 
 pytestmark = pytest.mark.timeout(30)
