@@ -210,7 +210,9 @@ class HttpServer:
             request, self.limits.max_body_bytes, peer=proven.peer_id, host=proven.share_host
         )
         self.requests.charge_body(
-            proven.peer_id, proven.share_host, len(body) / self.config.request_body_bytes_per_request
+            proven.peer_id,
+            proven.share_host,
+            len(body) / self.config.request_body_bytes_per_request,
         )
         if digest(body) != proven.body_digest:
             raise Refused(401, "body does not match the digest its MAC covers")

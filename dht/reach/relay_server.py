@@ -11,7 +11,8 @@ to end (``path`` is the logical ``/v2/...`` path both sign).
 
 Shares: a forwarded request is one of its caller address's requests at the relay
 (``max_requests_per_s_per_address``, 429 past it), its bytes are paid into that address's byte
-bucket, and it holds one of the address's request slots of that peer. The relay adds the
+bucket, and it holds one of the address's request slots of that peer (past them, a 429 that
+empties the address's bucket of requests). The relay adds the
 caller's address (``x-vp-relayed-for``: its IPv4 address or IPv6 /64, replacing any the caller
 sent), which the relayed peer charges its address shares to as ``relayed/{address}`` (a hint:
 a relay that lies only moves its own callers' requests between its own keys; every request is
@@ -33,8 +34,8 @@ from dht.net.config import TransportConfig
 from dht.net.door import RELAYED_FOR_HEADER, refuse_over_rate
 from dht.net.limits import peer_host
 from dht.net.server import HttpServer, Proven, Refused
-from dht.net.shares import address_key
 from dht.net.session import digest, response_mac
+from dht.net.shares import address_key
 from dht.reach.relay_mux import MAX_MESSAGE_BYTES, OPEN, Mux, MuxStream
 from dht.reach.relay_shares import ByteRate, OverShareError, RelayShares
 
@@ -45,14 +46,16 @@ RELAY_PREFIX = f"/{API_VERSION}/relay/"
 # What a relay forwards: the versioned API of the relayed peer, nothing else.
 _NAME = "[A-Za-z0-9._-]{1,64}"
 FORWARDED_PATH = re.compile(rf"/{API_VERSION}/(hello|info|rpc/{_NAME}|stream/{_NAME})")
-FORWARDED_HEADERS = ("content-type",)
+# (retry-after: a relayed peer's 429 tells its callers when to come back, as a direct one does)
+FORWARDED_HEADERS = ("content-type", "retry-after")
 # An HTTP header name (RFC 9110's token)
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 def forwarded_headers(headers) -> dict[str, str]:
-    """The headers a relay carries across: the proof (``x-vp-*``) and the content type; never
-    the tunnel's own mark (a caller cannot pass for the relayed node's tunnel).
+    """The headers a relay carries across: the proof (``x-vp-*``), the content type and a
+    refusal's ``Retry-After``; never the tunnel's own mark (a caller cannot pass for the
+    relayed node's tunnel).
 
     Raises:
         BadMessageError: a name carried across is no HTTP token, or a value is not printable
@@ -206,7 +209,10 @@ class RelayService:
                 finally:
                     await stream.close("the caller's request ended")
         except OverShareError as e:
-            raise Refused(503, str(e)) from None
+            # the address's own doing: a 429 that empties its bucket of requests here, so that
+            # a retry at once is refused at the first check (and held if it keeps coming back)
+            retry_after_s = self.server.requests.addresses.drain(address_key(host))
+            raise Refused(429, str(e), retry_after_s=retry_after_s) from None
 
     async def _relay(
         self, request: web.Request, stream: MuxStream, path: str, headers: dict, rate: ByteRate

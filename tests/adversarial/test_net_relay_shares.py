@@ -37,8 +37,18 @@ from tests.adversarial.test_net_shares import P50_FACTOR, P50_SLACK_S, p50
 pytestmark = pytest.mark.timeout(120)
 NUM_KEYS = 16
 NUM_SENDERS = 12
-NUM_PINGS = 60
+PINGS_PER_BATCH = 10
+BATCH_PAUSE_S = 0.2  # honest pings ~40 a second: well within the honest address's own share
+MEASURE_S = 3.0
 DEFAULTS = TransportConfig()
+# Where the attacker's share binds: at the relay (defaults), or only at the relayed peer (the
+# relay's shares of an address made so wide that they never bind).
+WIDE_OPEN = {
+    "max_requests_per_s_per_address": 1e6,
+    "request_burst_per_address": 1_000_000,
+    "max_relayed_requests_per_address": 2 * NUM_SENDERS,
+    "max_relayed_requests_per_peer": 4 * NUM_SENDERS,
+}
 
 
 class RelayedFlood:
@@ -86,14 +96,28 @@ class RelayedFlood:
             pass  # (the assertions below say it was never refused)
 
 
+async def paced_pings(honest, address: str) -> list[float | None]:
+    """Honest pings to ``address`` for ``MEASURE_S``, in batches: each latency (None: failed)."""
+    latencies: list[float | None] = []
+    deadline_s = time.monotonic() + MEASURE_S
+    while time.monotonic() < deadline_s:
+        answer = await honest.ask({"cmd": "pings", "address": address, "count": PINGS_PER_BATCH})
+        latencies += answer["latencies_s"]
+        await asyncio.sleep(BATCH_PAUSE_S)
+    return latencies
+
+
+@pytest.mark.parametrize("where", ["relay", "relayed peer"])
 async def test_a_flood_through_a_relay_gets_its_address_share_and_honest_callers_are_served(
     node_processes,  # noqa: F811
+    where,
 ):
-    (relay,) = await node_processes(1)
+    relay_transport = WIDE_OPEN if where == "relayed peer" else {}
+    (relay,) = await node_processes(1, transport=relay_transport)
     (victim,) = await node_processes(1, initial_peers=[relay.address], relay_urls=[relay.address])
     (honest,) = await node_processes(1, initial_peers=[relay.address])
     assert victim.address == f"{relay.address}/v2/relay/{victim.peer_id}", victim.address
-    base = await honest.ask({"cmd": "pings", "address": victim.address, "count": NUM_PINGS})
+    base = await paced_pings(honest, victim.address)
     clients = []
     for _ in range(NUM_KEYS):
         client = await WireClient(local_host=ATTACKER_HOST).__aenter__()
@@ -102,31 +126,34 @@ async def test_a_flood_through_a_relay_gets_its_address_share_and_honest_callers
     try:
         flood.start()
         await flood.until_refused(timeout_s=10.0)
-        attacked = await honest.ask({"cmd": "pings", "address": victim.address,
-                                     "count": NUM_PINGS})  # fmt: skip
+        attacked = await paced_pings(honest, victim.address)
         await flood.stop()
     finally:
         for client, _ in clients:
             await client.__aexit__()
     statuses = flood.statuses()
     duration_s = flood.stopped_s - flood.started_s
-    base_p50, attacked_p50 = p50(base["latencies_s"]), p50(attacked["latencies_s"])
+    refusals = [answer for answer in flood.answers if answer.status == 429]
+    # for its rate, or for its share of the relayed peer's request slots at the relay
+    reasons = Counter(
+        "rate" if a.reason.startswith("too many requests from this address") else
+        "slots" if "requests to this peer in progress" in a.reason else a.reason
+        for a in refusals
+    )  # fmt: skip
+    base_p50, attacked_p50 = p50(base), p50(attacked)
     print(
-        f"relayed flood ({NUM_KEYS} keys, {duration_s:.1f} s: {statuses[200]} served, "
-        f"{statuses[429]} refused 429, {statuses[503]} refused 503): honest ping p50 through "
+        f"relayed flood, bound at the {where} ({NUM_KEYS} keys, {duration_s:.1f} s: "
+        f"{statuses[200]} served, "
+        f"{statuses[429]} refused 429 ({dict(reasons)}): honest ping p50 through "
         f"the relay {base_p50 * 1e3:.2f} ms -> {attacked_p50 * 1e3:.2f} ms "
         f"(x{attacked_p50 / base_p50:.2f})"
     )
-    # 503: the address holds its share of the relayed peer's request slots (its own, at once)
-    assert set(statuses) <= {200, 429, 503}, statuses
-    refusals = [answer for answer in flood.answers if answer.status == 429]
-    assert refusals and all(a.reason.startswith("too many requests from this address")
-                            for a in refusals), {a.reason for a in refusals}  # fmt: skip
+    others = {a.reason for a in flood.answers if a.status not in (200, 429)}
+    assert set(statuses) <= {200, 429}, (statuses, others)
+    assert refusals and set(reasons) <= {"rate", "slots"}, reasons
     assert all(int(a.headers["Retry-After"]) >= 1 for a in refusals)
-    slot_refusals = {a.reason for a in flood.answers if a.status == 503}
-    assert all("requests to this peer" in reason for reason in slot_refusals), slot_refusals
     # However many keys it proved, one address is served at most one address's share of the
-    # relay's requests (every 429 and 503 counted in it too).
+    # relay's requests (every refusal counted in it too), or of the relayed peer's.
     rate_per_s = DEFAULTS.max_requests_per_s_per_address
     burst = DEFAULTS.request_burst_per_address
     assert statuses[200] <= burst + rate_per_s * duration_s + NUM_SENDERS, (statuses, duration_s)
