@@ -30,7 +30,7 @@ from dht.net.refusals import ClientGone, Refused, error_response
 from dht.net.replay import ReplayGuard
 from dht.net.request_shares import RateRefusal, RequestShares
 from dht.net.session import SessionIssuer, macs_equal, request_mac
-from dht.net.shares import address_key
+from dht.net.shares import RELAYED_SHARE_PREFIX, address_key
 
 logger = logging.getLogger("dht.net.server")  # (the refusals' log lines keep their old name)
 
@@ -39,7 +39,6 @@ _HEX = re.compile(r"[0-9a-f]+")
 # relay on every request it forwards (a caller's own is overwritten there): a hint only, charged
 # under its own name (``relayed/...``), never taken for a real source address.
 RELAYED_FOR_HEADER = "x-vp-relayed-for"
-RELAYED_SHARE_PREFIX = "relayed/"
 
 
 @dataclass(frozen=True)
