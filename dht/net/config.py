@@ -109,7 +109,8 @@ class TransportConfig:
             (checked every half of it, so within 1.5 times it).
         max_streams_per_peer: concurrent streams accepted from one proven peer id.
         max_streams_per_address: concurrent streams accepted from one source IP address (an
-            IPv6 /64 counts as one); streams relayed to this node count per peer only.
+            IPv6 /64 counts as one); a stream relayed to this node counts under the caller's
+            address its relay passed (``relayed/{address}``, a key of its own).
         replay_window_s: accepted distance of a request's timestamp from this node's clock,
             in seconds.
         max_remembered_nonces: the most (sender, nonce) pairs remembered against replays.
@@ -128,8 +129,10 @@ class TransportConfig:
         max_requests_per_s_per_address: requests one source address (an IPv6 /64) may make per
             second, all its peer ids together, checked before a request is authenticated,
             while another address made a request within ``request_contention_window_s`` (an
-            address alone, say a swarm on one host, may use the whole node); requests relayed
-            to this node count per peer only.
+            address alone, say a swarm on one host, may use the whole node); a request relayed
+            to this node counts under the caller's address its relay passed
+            (``relayed/{address}``, a key of its own: see :mod:`dht.reach.relay_server`), and
+            at the relay under the caller's own address.
         request_burst_per_address: requests one source address may make at once before that
             rate applies.
         request_contention_window_s: see ``max_requests_per_s_per_address``, in seconds.
@@ -182,7 +185,8 @@ class TransportConfig:
         max_relayed_peers_per_address: peers attached to this relay at once from one source
             address (503 beyond).
         max_relayed_requests_per_address: requests forwarded at once to one relayed peer from
-            one caller address (503 beyond).
+            one caller address (beyond: 429 with a ``Retry-After``, and the address's bucket of
+            requests, ``max_requests_per_s_per_address``, is emptied).
         relay_heartbeat_s: a relay tunnel is pinged every this many seconds, in seconds, at both
             ends; a tunnel without an answer for half of it more is closed (so a dead relay is
             noticed within 1.5 times it).

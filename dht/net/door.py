@@ -14,6 +14,7 @@ one a second per status under a flood). Connections are counted one step earlier
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import re
 import time
@@ -29,10 +30,15 @@ from dht.net.refusals import ClientGone, Refused, error_response
 from dht.net.replay import ReplayGuard
 from dht.net.request_shares import RateRefusal, RequestShares
 from dht.net.session import SessionIssuer, macs_equal, request_mac
+from dht.net.shares import RELAYED_SHARE_PREFIX, address_key
 
 logger = logging.getLogger("dht.net.server")  # (the refusals' log lines keep their old name)
 
 _HEX = re.compile(r"[0-9a-f]+")
+# The caller's source address as the relay saw it (its IPv4 address or IPv6 /64), set by the
+# relay on every request it forwards (a caller's own is overwritten there): a hint only, charged
+# under its own name (``relayed/...``), never taken for a real source address.
+RELAYED_FOR_HEADER = "x-vp-relayed-for"
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class Proven:
     nonce: str
     body_digest: bytes
     host: str
+    share_host: str = ""  # what its address's shares are charged under (see Door.share_host)
 
 
 class Door:
@@ -75,17 +82,29 @@ class Door:
 
     def source_host(self, request: web.Request) -> str:
         """The source IP of a request; "" for one that came through this node's relay tunnel
-        (the relay already applied the per-address limits, and this node cannot verify the
+        (the relay already applied its per-address limits, and this node cannot verify the
         caller's address: its claims are pinged back)."""
+        return "" if self._through_tunnel(request) else peer_host(request.transport)
+
+    def _through_tunnel(self, request: web.Request) -> bool:
         token = self.tunnel_token
-        if token is not None and macs_equal(token, request.headers.get(TUNNEL_HEADER, "")):
-            return ""
-        return peer_host(request.transport)
+        return token is not None and macs_equal(token, request.headers.get(TUNNEL_HEADER, ""))
+
+    def share_host(self, request: web.Request, host: str) -> str:
+        """What the address shares of a request from ``host`` (its :meth:`source_host`) are
+        charged under: ``host`` itself, or for a request through this node's relay tunnel the
+        caller's address the relay passed (``relayed/{address}``: a key of its own, so that a
+        relay that lies can neither pass for a real address nor take another address's share
+        away; its callers' proven peer ids are charged whatever it says); "" (not counted, as
+        before relays passed it) if the relay passed none that parses."""
+        if not self._through_tunnel(request):
+            return host
+        return relayed_share_host(request.headers.get(RELAYED_FOR_HEADER, ""))
 
     def admit_hello(self, request: web.Request) -> str:
         """Let a handshake in (its address's share of requests and of handshakes, before its
-        body is read); its source host."""
-        host = self.source_host(request)
+        body is read); the host its shares are charged under."""
+        host = self.share_host(request, self.source_host(request))
         refuse_over_rate(self.requests.take_hello(host))
         return host
 
@@ -94,7 +113,8 @@ class Door:
         within its sender's share of requests: its source address's before anything else, its
         proven peer id's once the MAC checks."""
         host = self.source_host(request)
-        refuse_over_rate(self.requests.take_address(host))
+        share_host = self.share_host(request, host)
+        refuse_over_rate(self.requests.take_address(share_host))
         ticket = request.headers.get("x-vp-ticket", "")
         if not ticket or len(ticket) > 512 or not printable_ascii(ticket):
             raise Refused(
@@ -121,7 +141,7 @@ class Door:
             self.replay.check(caller.peer_id, nonce, ts)
         except AuthError as e:
             raise Refused(401, str(e)) from None
-        return Proven(caller.peer_id, caller.key, nonce, body_digest, host)
+        return Proven(caller.peer_id, caller.key, nonce, body_digest, host, share_host)
 
     def refused_for_share(self, peer: str, status: int, reason: str) -> Refused:
         """A refusal because ``peer`` holds its share of a pool (429): its request bucket is
@@ -176,6 +196,19 @@ def refuse_over_rate(refusal: RateRefusal | None) -> None:
         raise Refused(
             429, refusal.reason, retry_after_s=refusal.retry_after_s, hold_s=refusal.hold_s
         )
+
+
+def relayed_share_host(hint: str) -> str:
+    """The share key of a relayed caller's address ``hint`` (an IP address or an IPv6
+    network, as :func:`dht.net.shares.address_key` writes it): ``relayed/{its address key}``;
+    "" for a hint that is missing or does not parse."""
+    if not hint or len(hint) > 64:
+        return ""
+    try:
+        network = ipaddress.ip_network(hint, strict=False)
+    except ValueError:
+        return ""
+    return RELAYED_SHARE_PREFIX + address_key(str(network.network_address))
 
 
 def printable_ascii(text: str) -> bool:

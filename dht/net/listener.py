@@ -7,11 +7,18 @@ that the cost of each try. Here ``accept()`` itself asks :meth:`ConnectionGate.a
 connections' caps and the address's share of new connections) and resets a refused connection
 at once (``SO_LINGER`` 0: an RST, no TIME_WAIT), so that asyncio never sees it: a refusal costs
 the accept system call, one token-bucket check and a close.
+
+Only asyncio's selector event loops accept through the socket object's ``accept()``. Another loop
+(uvloop, which accepts in libuv; the Windows proactor) never calls it: there the gate checks each
+new connection once aiohttp has set it up (:meth:`ConnectionGate.install`), so the shares hold
+all the same, at the cost of that set-up per refused connection (logged once at start). Nothing
+in the project installs such a loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import ssl
 import struct
@@ -20,10 +27,18 @@ from aiohttp import web
 
 from dht.net.limits import ConnectionGate
 
+logger = logging.getLogger(__name__)
+
 # An accept() call resets at most this many refused connections before it lets the event loop
 # run (it comes back for the rest on its next turn: the socket is still readable).
 MAX_REFUSED_PER_ACCEPT = 64
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an RST
+
+
+def accept_is_gated(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` accepts through the listening socket's ``accept()`` (asyncio's selector
+    loops), where :class:`GatedSocket` refuses before anything is built."""
+    return isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop)
 
 
 class GatedSocket(socket.socket):
@@ -97,6 +112,13 @@ async def start_gated_sites(
         OSError: an address could not be bound or served (nothing is left open).
     """
     sockets = await listening_sockets(host, port, gate)
+    loop = asyncio.get_running_loop()
+    if not accept_is_gated(loop):
+        logger.info(
+            "%s accepts without the listening socket's accept(): new connections are checked "
+            "against their address's share once set up",
+            type(loop).__name__,
+        )
     try:
         for sock in sockets:
             await web.SockSite(runner, sock, ssl_context=ssl_context).start()

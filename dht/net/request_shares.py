@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from dht.net.shares import address_key
+from dht.net.shares import address_key, same_source
 
 
 @dataclass(frozen=True)
@@ -141,13 +141,15 @@ class RateShares:
         return self._refuse(bucket, now_s)
 
     def contended(self, key: str, now_s: float | None = None) -> bool:
-        """Whether another key than ``key`` made a request within the contention window (the
-        buckets are in order of use: the most recent other key is one of the last two)."""
+        """Whether another source than ``key``'s made a request within the contention window
+        (an address and the same address passed by a relay are one source: see
+        :func:`dht.net.shares.same_source`; the buckets are in order of use, so the most recent
+        other source is one of the last three)."""
         if self.contention_window_s is None:
             return True
         now_s = time.monotonic() if now_s is None else now_s
-        for other in itertools.islice(reversed(self._buckets), 2):
-            if other != key:
+        for other in itertools.islice(reversed(self._buckets), 3):
+            if not same_source(other, key):
                 return now_s - self._buckets[other].last_s <= self.contention_window_s
         return False
 

@@ -207,10 +207,12 @@ class HttpServer:
             raise Refused(404, f"no RPC named {request.match_info['name']!r}")
         proven = self.authenticate(request)
         body = await self._read_body(
-            request, self.limits.max_body_bytes, peer=proven.peer_id, host=proven.host
+            request, self.limits.max_body_bytes, peer=proven.peer_id, host=proven.share_host
         )
         self.requests.charge_body(
-            proven.peer_id, proven.host, len(body) / self.config.request_body_bytes_per_request
+            proven.peer_id,
+            proven.share_host,
+            len(body) / self.config.request_body_bytes_per_request,
         )
         if digest(body) != proven.body_digest:
             raise Refused(401, "body does not match the digest its MAC covers")
@@ -235,7 +237,7 @@ class HttpServer:
             raise Refused(404, f"no stream named {request.match_info['name']!r}")
         proven = self.authenticate(request)
         try:
-            with self.slots.hold(proven.peer_id, proven.host):
+            with self.slots.hold(proven.peer_id, proven.share_host):
                 return await self._serve_stream(request, proven, handler)
         except OverBudget as e:  # (refused as cheaply as at the door: no need to drain)
             raise Refused(429, str(e), retry_after_s=1) from None
@@ -244,13 +246,13 @@ class HttpServer:
         """A stream's first frame, its header: charged as it arrives, within the time to send a
         request, and matching the digest the MAC covered."""
         try:
-            with self.budget.account(proven.peer_id, proven.host) as account:
+            with self.budget.account(proven.peer_id, proven.share_host) as account:
                 async with asyncio.timeout(self.config.request_timeout_s):
                     header_payload = await reader.read_message_raw(
                         charge=account.charge, stall_timeout_s=self.config.body_stall_timeout_s
                     )
             self.requests.charge_body(
-                proven.peer_id, proven.host,
+                proven.peer_id, proven.share_host,
                 len(header_payload) / self.config.request_body_bytes_per_request,
             )  # fmt: skip
             if digest(header_payload) != proven.body_digest:

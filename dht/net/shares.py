@@ -13,6 +13,16 @@ from __future__ import annotations
 import ipaddress
 from collections import Counter
 
+# The address shares' key of a caller reached through this node's relay tunnel, before the
+# address its relay passed (see dht.net.door.Door.share_host).
+RELAYED_SHARE_PREFIX = "relayed/"
+
+
+def same_source(key: str, other: str) -> bool:
+    """Whether two address keys name the same address, one of them as a relay passed it (a
+    swarm on one host, some of it relayed, is one address, not two that contend)."""
+    return key.removeprefix(RELAYED_SHARE_PREFIX) == other.removeprefix(RELAYED_SHARE_PREFIX)
+
 
 def address_key(host: str) -> str:
     """The key a source address is counted under: the IPv4 address, or the /64 of an IPv6 one

@@ -59,11 +59,14 @@ class MuxStream:
         self.ended = False  # this side sent END
         self._was_reset = False  # a RESET was sent or received
         self._got_end = False  # the other side's END was read
+        self._end_arrived = False  # the other side's END is in the inbox (or was read)
 
     # ---- called by the reader loop (never blocks) -----------------------------------------------
 
     def _deliver(self, item: Any) -> None:
-        if isinstance(item, bytes):
+        if item is _ENDED:
+            self._end_arrived = True
+        elif isinstance(item, bytes):
             self._buffered_bytes += len(item)
             if self._buffered_bytes > WINDOW_BYTES:
                 raise BadMessageError(f"stream {self.id}: data beyond the granted credit")
@@ -94,7 +97,11 @@ class MuxStream:
                 raise RequestTimeoutError(
                     f"relayed stream idle for {self._mux.idle_timeout_s} s"
                 ) from None
-        if self._error is not None and isinstance(self._error, _ResetError):
+        # A reset abandons what is still in the inbox, unless the other side's answer is all
+        # there (its END arrived): then the reset only stops this side's sending (a relayed
+        # peer that answered, say a 429, without reading the caller's body), and the answer is
+        # read to its end, even if the reset arrived before this side read its HEAD.
+        if isinstance(self._error, _ResetError) and not self._end_arrived:
             raise self._error
         return self._inbox.popleft()
 

@@ -8,6 +8,15 @@ forwarded through that tunnel as it arrives, its answer streamed back, both ways
 forwards the caller's ``x-vp-*`` headers and bytes unchanged and holds no session key with either
 end, so it can read and forge nothing: the caller and the relayed peer check each other's MACs end
 to end (``path`` is the logical ``/v2/...`` path both sign).
+
+Shares: a forwarded request is one of its caller address's requests at the relay
+(``max_requests_per_s_per_address``, 429 past it), its bytes are paid into that address's byte
+bucket, and it holds one of the address's request slots of that peer (past them, a 429 that
+empties the address's bucket of requests). The relay adds the
+caller's address (``x-vp-relayed-for``: its IPv4 address or IPv6 /64, replacing any the caller
+sent), which the relayed peer charges its address shares to as ``relayed/{address}`` (a hint:
+a relay that lies only moves its own callers' requests between its own keys; every request is
+also charged to its proven peer id there).
 """
 
 from __future__ import annotations
@@ -22,9 +31,11 @@ from dht.errors import BadMessageError, DHTError, TransportError
 from dht.identity import is_peer_id
 from dht.net.client import API_VERSION, TUNNEL_HEADER
 from dht.net.config import TransportConfig
+from dht.net.door import RELAYED_FOR_HEADER, refuse_over_rate
 from dht.net.limits import peer_host
 from dht.net.server import HttpServer, Proven, Refused
 from dht.net.session import digest, response_mac
+from dht.net.shares import address_key
 from dht.reach.relay_mux import MAX_MESSAGE_BYTES, OPEN, Mux, MuxStream
 from dht.reach.relay_shares import ByteRate, OverShareError, RelayShares
 
@@ -35,14 +46,16 @@ RELAY_PREFIX = f"/{API_VERSION}/relay/"
 # What a relay forwards: the versioned API of the relayed peer, nothing else.
 _NAME = "[A-Za-z0-9._-]{1,64}"
 FORWARDED_PATH = re.compile(rf"/{API_VERSION}/(hello|info|rpc/{_NAME}|stream/{_NAME})")
-FORWARDED_HEADERS = ("content-type",)
+# (retry-after: a relayed peer's 429 tells its callers when to come back, as a direct one does)
+FORWARDED_HEADERS = ("content-type", "retry-after")
 # An HTTP header name (RFC 9110's token)
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 def forwarded_headers(headers) -> dict[str, str]:
-    """The headers a relay carries across: the proof (``x-vp-*``) and the content type; never
-    the tunnel's own mark (a caller cannot pass for the relayed node's tunnel).
+    """The headers a relay carries across: the proof (``x-vp-*``), the content type and a
+    refusal's ``Retry-After``; never the tunnel's own mark (a caller cannot pass for the
+    relayed node's tunnel).
 
     Raises:
         BadMessageError: a name carried across is no HTTP token, or a value is not printable
@@ -153,6 +166,11 @@ class RelayService:
     # ---- forwarding --------------------------------------------------------------------------
 
     async def _handle_forward(self, request: web.Request) -> web.StreamResponse:
+        host = peer_host(request.transport)
+        # The relay holds no session with the caller (it cannot tell who it is), but it sees
+        # its address: a forwarded request is one of that address's share of this node's
+        # requests, checked first (a refusal is a 429 held for one that retries at once).
+        refuse_over_rate(self.server.requests.take_address(host))
         peer_id, path = request.match_info["peer_id"], "/" + request.match_info["tail"]
         if not is_peer_id(peer_id):
             raise Refused(404, "a relayed address is /v2/relay/{64 hex peer id}")
@@ -165,7 +183,8 @@ class RelayService:
             headers = forwarded_headers(request.headers)
         except BadMessageError as e:
             raise Refused(400, str(e)) from None
-        host = peer_host(request.transport)
+        # the relayed node charges its address shares to this (a caller's own is overwritten)
+        headers[RELAYED_FOR_HEADER] = address_key(host)
         if path == f"/{API_VERSION}/hello" and not self.server.hellos.allow(host):
             # the relayed node cannot tell its callers apart by address: the relay does
             raise Refused(429, "too many handshakes from this address; slow down")
@@ -190,7 +209,10 @@ class RelayService:
                 finally:
                     await stream.close("the caller's request ended")
         except OverShareError as e:
-            raise Refused(503, str(e)) from None
+            # the address's own doing: a 429 that empties its bucket of requests here, so that
+            # a retry at once is refused at the first check (and held if it keeps coming back)
+            retry_after_s = self.server.requests.addresses.drain(address_key(host))
+            raise Refused(429, str(e), retry_after_s=retry_after_s) from None
 
     async def _relay(
         self, request: web.Request, stream: MuxStream, path: str, headers: dict, rate: ByteRate

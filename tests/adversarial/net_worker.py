@@ -1,12 +1,12 @@
 """An honest DHT node in its own process, driven by the adversarial tests.
 
 Protocol (one JSON object a line): the test writes the spec (``initial_peers``, ``transport``
-and ``dht`` config overrides); the worker answers ``{"peer_id", "address"}`` once it serves, then
-answers each command: ``info`` (memory, routing table, storage, server counters), ``store``
-(``key``, ``value``, ``ttl_s``, ``signed``), ``get`` (``key``, ``latest``), ``ping``
-(``address``), ``pings`` (``address``, ``count``: each latency), ``lookup`` (``key``: the
-lookup's outcome). With ``serve_streams`` the node
-also serves two test streams: ``test.blob`` (a reply of n MiB) and ``test.sink`` (reads all).
+and ``dht`` config overrides; ``relay_urls``: be reached through one of these relays); the worker
+answers ``{"peer_id", "address"}`` once it serves, then answers each command: ``info`` (memory,
+routing table, storage, server counters), ``store`` (``key``, ``value``, ``ttl_s``, ``signed``),
+``get`` (``key``, ``latest``), ``ping`` (``address``), ``pings`` (``address``, ``count``: each
+latency), ``lookup`` (``key``: the lookup's outcome). With ``serve_streams`` the node also serves
+two test streams: ``test.blob`` (a reply of n MiB) and ``test.sink`` (reads all).
 Exceptions that escape a task reach the loop's exception handler, which writes ``UNHANDLED``
 to the log (the tests look for it).
 """
@@ -129,14 +129,21 @@ async def main() -> None:
     if spec.get("serve_streams"):
         transport.add_stream_handler("test.blob", _serve_blob)
         transport.add_stream_handler("test.sink", _serve_sink)
-    async with transport, node:
-        print(json.dumps({"peer_id": node.peer_id, "address": node.address}), flush=True)
-        while line := await asyncio.to_thread(sys.stdin.readline):
-            try:
-                answer = await _command(node, transport, json.loads(line))
-            except Exception as e:  # the test sees it in the answer and fails there
-                answer = {"error": f"{type(e).__name__}: {e}"}
-            print(json.dumps(answer), flush=True)
+    async with transport:
+        if spec.get("relay_urls"):  # reached only through a relay (its relayed address)
+            await transport.attach_relay(spec["relay_urls"])
+        async with node:
+            await _serve_commands(node, transport)
+
+
+async def _serve_commands(node: DHTNode, transport: HttpTransport) -> None:
+    print(json.dumps({"peer_id": node.peer_id, "address": node.address}), flush=True)
+    while line := await asyncio.to_thread(sys.stdin.readline):
+        try:
+            answer = await _command(node, transport, json.loads(line))
+        except Exception as e:  # the test sees it in the answer and fails there
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":

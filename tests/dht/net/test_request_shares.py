@@ -147,3 +147,16 @@ async def test_a_real_server_refuses_handshakes_past_their_share_with_a_retry_af
             await client.hello(node.address)
         assert time.monotonic() - start >= 0.25
     assert node.server.requests.hellos.num_held == 1
+
+
+def test_an_address_and_the_same_address_through_a_relay_do_not_contend():
+    """A swarm on one host, some of it relayed: its callers are one source, whose share never
+    applies while it is alone; a relayed caller from another address does contend."""
+    shares = RateShares(rate_per_s=1.0, burst=2, max_hold_s=1.0, holder="address",
+                        contention_window_s=10.0)  # fmt: skip
+    now_s = 100.0
+    for i in range(20):
+        key = "relayed/127.0.0.1" if i % 2 else "127.0.0.1"
+        assert shares.take(key, now_s) is None
+    assert shares.take("relayed/127.0.0.2", now_s) is None
+    assert shares.take("127.0.0.1", now_s) is not None  # contended now, its bucket empty

@@ -230,6 +230,17 @@ def test_the_fuzzers_tunnel_serves_a_well_formed_answer(lab):
     assert (status, reason, note) == (200, "", "")
 
 
+def test_an_answer_complete_before_its_reset_is_relayed_whole(lab):
+    """HEAD, body and END, then a RESET (a relayed peer that answered, say a 429, without
+    reading the caller's body): the caller gets the whole answer, even where the RESET reached
+    the relay before it read the HEAD."""
+    body = pack(["x"])
+    sequence = [("HEAD", "this", VALID_HEAD), ("DATA", "this", body), ("END", "this", b"")]
+    status, reason, note = lab.run(lab.forwarded(sequence, silent=False), 30)
+    assert (status, reason, note) == (200, "", "")
+    assert lab.trouble.records == [] and lab.unhandled == []
+
+
 NAMED = {
     "DATA before HEAD": [("DATA", "this", b"body")],
     "END before HEAD": [("END", "this", b"")],
