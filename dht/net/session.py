@@ -319,9 +319,8 @@ class SessionIssuer:
         self, hello: HelloRequest, now_s: float | None = None, first: FirstRequest | None = None
     ) -> None:
         """Raise AuthError unless the hello is fresh and signed by the peer it names (with
-        ``first``: signed together with that request, meant for this node)."""
-        if first is not None and first.to != self._identity.peer_id:
-            raise AuthError("the hello is meant for another peer")
+        ``first``: signed together with that request; its ``to`` is this node's id, so a hello
+        meant for another node does not verify)."""
         now_s = time.time() if now_s is None else now_s
         if abs(now_s - hello.ts) > self.max_hello_skew_s:
             raise AuthError(f"stale hello: timestamp {abs(now_s - hello.ts):.0f} s from now")
