@@ -200,3 +200,31 @@ async def test_first_requests_count_as_handshakes_of_their_address(make_transpor
 
 async def _echo(payload):
     return payload
+
+
+async def test_a_relayed_node_gets_the_hello_on_the_first_request_too(make_transport, paths):
+    relay = await make_transport()
+    server, client, calls = await pair(make_transport)
+    relayed = await server.attach_relay([relay.address])
+    for index in range(2):
+        answer = await client.call(relayed, "echo", index, expected_peer=server.peer_id)
+        assert answer == {"payload": index, "sender": client.peer_id}
+    assert paths[server.peer_id].count(ECHO_PATH) == 2  # (its tunnel's requests come here too)
+    assert HELLO_PATH not in paths[server.peer_id]
+    assert client.sessions.num_handshakes == 0 and client.sessions.num_first_hellos == 1
+    assert relay.server.hellos.num_refused == 0 and len(calls) == 2
+
+
+async def test_a_relay_counts_first_requests_as_handshakes_of_their_address(make_transport):
+    # a burst of 2: the relayed node's own attach, then one first request through the relay
+    relay = await make_transport(
+        TransportConfig(max_handshakes_per_s_per_address=0.01, handshake_burst=2)
+    )
+    server, _, calls = await pair(make_transport)
+    relayed = await server.attach_relay([relay.address])
+    body = pack(1)
+    statuses = []
+    for _ in range(2):
+        headers = first_request(PeerIdentity.generate(), server.peer_id, body)
+        statuses.append((await post(relayed, body, headers))[0])
+    assert statuses == [200, 429] and len(calls) == 1
