@@ -123,6 +123,7 @@ class ClientSessions:
         self._max_sessions = max_sessions
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._pending: dict[str, asyncio.Future[Session]] = {}
+        self._clock_offset_s = 0.0
         self.num_handshakes = 0  # separate handshakes (each a round trip of its own)
         self.num_first_hellos = 0  # hellos sent on a first request
 
@@ -200,6 +201,10 @@ class ClientSessions:
         return self._keep(address, session)
 
     def _keep(self, address: str, session: Session) -> Session:
+        # A first request's hello is stamped with the clock the nodes told us last: a caller
+        # whose own clock is off learns that from its first handshake and then stays within
+        # the nodes' replay windows.
+        self._clock_offset_s = session.clock_offset_s
         self._sessions[address] = session
         self._sessions.move_to_end(address)
         while len(self._sessions) > self._max_sessions:
@@ -274,7 +279,7 @@ class ClientSessions:
         max_answer_bytes: int,
     ) -> tuple[Session, bytes] | None:
         """The request with its hello; None if the node asks for a separate handshake."""
-        hello = PendingHello(self._identity, first)
+        hello = PendingHello(self._identity, first, self._clock_offset_s)
         wire = encode_hello_header(hello.request.to_wire())
         headers = {
             "content-type": MSGPACK,

@@ -230,12 +230,20 @@ class Session:
 class PendingHello:
     """A caller's hello in flight: the ephemeral key stays here until the reply arrives."""
 
-    def __init__(self, identity: PeerIdentity, first: FirstRequest | None = None):
-        """Sign a hello; with ``first``, one that rides on that request and signs it too."""
+    def __init__(
+        self,
+        identity: PeerIdentity,
+        first: FirstRequest | None = None,
+        clock_offset_s: float = 0.0,
+    ):
+        """Sign a hello; with ``first``, one that rides on that request and signs it too (its
+        timestamp must then be within the node's replay window: ``clock_offset_s``, the
+        swarm's clock minus this one as other nodes told it, is added to it)."""
         self._identity = identity
         self._eph = X25519PrivateKey.generate()
         eph_raw = _x25519_raw(self._eph)
-        ts = round(time.time(), 3)
+        self._sent_s = time.time()
+        ts = round(self._sent_s + clock_offset_s, 3)
         nonce = os.urandom(NONCE_BYTES)
         if first is None:
             signed = _hello_signed_bytes(identity.peer_id, eph_raw, ts, nonce)
@@ -276,7 +284,7 @@ class PendingHello:
         renew_at_s = time.monotonic() + 0.8 * reply.lifetime_s
         ticket = base64.urlsafe_b64encode(reply.ticket).decode()
         # The node read its clock about half way between our hello and its reply.
-        offset_s = reply.now - (self.request.ts + time.time()) / 2
+        offset_s = reply.now - (self._sent_s + time.time()) / 2
         return Session(reply.peer, key, ticket, renew_at_s, offset_s)
 
 

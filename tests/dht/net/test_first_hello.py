@@ -7,6 +7,7 @@ separate handshake" is a count of requests, not a time.
 from __future__ import annotations
 
 import base64
+import sys
 
 import aiohttp
 import msgpack
@@ -228,3 +229,44 @@ async def test_a_relay_counts_first_requests_as_handshakes_of_their_address(make
         headers = first_request(PeerIdentity.generate(), server.peer_id, body)
         statuses.append((await post(relayed, body, headers))[0])
     assert statuses == [200, 429] and len(calls) == 1
+
+
+class _SkewedClock:
+    """``time`` with the caller's wall clock 100 s ahead: in :mod:`dht.net.client` (all of it
+    the caller's) or, with ``callers``, only for calls from functions of those names (in
+    :mod:`dht.net.session`, ``PendingHello``'s; the node's ``check_hello`` and
+    ``answer_with_key`` read the true clock)."""
+
+    def __init__(self, real, callers: tuple[str, ...] | None = None):
+        self._real = real
+        self._callers = callers
+
+    def time(self) -> float:
+        caller = sys._getframe(1).f_code.co_name
+        skewed = self._callers is None or caller in self._callers
+        return self._real.time() + (100.0 if skewed else 0.0)
+
+    def monotonic(self) -> float:
+        return self._real.monotonic()
+
+
+async def test_a_clock_outside_the_replay_window_falls_back_to_a_separate_hello(
+    make_transport, paths, monkeypatch
+):
+    import dht.net.client as client_module
+    import dht.net.session as session_module
+
+    server, client, calls = await pair(make_transport)
+    # the caller's clock 100 s ahead: its first request's timestamp is outside the node's 30-s
+    # replay window
+    real = session_module.time
+    monkeypatch.setattr(session_module, "time", _SkewedClock(real, ("__init__", "finish")))
+    monkeypatch.setattr(client_module, "time", _SkewedClock(real))
+    answer = await client.call(server.address, "echo", 1, expected_peer=server.peer_id)
+    assert answer == {"payload": 1, "sender": client.peer_id}
+    assert paths[server.peer_id] == [ECHO_PATH, HELLO_PATH, ECHO_PATH]
+    assert server.server.num_first_hellos == 0 and len(calls) == 1
+    # the handshake told the caller the nodes' clock: its next first contact is one request
+    other, _, _ = await pair(make_transport)
+    await client.call(other.address, "echo", 2, expected_peer=other.peer_id)
+    assert paths[other.peer_id] == [ECHO_PATH] and other.server.num_first_hellos == 1
