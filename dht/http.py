@@ -4,7 +4,8 @@ Paths are versioned (``/v2/``; ``/v1/`` is answered 426): ``POST /v2/hello`` mak
 (:mod:`dht.net.session`), ``POST /v2/rpc/{name}`` carries one msgpack request and answers one
 msgpack response, ``POST /v2/stream/{name}`` carries frames both ways, full duplex, and ``GET
 /v2/info`` says who this node claims to be. Every request and answer after the handshake is proven
-under the session key; the server's checks and limits are in :mod:`dht.net.server`.
+under the session key; the first RPC to a known peer carries its hello instead of a handshake
+first (:mod:`dht.net.client`); the server's checks and limits are in :mod:`dht.net.server`.
 """
 
 from __future__ import annotations

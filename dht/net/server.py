@@ -170,6 +170,8 @@ class HttpServer:
             if self.swarm is not None:
                 self.swarm.check_hello(wire.encode("ascii"), request.headers.get("x-vp-mac", ""))
             hello = HelloRequest.parse(decode_hello_header(wire, self.limits))
+            if request.headers.get("x-vp-peer", hello.peer) != hello.peer:
+                raise BadMessageError("x-vp-peer is not the peer the hello names")
             body_digest = _digest_header(request)
             first = FirstRequest(self.peer_id, request.method, request.path, body_digest)
             self.issuer.check_hello(hello, first=first)

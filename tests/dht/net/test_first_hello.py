@@ -141,6 +141,9 @@ def _forgeries(server_id: str, body: bytes) -> dict[str, dict[str, str]]:
         "not a hello": dict(
             first_request(honest, server_id, body), **{HELLO_HEADER: encode_hello_header({})}
         ),
+        "x-vp-peer another than the hello's": dict(
+            first_request(honest, server_id, body), **{"x-vp-peer": thief.peer_id}
+        ),
         "digest header missing": {
             k: v for k, v in first_request(honest, server_id, body).items() if k != "x-vp-digest"
         },
