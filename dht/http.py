@@ -4,7 +4,8 @@ Paths are versioned (``/v2/``; ``/v1/`` is answered 426): ``POST /v2/hello`` mak
 (:mod:`dht.net.session`), ``POST /v2/rpc/{name}`` carries one msgpack request and answers one
 msgpack response, ``POST /v2/stream/{name}`` carries frames both ways, full duplex, and ``GET
 /v2/info`` says who this node claims to be. Every request and answer after the handshake is proven
-under the session key; the server's checks and limits are in :mod:`dht.net.server`.
+under the session key; the first RPC to a known peer carries its hello instead of a handshake
+first (:mod:`dht.net.client`); the server's checks and limits are in :mod:`dht.net.server`.
 """
 
 from __future__ import annotations
@@ -18,15 +19,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from dht.errors import AuthError, BadMessageError, RemoteError, RequestTimeoutError, TransportError
+from dht.errors import BadMessageError, RequestTimeoutError, TransportError
 from dht.identity import PeerIdentity
 from dht.net.client import (
     API_VERSION,
     ClientSessions,
-    check_response,
-    needs_new_session,
-    read_limited,
-    signed_headers,
 )
 from dht.net.config import TransportConfig
 from dht.net.frames import FrameReader, FrameWriter
@@ -34,7 +31,6 @@ from dht.net.limits import ConnectionGate
 from dht.net.listener import start_gated_sites
 from dht.net.refusals import HTTP_PARSER_LOGGER, Refused, status_of
 from dht.net.server import HttpGetHandler, HttpServer
-from dht.net.session import digest
 from dht.net.streams import ClientStream
 from dht.net.transport import SMALL_RPC_BYTES, ByteCounters, RpcHandler, StreamHandler
 from dht.net.wire import pack, unpack
@@ -325,7 +321,7 @@ class HttpTransport:
         sent_s = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):
-                remote, data = await self._call_once(address, name, body, expected_peer, True)
+                remote, data = await self._call_once(address, name, body, expected_peer)
         except TimeoutError:
             raise RequestTimeoutError(
                 f"{name} to {address} took longer than {timeout_s} s"
@@ -338,30 +334,14 @@ class HttpTransport:
         return unpack(data, self.limits)
 
     async def _call_once(
-        self, address: str, name: str, body: bytes, expected: str | None, may_renew: bool
+        self, address: str, name: str, body: bytes, expected: str | None
     ) -> tuple[str, bytes]:
-        # The handshake shares the call's deadline; an attempt that fails for the session
-        # (the node restarted and lost its ticket key) is made once more with a new one.
-        session = await self.sessions.get(
-            self._session, address, timeout_s=self.config.request_timeout_s, expected=expected
-        )
-        path = f"/{API_VERSION}/rpc/{name}"
-        headers = signed_headers(session, self.peer_id, "POST", path, digest(body))
-        headers["content-type"] = MSGPACK
-        try:
-            async with self._session.post(address + path, data=body, headers=headers) as resp:
-                data = await read_limited(resp, self.limits.max_body_bytes)
-        except (aiohttp.ClientError, OSError, ValueError) as e:
-            raise TransportError(f"{name} to {address} failed: {e}") from e
-        if needs_new_session(resp) and may_renew:
-            self.sessions.forget(address, session)
-            return await self._call_once(address, name, body, expected, False)
-        if resp.status != 200:
-            raise RemoteError(resp.status, resp.headers.get("x-vp-error") or resp.reason or "")
-        try:
-            check_response(session, headers["x-vp-nonce"], 200, data, resp.headers)
-        except AuthError as e:
-            raise TransportError(f"{name} to {address}: {e}") from e
+        # The handshake (when one is needed) shares the call's deadline; see ClientSessions.post.
+        session, data = await self.sessions.post(
+            self._session, address, f"/{API_VERSION}/rpc/{name}", body, expected=expected,
+            handshake_timeout_s=self.config.request_timeout_s,
+            max_answer_bytes=self.limits.max_body_bytes,
+        )  # fmt: skip
         return session.peer_id, data
 
     def open_stream(

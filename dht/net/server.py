@@ -21,16 +21,31 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from dht.errors import DHTError, RemoteError, TransportError
+from dht.errors import AuthError, BadMessageError, DHTError, RemoteError, TransportError
 from dht.identity import PeerIdentity
 from dht.net.auth import FrameTagger, SwarmAuth
-from dht.net.client import API_VERSION, MAX_HELLO_BYTES, MSGPACK
+from dht.net.client import (
+    API_VERSION,
+    HELLO_HEADER,
+    HELLO_REPLY_HEADER,
+    MAX_HELLO_BYTES,
+    MSGPACK,
+    decode_hello_header,
+    encode_hello_header,
+)
 from dht.net.config import TransportConfig
-from dht.net.door import Door, Proven
+from dht.net.door import Door, Proven, printable_ascii, refuse_over_rate
 from dht.net.frames import FrameReader
 from dht.net.limits import ConnectionGate, OverBudget, StreamSlots
 from dht.net.refusals import ClientGone, Refused, read_charged, status_of
-from dht.net.session import HelloRequest, SessionIssuer, digest, response_mac
+from dht.net.session import (
+    FirstRequest,
+    HelloReply,
+    HelloRequest,
+    SessionIssuer,
+    digest,
+    response_mac,
+)
 from dht.net.shares import FairBudget, OverShare
 from dht.net.streams import ServerStream
 from dht.net.transport import ByteCounters, RequestContext, RpcHandler, StreamHandler
@@ -96,6 +111,8 @@ class HttpServer:
         # peer id -> monotonic time of its last accepted hello (a dial-back's proof, see
         # dht.reach.reachability); bounded, the oldest forgotten first
         self._hello_times: OrderedDict[str, float] = OrderedDict()
+        self.num_hellos = 0  # separate handshakes answered (POST /v2/hello)
+        self.num_first_hellos = 0  # hellos accepted on a first request
 
     @property
     def num_refused(self) -> int:
@@ -137,6 +154,42 @@ class HttpServer:
     def authenticate(self, request: web.Request) -> Proven:
         """Check a request at the door (see :meth:`Door.authenticate`)."""
         return self.door.authenticate(request, self.issuer)
+
+    def authenticate_first(self, request: web.Request) -> tuple[Proven, HelloReply]:
+        """Check a first request that carries its hello (``x-vp-hello``), headers only, as a
+        handshake is checked: its address's share of requests and of handshakes first, then the
+        swarm MAC and the signature (over the hello and this request, meant for this node),
+        its proven peer's share of requests and its nonce in the replay window; only then the
+        session is made. A refusal a separate handshake may cure is a 401 with
+        ``x-vp-session: renew``."""
+        host = self.door.admit_hello(request)
+        wire = request.headers.get(HELLO_HEADER, "")
+        try:
+            if not printable_ascii(wire):
+                raise BadMessageError("malformed x-vp-hello header")
+            if self.swarm is not None:
+                self.swarm.check_hello(wire.encode("ascii"), request.headers.get("x-vp-mac", ""))
+            hello = HelloRequest.parse(decode_hello_header(wire, self.limits))
+            if request.headers.get("x-vp-peer", hello.peer) != hello.peer:
+                raise BadMessageError("x-vp-peer is not the peer the hello names")
+            body_digest = _digest_header(request)
+            first = FirstRequest(self.peer_id, request.method, request.path, body_digest)
+            self.issuer.check_hello(hello, first=first)
+            refuse_over_rate(self.requests.take_peer(hello.peer))
+            self.replay.check(hello.peer, hello.nonce.hex(), f"{hello.ts:.3f}")
+            reply, key = self.issuer.answer_with_key(hello)
+        except AuthError as e:
+            raise Refused(401, str(e), renew=True) from None
+        except DHTError as e:
+            raise Refused(status_of(e), str(e)) from None
+        self._note_hello(hello.peer)
+        return Proven(hello.peer, key, hello.nonce.hex(), body_digest, host), reply
+
+    def _note_hello(self, peer_id: str) -> None:
+        self._hello_times.pop(peer_id, None)
+        self._hello_times[peer_id] = time.monotonic()
+        while len(self._hello_times) > MAX_REMEMBERED_HELLOS:
+            self._hello_times.popitem(last=False)
 
     def application(self) -> web.Application:
         app = web.Application(
@@ -195,17 +248,19 @@ class HttpServer:
             reply = self.issuer.answer(hello)
         except DHTError as e:
             raise Refused(status_of(e), str(e)) from None
-        self._hello_times.pop(hello.peer, None)
-        self._hello_times[hello.peer] = time.monotonic()
-        while len(self._hello_times) > MAX_REMEMBERED_HELLOS:
-            self._hello_times.popitem(last=False)
+        self._note_hello(hello.peer)
+        self.num_hellos += 1
         return web.Response(body=pack(reply.to_wire()), content_type=MSGPACK)
 
     async def _handle_rpc(self, request: web.Request) -> web.Response:
         handler = self._rpc_handlers.get(request.match_info["name"])
         if handler is None:
             raise Refused(404, f"no RPC named {request.match_info['name']!r}")
-        proven = self.authenticate(request)
+        if HELLO_HEADER in request.headers:
+            proven, reply = self.authenticate_first(request)
+            self.num_first_hellos += 1
+        else:
+            proven, reply = self.authenticate(request), None
         body = await self._read_body(
             request, self.limits.max_body_bytes, peer=proven.peer_id, host=proven.share_host
         )
@@ -227,6 +282,8 @@ class HttpServer:
             "x-vp-peer": self.peer_id,
             "x-vp-mac": response_mac(proven.key, proven.nonce, 200, digest(out)),
         }
+        if reply is not None:
+            headers[HELLO_REPLY_HEADER] = encode_hello_header(reply.to_wire())
         self.counters.add_sent(proven.peer_id, len(out))
         self.counters.add_rpc(request.match_info["name"], len(out), len(body))
         return web.Response(body=out, content_type=MSGPACK, headers=headers)
@@ -306,6 +363,17 @@ class HttpServer:
             return await stream.finish()
         finally:
             stream.close()
+
+
+def _digest_header(request: web.Request) -> bytes:
+    value = request.headers.get("x-vp-digest", "")
+    try:
+        body_digest = bytes.fromhex(value)
+    except ValueError:
+        body_digest = b""
+    if len(value) != 64 or len(body_digest) != 32:  # (fromhex skips whitespace)
+        raise BadMessageError("missing or malformed x-vp-digest header")
+    return body_digest
 
 
 def _plain_get(handler: HttpGetHandler):

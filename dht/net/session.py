@@ -22,6 +22,12 @@ HMAC bound to the request's nonce. Only the node the session was made with can c
 a request cannot be replayed to another node, and the swarm key (the HKDF salt) is needed to
 make a session at all. Ephemeral keys give forward secrecy; nothing here is stored on disk.
 
+The hello may also ride on the first request to a node (``x-vp-hello``, see
+:mod:`dht.net.client`), saving its round trip: then the caller's signature covers the hello and
+that request too (the node it is meant for, method, path and the body's digest), its nonce and
+timestamp are the request's (kept in the node's replay window like any request's), and the answer
+carries the hello reply and is MACed under the new session key.
+
 Wall-clock time is used for the timestamps on purpose: they must mean the same on two machines.
 """
 
@@ -50,6 +56,7 @@ from dht.net.wire import pack
 PROTOCOL_VERSION = 2
 HELLO_TAG = b"vp-hello/2"
 HELLO_REPLY_TAG = b"vp-hello-reply/2"
+FIRST_REQUEST_TAG = b"vp-first-request/2"
 _SESSION_INFO = b"vp-session/2"
 _TICKET_AAD = b"vp-ticket/2"
 NONCE_BYTES = 16
@@ -84,6 +91,28 @@ def _derive_key(
 
 def _hello_signed_bytes(peer: str, eph: bytes, ts: float, nonce: bytes) -> bytes:
     return pack([HELLO_TAG, peer, eph, ts, nonce])
+
+
+@dataclass(frozen=True)
+class FirstRequest:
+    """What a hello that rides on a request signs on top of itself: that request.
+
+    Attributes:
+        to: the peer id of the node it is meant for (so no other node can replay it there).
+        method, path: the request's, as the node sees them (a relayed node: the logical path).
+        body_digest: SHA-256 of the body (of a stream's header frame).
+    """
+
+    to: str
+    method: str
+    path: str
+    body_digest: bytes
+
+    def signed_bytes(self, hello_peer: str, eph: bytes, ts: float, nonce: bytes) -> bytes:
+        return pack(
+            [FIRST_REQUEST_TAG, hello_peer, eph, ts, nonce, self.to, self.method, self.path,
+             self.body_digest]
+        )  # fmt: skip
 
 
 def _reply_signed_bytes(reply: HelloReply, caller_eph: bytes, nonce: bytes) -> bytes:
@@ -201,14 +230,33 @@ class Session:
 class PendingHello:
     """A caller's hello in flight: the ephemeral key stays here until the reply arrives."""
 
-    def __init__(self, identity: PeerIdentity):
+    def __init__(
+        self,
+        identity: PeerIdentity,
+        first: FirstRequest | None = None,
+        clock_offset_s: float = 0.0,
+    ):
+        """Sign a hello; with ``first``, one that rides on that request and signs it too (its
+        timestamp must then be within the node's replay window: ``clock_offset_s``, the
+        swarm's clock minus this one as other nodes told it, is added to it)."""
         self._identity = identity
         self._eph = X25519PrivateKey.generate()
         eph_raw = _x25519_raw(self._eph)
-        ts = round(time.time(), 3)
+        self._sent_s = time.time()
+        ts = round(self._sent_s + clock_offset_s, 3)
         nonce = os.urandom(NONCE_BYTES)
-        sig = identity.sign(_hello_signed_bytes(identity.peer_id, eph_raw, ts, nonce))
+        if first is None:
+            signed = _hello_signed_bytes(identity.peer_id, eph_raw, ts, nonce)
+        else:
+            signed = first.signed_bytes(identity.peer_id, eph_raw, ts, nonce)
+        sig = identity.sign(signed)
         self.request = HelloRequest(identity.peer_id, eph_raw, ts, nonce, sig)
+
+    @property
+    def nonce_hex(self) -> str:
+        """The nonce as a request's ``x-vp-nonce`` (the answer to a first request is MACed
+        under it)."""
+        return self.request.nonce.hex()
 
     def finish(self, reply_obj: object, *, swarm_key: bytes | None) -> Session:
         """Check the node's reply and derive the session.
@@ -236,7 +284,7 @@ class PendingHello:
         renew_at_s = time.monotonic() + 0.8 * reply.lifetime_s
         ticket = base64.urlsafe_b64encode(reply.ticket).decode()
         # The node read its clock about half way between our hello and its reply.
-        offset_s = reply.now - (self.request.ts + time.time()) / 2
+        offset_s = reply.now - (self._sent_s + time.time()) / 2
         return Session(reply.peer, key, ticket, renew_at_s, offset_s)
 
 
@@ -275,20 +323,32 @@ class SessionIssuer:
         # Tickets opened lately: a caller presents the same one on every request.
         self._opened: OrderedDict[str, tuple[ProvenCaller, float]] = OrderedDict()
 
-    def check_hello(self, hello: HelloRequest, now_s: float | None = None) -> None:
-        """Raise AuthError unless the hello is fresh and signed by the peer it names."""
+    def check_hello(
+        self, hello: HelloRequest, now_s: float | None = None, first: FirstRequest | None = None
+    ) -> None:
+        """Raise AuthError unless the hello is fresh and signed by the peer it names (with
+        ``first``: signed together with that request; its ``to`` is this node's id, so a hello
+        meant for another node does not verify)."""
         now_s = time.time() if now_s is None else now_s
         if abs(now_s - hello.ts) > self.max_hello_skew_s:
             raise AuthError(f"stale hello: timestamp {abs(now_s - hello.ts):.0f} s from now")
         problem = public_key_problem(hello.peer)
         if problem is not None:  # checked before the signature: under some, any one verifies
             raise AuthError(f"hello's peer id is not a usable Ed25519 key: {problem}")
-        signed = _hello_signed_bytes(hello.peer, hello.eph, hello.ts, hello.nonce)
+        if first is None:
+            signed = _hello_signed_bytes(hello.peer, hello.eph, hello.ts, hello.nonce)
+        else:
+            signed = first.signed_bytes(hello.peer, hello.eph, hello.ts, hello.nonce)
         if not verify(hello.peer, signed, hello.sig):
             raise AuthError("hello signature does not verify")
 
     def answer(self, hello: HelloRequest) -> HelloReply:
         """A session for a checked hello: the reply to send back."""
+        return self.answer_with_key(hello)[0]
+
+    def answer_with_key(self, hello: HelloRequest) -> tuple[HelloReply, bytes]:
+        """A session for a checked hello: the reply to send back and the session key (to MAC
+        the answer of a request the hello rode on)."""
         eph = X25519PrivateKey.generate()
         eph_raw = _x25519_raw(eph)
         try:
@@ -303,7 +363,7 @@ class SessionIssuer:
         ticket = gcm_nonce + self._sealer.encrypt(gcm_nonce, plain, _TICKET_AAD)
         reply = HelloReply(me, eph_raw, ticket, float(self.lifetime_s), time.time(), b"")
         signed = _reply_signed_bytes(reply, hello.eph, hello.nonce)
-        return dataclasses.replace(reply, sig=self._identity.sign(signed))
+        return dataclasses.replace(reply, sig=self._identity.sign(signed)), key
 
     def open_ticket(self, ticket: str) -> ProvenCaller:
         """The caller a ticket was issued to.

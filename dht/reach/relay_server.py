@@ -29,7 +29,7 @@ from aiohttp import web
 
 from dht.errors import BadMessageError, DHTError, TransportError
 from dht.identity import is_peer_id
-from dht.net.client import API_VERSION, TUNNEL_HEADER
+from dht.net.client import API_VERSION, HELLO_HEADER, TUNNEL_HEADER
 from dht.net.config import TransportConfig
 from dht.net.door import RELAYED_FOR_HEADER, refuse_over_rate
 from dht.net.limits import peer_host
@@ -185,7 +185,8 @@ class RelayService:
             raise Refused(400, str(e)) from None
         # the relayed node charges its address shares to this (a caller's own is overwritten)
         headers[RELAYED_FOR_HEADER] = address_key(host)
-        if path == f"/{API_VERSION}/hello" and not self.server.hellos.allow(host):
+        is_hello = path == f"/{API_VERSION}/hello" or HELLO_HEADER in request.headers
+        if is_hello and not self.server.hellos.allow(host):
             # the relayed node cannot tell its callers apart by address: the relay does
             raise Refused(429, "too many handshakes from this address; slow down")
         length = request.content_length

@@ -2,7 +2,8 @@
 
 The fuzzer proves its identity first (a real handshake, every request signed under its session),
 so what it sends reaches the code behind authentication: the DHT's RPCs (``dht.ping``,
-``dht.find``, ``dht.store``), ``dial_back``, an echo RPC, the handshake itself, and two stream
+``dht.find``, ``dht.store``), ``dial_back``, an echo RPC, the handshake itself (separate, and
+riding on a first RPC in ``x-vp-hello``), and two stream
 handlers (one that reads chunks, one that reads them into a buffer), each at a node that serves
 directly and at one reached only through a relay. Hypothesis makes the bodies (raw bytes,
 arbitrary msgpack, near-valid messages with one field wrong), the headers (one signed header
@@ -18,6 +19,7 @@ The servers run on an event loop in a thread of their own (Hypothesis drives pla
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import threading
@@ -32,9 +34,9 @@ from dht.config import DHTConfig
 from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.kademlia.node import DHTNode
-from dht.net.client import HELLO_PATH
+from dht.net.client import HELLO_HEADER, HELLO_PATH
 from dht.net.config import ReachabilityConfig, TransportConfig
-from dht.net.session import PendingHello, Session
+from dht.net.session import FirstRequest, PendingHello, Session, digest
 from dht.net.wire import FRAME_BIN, FRAME_ERROR, FRAME_HEADER, FRAME_MSG, pack
 from tests.adversarial.harness_net import WireClient, header_frame, http_request
 
@@ -306,6 +308,44 @@ def test_malformed_hellos_are_answered_at_once(lab, via, body):
     reason = answer.reason or answer.body.decode(errors="replace")
     # (a 200 is fine: a field replaced by a value as good, a version of 2, say)
     check_answer(lab, answer.status, reason, time.monotonic() - start, (via, body[:200]))
+    lab.still_serves(via)
+
+
+@st.composite
+def first_hellos(draw, to: str, path: str, body: bytes) -> str:
+    """An ``x-vp-hello`` header that proves nothing: base64 of arbitrary bytes or msgpack, or a
+    real first-request hello's fields with one of them replaced, or printable junk."""
+    kind = draw(st.sampled_from(["bytes", "msgpack", "field", "text"]))
+    if kind == "text":
+        return draw(st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=200))
+    if kind == "bytes":
+        raw = draw(st.binary(max_size=600))
+    elif kind == "msgpack":
+        raw = pack(draw(msgpack_values))
+    else:
+        first = FirstRequest(to, "POST", path, digest(body))
+        wire = PendingHello(PeerIdentity.generate(), first).request.to_wire()
+        name = draw(st.sampled_from(sorted(wire)))
+        wire[name] = draw(msgpack_values | peer_ids)
+        raw = pack(wire)
+    return base64.urlsafe_b64encode(raw).decode("ascii")
+
+
+@SETTINGS
+@given(via=st.sampled_from(VIAS), route=st.sampled_from(RPCS), data=st.data())
+def test_first_requests_with_malformed_hellos_are_answered_at_once(lab, via, route, data):
+    path, body = f"/v2/rpc/{route}", pack({})
+    wire = data.draw(first_hellos(lab.sessions[via].peer_id, path, body))
+    headers = {
+        "content-type": "application/msgpack",
+        "x-vp-digest": digest(body).hex(),
+        HELLO_HEADER: wire,
+    }
+    start = time.monotonic()
+    answer = lab.run(lab.fuzzer.post(lab.addresses[via] + path, body, headers), 30)
+    reason = answer.reason or answer.body.decode(errors="replace")
+    # (a 200 is fine: a field replaced by a value as good, a version of 2, say)
+    check_answer(lab, answer.status, reason, time.monotonic() - start, (via, route, wire[:200]))
     lab.still_serves(via)
 
 
