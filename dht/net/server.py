@@ -162,7 +162,7 @@ class HttpServer:
         its proven peer's share of requests and its nonce in the replay window; only then the
         session is made. A refusal a separate handshake may cure is a 401 with
         ``x-vp-session: renew``."""
-        host = self.door.admit_hello(request)
+        share_host = self.door.admit_hello(request)
         wire = request.headers.get(HELLO_HEADER, "")
         try:
             if not printable_ascii(wire):
@@ -183,7 +183,8 @@ class HttpServer:
         except DHTError as e:
             raise Refused(status_of(e), str(e)) from None
         self._note_hello(hello.peer)
-        return Proven(hello.peer, key, hello.nonce.hex(), body_digest, host), reply
+        host = self.door.source_host(request)
+        return Proven(hello.peer, key, hello.nonce.hex(), body_digest, host, share_host), reply
 
     def _note_hello(self, peer_id: str) -> None:
         self._hello_times.pop(peer_id, None)

@@ -79,8 +79,11 @@ def first_request(
     return headers
 
 
-async def post(address: str, body: bytes, headers: dict, path: str = ECHO_PATH):
-    async with aiohttp.ClientSession() as http:
+async def post(
+    address: str, body: bytes, headers: dict, path: str = ECHO_PATH, local_host: str | None = None
+):
+    connector = aiohttp.TCPConnector(local_addr=(local_host, 0) if local_host else None)
+    async with aiohttp.ClientSession(connector=connector) as http:
         async with http.post(address + path, data=body, headers=headers) as resp:
             return resp.status, dict(resp.headers), await resp.read()
 
@@ -273,3 +276,22 @@ async def test_a_clock_outside_the_replay_window_falls_back_to_a_separate_hello(
     other, _, _ = await pair(make_transport)
     await client.call(other.address, "echo", 2, expected_peer=other.peer_id)
     assert paths[other.peer_id] == [ECHO_PATH] and other.server.num_first_hellos == 1
+
+
+async def test_a_first_requests_body_is_charged_to_its_address_as_any_requests(make_transport):
+    """The bytes of a first request's body count against its address's share of requests, as
+    a later request's do (one key cannot send big bodies for free by always being new)."""
+    config = TransportConfig(
+        max_requests_per_s_per_address=0.01, request_burst_per_address=10,
+        request_body_bytes_per_request=1000, handshake_burst=10,
+    )  # fmt: skip
+    server = await make_transport(config, rpc={"echo": lambda ctx, payload: _echo(payload)})
+    big, small = pack(b"x" * 8500), pack(1)
+    # another address in the contention window: the address shares apply
+    other = first_request(PeerIdentity.generate(), server.peer_id, small)
+    assert (await post(server.address, small, other, local_host="127.0.0.2"))[0] == 200
+    headers = first_request(PeerIdentity.generate(), server.peer_id, big)
+    assert (await post(server.address, big, headers))[0] == 200  # 1 request + 8.5 of body
+    headers = first_request(PeerIdentity.generate(), server.peer_id, small)
+    status, answer_headers, _ = await post(server.address, small, headers)
+    assert status == 429 and int(answer_headers["Retry-After"]) >= 1
