@@ -29,7 +29,8 @@ from dht.net.limits import peer_host
 from dht.net.refusals import ClientGone, Refused, error_response
 from dht.net.replay import ReplayGuard
 from dht.net.request_shares import RateRefusal, RequestShares
-from dht.net.session import SessionIssuer, macs_equal, request_mac
+from dht.net.session import macs_equal, request_mac
+from dht.net.session_issuer import SessionIssuer
 from dht.net.shares import RELAYED_SHARE_PREFIX, address_key
 
 logger = logging.getLogger("dht.net.server")  # (the refusals' log lines keep their old name)

@@ -42,10 +42,10 @@ from dht.net.session import (
     FirstRequest,
     HelloReply,
     HelloRequest,
-    SessionIssuer,
     digest,
     response_mac,
 )
+from dht.net.session_issuer import SessionIssuer
 from dht.net.shares import FairBudget, OverShare
 from dht.net.streams import ServerStream
 from dht.net.transport import ByteCounters, RequestContext, RpcHandler, StreamHandler

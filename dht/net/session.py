@@ -29,24 +29,21 @@ timestamp are the request's (kept in the node's replay window like any request's
 carries the hello reply and is MACed under the new session key.
 
 Wall-clock time is used for the timestamps on purpose: they must mean the same on two machines.
+The node's side (answering hellos, opening tickets) is :mod:`dht.net.session_issuer`.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import hashlib
 import hmac
 import math
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from dht.errors import AuthError, BadMessageError
@@ -58,12 +55,8 @@ HELLO_TAG = b"vp-hello/2"
 HELLO_REPLY_TAG = b"vp-hello-reply/2"
 FIRST_REQUEST_TAG = b"vp-first-request/2"
 _SESSION_INFO = b"vp-session/2"
-_TICKET_AAD = b"vp-ticket/2"
 NONCE_BYTES = 16
 KEY_BYTES = 32
-_GCM_NONCE_BYTES = 12
-_MAX_OPENED_TICKETS = 4096
-MAX_HELLO_SKEW_S = 86400.0
 
 
 def digest(data: bytes | memoryview) -> bytes:
@@ -77,11 +70,11 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.digest(key, message, "sha256")
 
 
-def _x25519_raw(key: X25519PrivateKey) -> bytes:
+def x25519_raw(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def _derive_key(
+def derive_key(
     shared: bytes, salt: bytes, caller: str, node: str, caller_eph: bytes, node_eph: bytes
 ) -> bytes:
     info = _SESSION_INFO + bytes.fromhex(caller) + bytes.fromhex(node) + caller_eph + node_eph
@@ -89,7 +82,7 @@ def _derive_key(
     return hkdf.derive(shared)
 
 
-def _hello_signed_bytes(peer: str, eph: bytes, ts: float, nonce: bytes) -> bytes:
+def hello_signed_bytes(peer: str, eph: bytes, ts: float, nonce: bytes) -> bytes:
     return pack([HELLO_TAG, peer, eph, ts, nonce])
 
 
@@ -115,7 +108,7 @@ class FirstRequest:
         )  # fmt: skip
 
 
-def _reply_signed_bytes(reply: HelloReply, caller_eph: bytes, nonce: bytes) -> bytes:
+def reply_signed_bytes(reply: HelloReply, caller_eph: bytes, nonce: bytes) -> bytes:
     return pack(
         [HELLO_REPLY_TAG, reply.peer, reply.eph, caller_eph, nonce, digest(reply.ticket),
          reply.lifetime_s, reply.now]
@@ -241,12 +234,12 @@ class PendingHello:
         swarm's clock minus this one as other nodes told it, is added to it)."""
         self._identity = identity
         self._eph = X25519PrivateKey.generate()
-        eph_raw = _x25519_raw(self._eph)
+        eph_raw = x25519_raw(self._eph)
         self._sent_s = time.time()
         ts = round(self._sent_s + clock_offset_s, 3)
         nonce = os.urandom(NONCE_BYTES)
         if first is None:
-            signed = _hello_signed_bytes(identity.peer_id, eph_raw, ts, nonce)
+            signed = hello_signed_bytes(identity.peer_id, eph_raw, ts, nonce)
         else:
             signed = first.signed_bytes(identity.peer_id, eph_raw, ts, nonce)
         sig = identity.sign(signed)
@@ -269,14 +262,14 @@ class PendingHello:
         problem = public_key_problem(reply.peer)
         if problem is not None:
             raise AuthError(f"hello reply's peer id is not a usable Ed25519 key: {problem}")
-        signed = _reply_signed_bytes(reply, self.request.eph, self.request.nonce)
+        signed = reply_signed_bytes(reply, self.request.eph, self.request.nonce)
         if not verify(reply.peer, signed, reply.sig):
             raise AuthError("hello reply signature does not verify")
         try:
             shared = self._eph.exchange(X25519PublicKey.from_public_bytes(reply.eph))
         except ValueError as e:  # a low-order point: no shared secret
             raise AuthError(f"hello reply key unusable: {e}") from None
-        key = _derive_key(
+        key = derive_key(
             shared, swarm_key or b"", self._identity.peer_id, reply.peer, self.request.eph,
             reply.eph,
         )  # fmt: skip
@@ -286,117 +279,6 @@ class PendingHello:
         # The node read its clock about half way between our hello and its reply.
         offset_s = reply.now - (self._sent_s + time.time()) / 2
         return Session(reply.peer, key, ticket, renew_at_s, offset_s)
-
-
-@dataclass(frozen=True)
-class ProvenCaller:
-    """What a node learns from a valid ticket: who the caller is and the key it shares."""
-
-    peer_id: str
-    key: bytes
-
-
-class SessionIssuer:
-    """The node's side: answers hellos and opens the tickets of later requests.
-
-    Args:
-        identity: this node's key pair (signs hello replies).
-        swarm_key: the swarm key, or None; mixed into every session key.
-        lifetime_s: how long a ticket is good for, in seconds.
-        max_hello_skew_s: how far a hello's timestamp may be from this node's clock, in seconds
-            (a sanity bound: a replayed hello gets nothing, see the module's docstring).
-    """
-
-    def __init__(
-        self,
-        identity: PeerIdentity,
-        *,
-        swarm_key: bytes | None,
-        lifetime_s: float,
-        max_hello_skew_s: float = MAX_HELLO_SKEW_S,
-    ):
-        self._identity = identity
-        self._swarm_key = swarm_key or b""
-        self.lifetime_s = lifetime_s
-        self.max_hello_skew_s = max_hello_skew_s
-        self._sealer = AESGCM(AESGCM.generate_key(bit_length=256))
-        # Tickets opened lately: a caller presents the same one on every request.
-        self._opened: OrderedDict[str, tuple[ProvenCaller, float]] = OrderedDict()
-
-    def check_hello(
-        self, hello: HelloRequest, now_s: float | None = None, first: FirstRequest | None = None
-    ) -> None:
-        """Raise AuthError unless the hello is fresh and signed by the peer it names (with
-        ``first``: signed together with that request; its ``to`` is this node's id, so a hello
-        meant for another node does not verify)."""
-        now_s = time.time() if now_s is None else now_s
-        if abs(now_s - hello.ts) > self.max_hello_skew_s:
-            raise AuthError(f"stale hello: timestamp {abs(now_s - hello.ts):.0f} s from now")
-        problem = public_key_problem(hello.peer)
-        if problem is not None:  # checked before the signature: under some, any one verifies
-            raise AuthError(f"hello's peer id is not a usable Ed25519 key: {problem}")
-        if first is None:
-            signed = _hello_signed_bytes(hello.peer, hello.eph, hello.ts, hello.nonce)
-        else:
-            signed = first.signed_bytes(hello.peer, hello.eph, hello.ts, hello.nonce)
-        if not verify(hello.peer, signed, hello.sig):
-            raise AuthError("hello signature does not verify")
-
-    def answer(self, hello: HelloRequest) -> HelloReply:
-        """A session for a checked hello: the reply to send back."""
-        return self.answer_with_key(hello)[0]
-
-    def answer_with_key(self, hello: HelloRequest) -> tuple[HelloReply, bytes]:
-        """A session for a checked hello: the reply to send back and the session key (to MAC
-        the answer of a request the hello rode on)."""
-        eph = X25519PrivateKey.generate()
-        eph_raw = _x25519_raw(eph)
-        try:
-            shared = eph.exchange(X25519PublicKey.from_public_bytes(hello.eph))
-        except ValueError as e:
-            raise AuthError(f"hello key unusable: {e}") from None
-        me = self._identity.peer_id
-        key = _derive_key(shared, self._swarm_key, hello.peer, me, hello.eph, eph_raw)
-        expires_s = time.monotonic() + self.lifetime_s
-        plain = bytes.fromhex(hello.peer) + key + int(expires_s * 1000).to_bytes(8, "little")
-        gcm_nonce = os.urandom(_GCM_NONCE_BYTES)
-        ticket = gcm_nonce + self._sealer.encrypt(gcm_nonce, plain, _TICKET_AAD)
-        reply = HelloReply(me, eph_raw, ticket, float(self.lifetime_s), time.time(), b"")
-        signed = _reply_signed_bytes(reply, hello.eph, hello.nonce)
-        return dataclasses.replace(reply, sig=self._identity.sign(signed)), key
-
-    def open_ticket(self, ticket: str) -> ProvenCaller:
-        """The caller a ticket was issued to.
-
-        Raises:
-            AuthError: the ticket is malformed, was not issued by this process, or expired.
-        """
-        opened = self._opened.get(ticket)
-        if opened is None:
-            opened = self._open(ticket)
-            self._opened[ticket] = opened
-            if len(self._opened) > _MAX_OPENED_TICKETS:
-                self._opened.popitem(last=False)
-        caller, expires_s = opened
-        if time.monotonic() > expires_s:
-            raise AuthError("unknown session: ticket expired")
-        return caller
-
-    def _open(self, ticket: str) -> tuple[ProvenCaller, float]:
-        try:
-            raw = base64.urlsafe_b64decode(ticket.encode("ascii"))
-        except (ValueError, UnicodeEncodeError):
-            raise AuthError("unknown session: malformed ticket") from None
-        try:
-            plain = self._sealer.decrypt(
-                raw[:_GCM_NONCE_BYTES], raw[_GCM_NONCE_BYTES:], _TICKET_AAD
-            )
-        except (InvalidTag, ValueError):
-            raise AuthError("unknown session: ticket not issued by this node") from None
-        if len(plain) != 32 + KEY_BYTES + 8:
-            raise AuthError("unknown session: malformed ticket")
-        expires_s = int.from_bytes(plain[-8:], "little") / 1000
-        return ProvenCaller(plain[:32].hex(), plain[32 : 32 + KEY_BYTES]), expires_s
 
 
 def request_mac(key: bytes, method: str, path: str, body_digest: bytes, ts: str, nonce: str) -> str:

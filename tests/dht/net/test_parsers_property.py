@@ -19,7 +19,8 @@ from dht.kademlia.storage import ANONYMOUS, DHTStorage, Record, charges
 from dht.net import schema
 from dht.net.frames import FrameReader
 from dht.net.replay import ReplayGuard
-from dht.net.session import HelloReply, HelloRequest, PendingHello, SessionIssuer
+from dht.net.session import HelloReply, HelloRequest, PendingHello
+from dht.net.session_issuer import SessionIssuer
 from dht.net.wire import FRAME_HEADER, MessageLimits, pack, unpack
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ from dht.errors import BusyError, RemoteError, RequestTimeoutError, TransportErr
 from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.net.config import TransportConfig
-from dht.net.session import SessionIssuer
+from dht.net.session_issuer import SessionIssuer
 from dht.net.wire import MessageLimits
 
 pytestmark = pytest.mark.timeout(60)
