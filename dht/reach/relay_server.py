@@ -226,7 +226,7 @@ class RelayService:
             if evicted is not None:  # a newcomer's slot, taken from an address over its share
                 await _evict(evicted, "its address holds more than its fair share of slots")
             if slot.evicted:  # (taken in turn while the eviction above was being sent)
-                raise self._over_slots(host, slots, "this address's slot was given to another")
+                raise self._over_slots(host, slots, _given_away(slots))
             if mux.num_streams >= mux.max_streams:  # (the slots keep below it: a safety net)
                 raise Refused(503, f"more than {mux.max_streams} relayed requests to this peer")
             try:
@@ -238,12 +238,7 @@ class RelayService:
                 return await self._relay(request, stream, path, headers, rate)
             except Refused as e:
                 if slot.evicted:  # cut for an address with fewer slots: the caller's doing
-                    raise self._over_slots(
-                        host,
-                        slots,
-                        "this address's slot was given to "
-                        "another (it held more than its fair share)",
-                    ) from e
+                    raise self._over_slots(host, slots, _given_away(slots)) from e
                 raise
             finally:
                 await stream.close("the caller's request ended")
@@ -307,6 +302,13 @@ class RelayService:
             await stream.end()
         except Exception as e:  # whatever cut the caller's body, the relayed peer must hear it
             await stream.reset(f"caller's request failed: {type(e).__name__} {e}"[:200])
+
+
+def _given_away(slots: FairSlots) -> str:
+    return (
+        f"one of this address's {slots.unit} was given to another address: "
+        "it held more than its fair share"
+    )
 
 
 async def _evict(slot: Slot, reason: str) -> None:

@@ -1,0 +1,118 @@
+"""Addresses that together fill a relayed peer's request slots: honest callers still get theirs.
+
+A relay, a peer reached only through it, and an honest node run in their own processes. Three
+attacker addresses (``127.0.0.2`` to ``127.0.0.4``) each keep ``NUM_HELD`` signed requests to the
+relayed peer open through the relay, announcing a body they never send (the relayed peer times
+each out after ``body_stall_timeout_s``, and the attacker sends the next at once): each address
+alone stays within its fixed share of the peer's slots (8 of 16), and together they hold all
+16. The relay shares its slots fairly under contention (:class:`dht.net.shares.FairSlots`): the
+honest node's address, holding none, takes one from an address over its fair share, so every
+honest ping through the relay is answered, and the attackers are refused (429) past their share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from dht.net.config import TransportConfig
+from dht.net.wire import pack
+from tests.adversarial.harness_net import (
+    WireClient,
+    assert_no_crashes,
+    assert_serving,
+    host_port,
+    http_request,
+    node_processes,  # noqa: F401 - a fixture
+    status_line,
+)
+from tests.adversarial.test_net_shares import _open_raw
+
+pytestmark = pytest.mark.timeout(120)
+ATTACKER_HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+NUM_HELD = 10  # requests each attacker address keeps open: past its fixed share of 8
+NUM_PINGS = 30
+PING_PAUSE_S = 0.1
+DEFAULTS = TransportConfig()
+ANSWER_TIMEOUT_S = 2 * DEFAULTS.body_stall_timeout_s + 5  # the relayed peer answers by then
+
+
+class SlotHolder:
+    """One attacker address keeping ``NUM_HELD`` body-less signed requests open to a relayed
+    peer through its relay, each answered one sent again at once; every status kept."""
+
+    def __init__(self, source: str, address: str, peer_id: str):
+        self.source = source
+        self.host, self.port = host_port(address.split("/v2/relay/")[0])
+        self.address = address
+        self.path = f"/v2/relay/{peer_id}/v2/rpc/dht.ping"
+        self.statuses: list[int] = []
+        self._client = WireClient(local_host=source)
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        await self._client.__aenter__()
+        session = await self._client.hello(self.address)
+        self._tasks = [asyncio.create_task(self._hold(session)) for _ in range(NUM_HELD)]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._client.__aexit__()
+
+    async def _hold(self, session) -> None:
+        body = pack({"addr": None})
+        while True:
+            headers = self._client.sign(session, "/v2/rpc/dht.ping", body)
+            request = http_request(self.path, headers, content_length=len(body))
+            try:
+                reader, writer = await _open_raw(self.host, self.port, request, self.source)
+            except OSError:  # past its address's share of new connections: it comes back
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                async with asyncio.timeout(ANSWER_TIMEOUT_S):
+                    self.statuses.append(status_line(await reader.read(256)))
+            finally:
+                writer.close()
+            await asyncio.sleep(0.01)  # (a 429's hold already paces one that ignores it)
+
+
+async def test_addresses_that_fill_a_relayed_peers_slots_leave_honest_callers_theirs(
+    node_processes,  # noqa: F811
+):
+    (relay,) = await node_processes(1)
+    (victim,) = await node_processes(1, initial_peers=[relay.address], relay_urls=[relay.address])
+    (honest,) = await node_processes(1, initial_peers=[relay.address])
+    assert victim.address == f"{relay.address}/v2/relay/{victim.peer_id}", victim.address
+    holders = [SlotHolder(source, victim.address, victim.peer_id) for source in ATTACKER_HOSTS]
+    try:
+        for holder in holders:
+            await holder.start()
+        # each address is refused past its own fixed share: together they hold every slot
+        for _ in range(200):
+            if all(429 in holder.statuses for holder in holders[:2]):
+                break
+            await asyncio.sleep(0.05)
+        latencies = []
+        for _ in range(NUM_PINGS):
+            answer = await honest.ask({"cmd": "pings", "address": victim.address, "count": 1})
+            latencies += answer["latencies_s"]
+            await asyncio.sleep(PING_PAUSE_S)
+    finally:
+        for holder in holders:
+            await holder.stop()
+    statuses = {holder.source: Counter(holder.statuses) for holder in holders}
+    print(f"fair slots: honest pings {sum(x is not None for x in latencies)}/{NUM_PINGS} "
+          f"answered; attackers' answers {statuses}")  # fmt: skip
+    assert None not in latencies, (latencies, statuses)
+    for source, counts in statuses.items():
+        assert counts[429] > 0, (source, counts)
+        # refused (429), or timed out by the relayed peer (408; 502 once the tunnel stream is
+        # reset), never served: they never send the body they announce
+        assert set(counts) <= {429, 408, 502}, (source, counts)
+    await assert_serving([relay, honest], "fair-slots")
+    assert_no_crashes([relay, victim, honest])
