@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import aiohttp
 import pytest
+from aiohttp import WSMsgType
 
 from dht.net.config import TransportConfig
 from dht.net.wire import pack
@@ -28,7 +30,7 @@ from tests.adversarial.harness_net import (
     node_processes,  # noqa: F401 - a fixture
     status_line,
 )
-from tests.adversarial.test_net_shares import _open_raw
+from tests.adversarial.test_net_shares import _attach, _open_raw
 
 pytestmark = pytest.mark.timeout(120)
 ATTACKER_HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
@@ -116,3 +118,41 @@ async def test_addresses_that_fill_a_relayed_peers_slots_leave_honest_callers_th
         assert set(counts) <= {429, 408, 502}, (source, counts)
     await assert_serving([relay, honest], "fair-slots")
     assert_no_crashes([relay, victim, honest])
+
+
+async def _closed_soon(ws: aiohttp.ClientWebSocketResponse, timeout_s: float = 1.0) -> bool:
+    """Whether the relay closes this tunnel within ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            message = await ws.receive()
+    except TimeoutError:
+        return False
+    return message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
+
+
+async def test_addresses_that_fill_a_relays_seats_leave_a_newcomer_one(node_processes):  # noqa: F811
+    """Two addresses with fresh keys take the relay's 8 seats (4 each, their fixed share): a
+    newcomer address still attaches, in a seat taken from an address over its fair share (that
+    tunnel is closed), and the attackers are refused past their share."""
+    (relay,) = await node_processes(
+        1, transport={"max_relayed_peers": 8, "max_relayed_peers_per_address": 4}
+    )
+    sybils = [WireClient(local_host=host) for host in ATTACKER_HOSTS[:2] for _ in range(5)]
+    for sybil in sybils:
+        await sybil.__aenter__()
+    try:
+        statuses = [await _attach(sybil, relay.address) for sybil in sybils]
+        assert statuses.count(101) == 8 and statuses.count(503) == 2, statuses
+        async with WireClient() as newcomer:
+            assert await _attach(newcomer, relay.address) == 101
+            attached = [s for s in sybils if getattr(s, "tunnel", None) is not None]
+            # one attacker's tunnel was closed for the newcomer's seat
+            closed = await asyncio.gather(*(_closed_soon(s.tunnel) for s in attached))
+            assert closed.count(True) == 1, closed
+            closed = [s for s, is_closed in zip(attached, closed, strict=True) if is_closed]
+            async with WireClient(local_host=closed[0]._local_host) as again:
+                assert await _attach(again, relay.address) == 503  # it holds its share
+    finally:
+        for sybil in sybils:
+            await sybil.__aexit__()
+    assert_no_crashes([relay])
