@@ -6,7 +6,8 @@
 * :class:`BytesBudget`: request bytes being received before their digest is checked, across all
   requests; a request that does not fit is refused at once (503) instead of being buffered.
 * :class:`RateLimiter`: a token bucket per source address (dial-backs, see `dht.reach`).
-* :class:`StreamSlots`: concurrent streams, a share per proven peer id and per source address.
+* :class:`StreamSlots`: concurrent streams, a share per proven peer id and a fair share per source
+  address.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
 from dht.net.request_shares import RateShares
-from dht.net.shares import FairBudget, OverShare, address_key
+from dht.net.shares import FairSlots, OverShare, address_key
 
 logger = logging.getLogger(__name__)
 MAX_CHECKED_PEERNAMES = 4096  # accepted connections remembered until aiohttp sets them up
@@ -234,9 +235,11 @@ class RateLimiter:
 
 
 class StreamSlots:
-    """Concurrent streams: a share per proven peer id and per source address (an IPv6 /64 counts
-    as one address); a stream that came through this node's relay tunnel has no source address
-    (the relay holds its caller's address to its own per-address caps) and counts per peer only.
+    """Concurrent streams: a fixed share per proven peer id, and a fair share per source address
+    (an IPv6 /64 counts as one address) of the streams open at once (:class:`FairSlots`: when
+    all are open, an address holding fewer than its fair share takes one from an address over
+    its own, whose stream is cancelled: its connection closes). A stream whose address is not
+    known is counted under its peer id.
 
     Args:
         max_per_peer: streams one proven peer id may hold open at once.
@@ -247,23 +250,35 @@ class StreamSlots:
     def __init__(self, *, max_per_peer: int, max_per_address: int, max_total: int):
         self.max_per_peer = max_per_peer
         self.max_per_address = max_per_address
-        self._budget = FairBudget(
-            max_total=max_total,
-            max_per_peer=max_per_peer,
-            max_per_address=max_per_address,
-            unit="concurrent streams",
+        self._slots = FairSlots(
+            capacity=max_total, max_per_key=max_per_address, unit="concurrent streams"
         )
+        self._per_peer: Counter[str] = Counter()
 
     @property
     def num_open(self) -> int:
-        return self._budget.in_use
+        return self._slots.num_held
 
     @contextmanager
     def hold(self, peer: str, host: str):
-        """Hold a slot for the ``with`` block; raises :class:`OverBudget` when none is free."""
-        with self._budget.account(peer, host) as account:
-            try:
-                account.charge(1)
-            except OverShare as e:
-                raise OverBudget(str(e)) from None
+        """Hold a slot for the ``with`` block (run by the stream's own task, which is cancelled
+        if a newcomer address takes the slot); raises :class:`OverBudget` when none is free."""
+        if peer and self._per_peer[peer] >= self.max_per_peer:
+            raise OverBudget(f"this peer holds its share of {self.max_per_peer} concurrent streams")
+        try:
+            slot, evicted = self._slots.take(address_key(host) or f"peer/{peer}")
+        except OverShare as e:
+            raise OverBudget(str(e)) from None
+        slot.holder = asyncio.current_task()
+        if evicted is not None and isinstance(evicted.holder, asyncio.Task):
+            evicted.holder.cancel()  # it stops at its next wait, and gives its slot back
+        if peer:
+            self._per_peer[peer] += 1
+        try:
             yield
+        finally:
+            self._slots.release(slot)
+            if peer:
+                self._per_peer[peer] -= 1
+                if self._per_peer[peer] <= 0:
+                    del self._per_peer[peer]
