@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
 from dht.net.request_shares import RateShares
-from dht.net.shares import FairSlots, OverShare, address_key
+from dht.net.shares import FairSlots, OverShare, Slot, address_key
 
 logger = logging.getLogger(__name__)
 MAX_CHECKED_PEERNAMES = 4096  # accepted connections remembered until aiohttp sets them up
@@ -44,6 +44,12 @@ class ConnectionGate:
     there is aborted before a byte of it is parsed. The server's listening sockets
     (:class:`dht.net.listener.GatedSocket`) ask :meth:`admit` earlier still, at ``accept()``,
     and reset a refused connection before asyncio builds anything for it.
+
+    Open connections are shared fairly (:class:`dht.net.shares.FairSlots`): while all
+    ``max_connections`` are open, an address holding fewer than its fair share (``max(1,
+    max_connections / addresses holding or asking)``) is let in, and the oldest connection of
+    the address holding the most, over its own share, is aborted; so a few addresses at their
+    ``max_per_address`` never lock every other address out.
 
     Args:
         max_connections: the most connections open at once.
@@ -80,18 +86,22 @@ class ConnectionGate:
         self._requests = requests
         self.num_refused = 0
         self.num_refused_for_rate = 0
-        self._open: dict[object, str] = {}
-        self._per_address: Counter[str] = Counter()
+        # shared fairly under contention: when all are open, a newcomer address's connection
+        # aborts the oldest of an address over its fair share (see FairSlots)
+        self._slots = FairSlots(
+            capacity=max_connections, max_per_key=max_per_address, unit="connections"
+        )
+        self._open: dict[object, Slot] = {}
         self._checked: OrderedDict[object, None] = OrderedDict()
         self._last_warning_s = -float("inf")
 
     @property
     def num_open(self) -> int:
-        return len(self._open)
+        return self._slots.num_held
 
     def open_from(self, host: str) -> int:
         """Connections open from ``host``'s address (its /64 for IPv6)."""
-        return self._per_address.get(address_key(host), 0)
+        return self._slots.held_by(address_key(host))
 
     def admit(self, host: str) -> bool:
         """Whether a new connection from ``host`` (a raw source IP) may stay open; a refusal is
@@ -108,9 +118,7 @@ class ConnectionGate:
         return True
 
     def _admit_open(self, address: str) -> bool:
-        if len(self._open) < self.max_connections and (
-            self._per_address[address] < self.max_per_address
-        ):
+        if self._slots.can_take(address):
             return True
         self.num_refused += 1
         self._warn(address, "open")
@@ -145,16 +153,16 @@ class ConnectionGate:
                 # client that hung up, and nothing of the connection is ever parsed.
                 asyncio.get_running_loop().call_soon(transport.abort)
                 return
-            address = address_key(host)
-            self._open[handler] = address
-            self._per_address[address] += 1
+            slot, evicted = self._slots.take(address_key(host))  # (can_take just said yes)
+            slot.holder = transport
+            self._open[handler] = slot
+            if evicted is not None:  # an address over its fair share gives up its oldest
+                evicted.holder.abort()
 
         def connection_lost(handler, exc=None) -> None:
-            address = self._open.pop(handler, None)
-            if address is not None:
-                self._per_address[address] -= 1
-                if not self._per_address[address]:
-                    del self._per_address[address]
+            slot = self._open.pop(handler, None)
+            if slot is not None:
+                self._slots.release(slot)  # (a no-op for one evicted)
             lost(handler, exc)
 
         server.connection_made = connection_made
@@ -167,7 +175,7 @@ class ConnectionGate:
             logger.warning(
                 "refused connections over the caps (%s; %d open, %d from %s; %d refused so "
                 "far, %d for their rate)",
-                cap, len(self._open), self._per_address[address], address or "?",
+                cap, self._slots.num_held, self._slots.held_by(address), address or "?",
                 self.num_refused, self.num_refused_for_rate,
             )  # fmt: skip
 

@@ -185,6 +185,14 @@ class FairSlots:
         num_keys = len(self._held) + (key not in self._held)
         return max(1.0, self.capacity / num_keys)
 
+    def can_take(self, key: str) -> bool:
+        """Whether :meth:`take` would give ``key`` a slot now (it changes nothing)."""
+        try:
+            self._victim_key(key)
+        except OverShare:
+            return False
+        return True
+
     def take(self, key: str) -> tuple[Slot, Slot | None]:
         """A slot for ``key``, and the slot it was taken from (evicted: its owner must be
         stopped by the caller, at once), if none was free.
@@ -193,18 +201,24 @@ class FairSlots:
             OverShare: ``key`` holds ``max_per_key``, or the pool is full and ``key`` holds its
                 fair share or nobody holds more than theirs.
         """
-        held = self.held_by(key)
-        if held >= self.max_per_key:
-            raise OverShare(f"this address holds {held} {self.unit}, its most")
+        victim_key = self._victim_key(key)
         victim = None
-        if self.num_held >= self.capacity:
-            victim = self._victim(key, held)
+        if victim_key is not None:
+            victim = next(iter(self._held[victim_key]))  # the oldest: held the longest
+            self.release(victim)
+            victim.evicted = True
         slot = Slot(key)
         self._held.setdefault(key, {})[slot] = None
         self.num_held += 1
         return slot, victim
 
-    def _victim(self, key: str, held: int) -> Slot:
+    def _victim_key(self, key: str) -> str | None:
+        """The key to take a slot from for ``key`` (None: one is free); raises OverShare."""
+        held = self.held_by(key)
+        if held >= self.max_per_key:
+            raise OverShare(f"this address holds {held} {self.unit}, its most")
+        if self.num_held < self.capacity:
+            return None
         share = self.fair_share(key)
         if held + 1 > math.ceil(share):
             raise OverShare(
@@ -218,10 +232,7 @@ class FairSlots:
                 f"all {self.capacity} {self.unit} are in use, each address within its fair "
                 f"share of {share:.1f}"
             )
-        victim = next(iter(self._held[most_key]))  # the oldest: held the longest
-        self.release(victim)
-        victim.evicted = True
-        return victim
+        return most_key
 
     def release(self, slot: Slot) -> None:
         """Give ``slot`` back (a no-op if it was evicted or given back already)."""

@@ -85,6 +85,7 @@ def test_fair_shares_under_contention(capacity, max_per_key, ops):
         full = slots.num_held == capacity
         share = _fair(slots, key)
         over = [k for k in KEYS if k != key and before[k] > share]
+        admissible = slots.can_take(key)
         try:
             slot, evicted = slots.take(key)
         except OverShare:
@@ -95,7 +96,9 @@ def test_fair_shares_under_contention(capacity, max_per_key, ops):
             ), (before, key, share)  # fmt: skip
             if before[key] == 0 and before[key] < max_per_key:
                 assert not over  # a holderless address is refused only if nobody is over
+            assert not admissible
             continue
+        assert admissible
         live.append(slot)
         assert (evicted is not None) == full
         if evicted is not None:
