@@ -12,7 +12,10 @@ to end (``path`` is the logical ``/v2/...`` path both sign).
 Shares: a forwarded request is one of its caller address's requests at the relay
 (``max_requests_per_s_per_address``, 429 past it), its bytes are paid into that address's byte
 bucket, and it holds one of the address's request slots of that peer (past them, a 429 that
-empties the address's bucket of requests). The relay adds the
+empties the address's bucket of requests). A relayed peer's slots and the relay's seats are
+shared fairly when full (:class:`dht.net.shares.FairSlots`): an address holding fewer than its
+fair share takes the oldest slot (seat) of an address over its own, whose request is reset and
+answered 429 (whose tunnel is closed). The relay adds the
 caller's address (``x-vp-relayed-for``: its IPv4 address or IPv6 /64, replacing any the caller
 sent), which the relayed peer charges its address shares to as ``relayed/{address}`` (a hint:
 a relay that lies only moves its own callers' requests between its own keys; every request is
