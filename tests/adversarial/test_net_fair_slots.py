@@ -51,6 +51,7 @@ class SlotHolder:
         self.address = address
         self.path = f"/v2/relay/{peer_id}/v2/rpc/dht.ping"
         self.statuses: list[int] = []
+        self.evicted = 0  # its requests cut (429) for an address holding fewer slots
         self._client = WireClient(local_host=source)
         self._tasks: list[asyncio.Task] = []
 
@@ -77,7 +78,9 @@ class SlotHolder:
                 continue
             try:
                 async with asyncio.timeout(ANSWER_TIMEOUT_S):
-                    self.statuses.append(status_line(await reader.read(256)))
+                    head = await reader.read(1024)
+                self.statuses.append(status_line(head))
+                self.evicted += b"was given to another address" in head
             finally:
                 writer.close()
             await asyncio.sleep(0.01)  # (a 429's hold already paces one that ignores it)
@@ -108,8 +111,11 @@ async def test_addresses_that_fill_a_relayed_peers_slots_leave_honest_callers_th
         for holder in holders:
             await holder.stop()
     statuses = {holder.source: Counter(holder.statuses) for holder in holders}
+    num_evicted = sum(holder.evicted for holder in holders)
     print(f"fair slots: honest pings {sum(x is not None for x in latencies)}/{NUM_PINGS} "
-          f"answered; attackers' answers {statuses}")  # fmt: skip
+          f"answered; attackers' answers {statuses}, {num_evicted} of their requests cut "
+          "for an address holding fewer")  # fmt: skip
+    assert num_evicted >= 1  # the pool was full: slots changed hands, never past capacity
     assert None not in latencies, (latencies, statuses)
     for source, counts in statuses.items():
         assert counts[429] > 0, (source, counts)
