@@ -110,7 +110,9 @@ class TransportConfig:
         max_streams_per_peer: concurrent streams accepted from one proven peer id.
         max_streams_per_address: concurrent streams accepted from one source IP address (an
             IPv6 /64 counts as one); a stream relayed to this node counts under the caller's
-            address its relay passed (``relayed/{address}``, a key of its own).
+            address its relay passed (``relayed/{address}``, a key of its own). Streams are
+            shared fairly by addresses once ``max_connections`` of them are open: a newcomer
+            address's stream cancels the oldest of an address over its fair share.
         replay_window_s: accepted distance of a request's timestamp from this node's clock,
             in seconds.
         max_remembered_nonces: the most (sender, nonce) pairs remembered against replays.
@@ -143,7 +145,10 @@ class TransportConfig:
             again before the ``Retry-After`` it was told waits for that refusal until then, at
             most this long, in seconds (each of its connections then costs the node at most one
             refusal per hold).
-        max_connections: TCP connections the server keeps open at once; more are closed at once.
+        max_connections: TCP connections the server keeps open at once; more are closed at once,
+            except that while all are open, an address holding fewer than its fair share
+            (``max(1, max_connections / addresses holding or asking)``) gets one and the oldest
+            connection of an address over its share is aborted (``dht.net.shares.FairSlots``).
         max_connections_per_address: TCP connections kept open at once from one source address
             (an IPv6 /64 counts as one); more are closed at once.
         max_connection_accepts_per_s_per_address: new TCP connections accepted from one source
@@ -171,13 +176,18 @@ class TransportConfig:
         relay_enabled: relay for peers that others cannot reach (when this node serves: not in
             client mode): they attach over a WebSocket and are reached at
             ``{this node's URL}/v2/relay/{peer id}``.
-        max_relayed_peers: the most peers attached to this relay at once; more are refused (503).
+        max_relayed_peers: the most peers attached to this relay at once; more are refused (503),
+            except that while all are attached, an address holding fewer than its fair share of
+            them (``max(1, max_relayed_peers / addresses holding or asking)``) gets the seat of
+            an address over its share (that tunnel is closed).
         max_relayed_bytes_per_s: the relayed bytes (both ways, all relayed peers together) this
             relay forwards per second, in bytes per second (a token bucket holding one second of
             them): transfers in progress slow down to it, new relayed requests are refused
             (503) while it is spent.
-        max_relayed_requests_per_peer: requests forwarded to one relayed peer at once (503
-            beyond).
+        max_relayed_requests_per_peer: requests forwarded to one relayed peer at once; while all
+            are in use, an address holding fewer than its fair share of them gets the slot of
+            an address over its share (that request is reset: 429 with ``Retry-After``), and
+            any other is refused (429 with ``Retry-After``).
         max_relayed_bytes_per_s_per_address: the share of ``max_relayed_bytes_per_s`` of one
             caller address (an IPv6 /64), in bytes per second: its transfers slow down to it,
             and its new requests (only its) are refused (503) while its bucket is spent; None

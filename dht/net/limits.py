@@ -6,7 +6,8 @@
 * :class:`BytesBudget`: request bytes being received before their digest is checked, across all
   requests; a request that does not fit is refused at once (503) instead of being buffered.
 * :class:`RateLimiter`: a token bucket per source address (dial-backs, see `dht.reach`).
-* :class:`StreamSlots`: concurrent streams, a share per proven peer id and per source address.
+* :class:`StreamSlots`: concurrent streams, a share per proven peer id and a fair share per source
+  address.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
 from dht.net.request_shares import RateShares
-from dht.net.shares import FairBudget, OverShare, address_key
+from dht.net.shares import FairSlots, OverShare, Slot, address_key
 
 logger = logging.getLogger(__name__)
 MAX_CHECKED_PEERNAMES = 4096  # accepted connections remembered until aiohttp sets them up
@@ -43,6 +44,12 @@ class ConnectionGate:
     there is aborted before a byte of it is parsed. The server's listening sockets
     (:class:`dht.net.listener.GatedSocket`) ask :meth:`admit` earlier still, at ``accept()``,
     and reset a refused connection before asyncio builds anything for it.
+
+    Open connections are shared fairly (:class:`dht.net.shares.FairSlots`): while all
+    ``max_connections`` are open, an address holding fewer than its fair share (``max(1,
+    max_connections / addresses holding or asking)``) is let in, and the oldest connection of
+    the address holding the most, over its own share, is aborted; so a few addresses at their
+    ``max_per_address`` never lock every other address out.
 
     Args:
         max_connections: the most connections open at once.
@@ -79,18 +86,22 @@ class ConnectionGate:
         self._requests = requests
         self.num_refused = 0
         self.num_refused_for_rate = 0
-        self._open: dict[object, str] = {}
-        self._per_address: Counter[str] = Counter()
+        # shared fairly under contention: when all are open, a newcomer address's connection
+        # aborts the oldest of an address over its fair share (see FairSlots)
+        self._slots = FairSlots(
+            capacity=max_connections, max_per_key=max_per_address, unit="connections"
+        )
+        self._open: dict[object, Slot] = {}
         self._checked: OrderedDict[object, None] = OrderedDict()
         self._last_warning_s = -float("inf")
 
     @property
     def num_open(self) -> int:
-        return len(self._open)
+        return self._slots.num_held
 
     def open_from(self, host: str) -> int:
         """Connections open from ``host``'s address (its /64 for IPv6)."""
-        return self._per_address.get(address_key(host), 0)
+        return self._slots.held_by(address_key(host))
 
     def admit(self, host: str) -> bool:
         """Whether a new connection from ``host`` (a raw source IP) may stay open; a refusal is
@@ -107,9 +118,7 @@ class ConnectionGate:
         return True
 
     def _admit_open(self, address: str) -> bool:
-        if len(self._open) < self.max_connections and (
-            self._per_address[address] < self.max_per_address
-        ):
+        if self._slots.can_take(address):
             return True
         self.num_refused += 1
         self._warn(address, "open")
@@ -144,16 +153,16 @@ class ConnectionGate:
                 # client that hung up, and nothing of the connection is ever parsed.
                 asyncio.get_running_loop().call_soon(transport.abort)
                 return
-            address = address_key(host)
-            self._open[handler] = address
-            self._per_address[address] += 1
+            slot, evicted = self._slots.take(address_key(host))  # (can_take just said yes)
+            slot.holder = transport
+            self._open[handler] = slot
+            if evicted is not None:  # an address over its fair share gives up its oldest
+                evicted.holder.abort()
 
         def connection_lost(handler, exc=None) -> None:
-            address = self._open.pop(handler, None)
-            if address is not None:
-                self._per_address[address] -= 1
-                if not self._per_address[address]:
-                    del self._per_address[address]
+            slot = self._open.pop(handler, None)
+            if slot is not None:
+                self._slots.release(slot)  # (a no-op for one evicted)
             lost(handler, exc)
 
         server.connection_made = connection_made
@@ -166,7 +175,7 @@ class ConnectionGate:
             logger.warning(
                 "refused connections over the caps (%s; %d open, %d from %s; %d refused so "
                 "far, %d for their rate)",
-                cap, len(self._open), self._per_address[address], address or "?",
+                cap, self._slots.num_held, self._slots.held_by(address), address or "?",
                 self.num_refused, self.num_refused_for_rate,
             )  # fmt: skip
 
@@ -234,9 +243,11 @@ class RateLimiter:
 
 
 class StreamSlots:
-    """Concurrent streams: a share per proven peer id and per source address (an IPv6 /64 counts
-    as one address); a stream that came through this node's relay tunnel has no source address
-    (the relay holds its caller's address to its own per-address caps) and counts per peer only.
+    """Concurrent streams: a fixed share per proven peer id, and a fair share per source address
+    (an IPv6 /64 counts as one address) of the streams open at once (:class:`FairSlots`: when
+    all are open, an address holding fewer than its fair share takes one from an address over
+    its own, whose stream is cancelled: its connection closes). A stream whose address is not
+    known is counted under its peer id.
 
     Args:
         max_per_peer: streams one proven peer id may hold open at once.
@@ -247,23 +258,35 @@ class StreamSlots:
     def __init__(self, *, max_per_peer: int, max_per_address: int, max_total: int):
         self.max_per_peer = max_per_peer
         self.max_per_address = max_per_address
-        self._budget = FairBudget(
-            max_total=max_total,
-            max_per_peer=max_per_peer,
-            max_per_address=max_per_address,
-            unit="concurrent streams",
+        self._slots = FairSlots(
+            capacity=max_total, max_per_key=max_per_address, unit="concurrent streams"
         )
+        self._per_peer: Counter[str] = Counter()
 
     @property
     def num_open(self) -> int:
-        return self._budget.in_use
+        return self._slots.num_held
 
     @contextmanager
     def hold(self, peer: str, host: str):
-        """Hold a slot for the ``with`` block; raises :class:`OverBudget` when none is free."""
-        with self._budget.account(peer, host) as account:
-            try:
-                account.charge(1)
-            except OverShare as e:
-                raise OverBudget(str(e)) from None
+        """Hold a slot for the ``with`` block (run by the stream's own task, which is cancelled
+        if a newcomer address takes the slot); raises :class:`OverBudget` when none is free."""
+        if peer and self._per_peer[peer] >= self.max_per_peer:
+            raise OverBudget(f"this peer holds its share of {self.max_per_peer} concurrent streams")
+        try:
+            slot, evicted = self._slots.take(address_key(host) or f"peer/{peer}")
+        except OverShare as e:
+            raise OverBudget(str(e)) from None
+        slot.holder = asyncio.current_task()
+        if evicted is not None and isinstance(evicted.holder, asyncio.Task):
+            evicted.holder.cancel()  # it stops at its next wait, and gives its slot back
+        if peer:
+            self._per_peer[peer] += 1
+        try:
             yield
+        finally:
+            self._slots.release(slot)
+            if peer:
+                self._per_peer[peer] -= 1
+                if self._per_peer[peer] <= 0:
+                    del self._per_peer[peer]

@@ -11,6 +11,7 @@ at once when its :class:`Account` closes (the request ended, was refused or stal
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections import Counter
 
 # The address shares' key of a caller reached through this node's relay tunnel, before the
@@ -123,3 +124,122 @@ class Account:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class Slot:
+    """One slot of a :class:`FairSlots` pool, held by one request (or tunnel) of ``key``.
+
+    Attributes:
+        key: the address key (or peer id) it is charged to.
+        evicted: set when a newcomer took it (its holder must stop: see :meth:`FairSlots.take`).
+        holder: whatever its owner needs to stop it when it is evicted (set by the owner).
+    """
+
+    __slots__ = ("evicted", "holder", "key")
+
+    def __init__(self, key: str):
+        self.key = key
+        self.evicted = False
+        self.holder: object = None
+
+
+class FairSlots:
+    """A fixed number of slots, shared fairly by the keys (addresses) holding or asking for them.
+
+    While a slot is free, a key may take one up to ``max_per_key``. When none is free (the pool
+    is contended), a key's fair share is ``max(1, capacity / n)``, where ``n`` counts the keys
+    holding slots and the key asking: a key that holds fewer than its share (rounded up) takes
+    the oldest slot of the key holding the most, if that key holds more than its share and at
+    least two more than the asker (so two keys never take a slot back and forth). So a key that
+    holds none always gets one while another key holds more than its share, and a key is
+    refused only when it holds its share or every holder is within its own. Each decision is
+    O(number of keys holding slots).
+
+    Args:
+        capacity: slots in all.
+        max_per_key: the most slots one key holds, even when some are free.
+        unit: what a slot is, for the refusals' reasons.
+    """
+
+    def __init__(self, *, capacity: int, max_per_key: int, unit: str = "slots"):
+        if capacity < 1 or max_per_key < 1:
+            raise ValueError(f"capacity and max_per_key must be >= 1: {capacity}, {max_per_key}")
+        self.capacity = capacity
+        self.max_per_key = max_per_key
+        self.unit = unit
+        self.num_held = 0
+        # key -> its slots, oldest first (a dict keeps insertion order; removal is O(1))
+        self._held: dict[str, dict[Slot, None]] = {}
+
+    def held_by(self, key: str) -> int:
+        return len(self._held.get(key, ()))
+
+    @property
+    def num_keys(self) -> int:
+        """Keys holding at least one slot."""
+        return len(self._held)
+
+    def fair_share(self, key: str) -> float:
+        """``key``'s share of a contended pool: ``max(1, capacity / n)``, ``n`` the keys
+        holding slots and ``key``."""
+        num_keys = len(self._held) + (key not in self._held)
+        return max(1.0, self.capacity / num_keys)
+
+    def can_take(self, key: str) -> bool:
+        """Whether :meth:`take` would give ``key`` a slot now (it changes nothing)."""
+        try:
+            self._victim_key(key)
+        except OverShare:
+            return False
+        return True
+
+    def take(self, key: str) -> tuple[Slot, Slot | None]:
+        """A slot for ``key``, and the slot it was taken from (evicted: its owner must be
+        stopped by the caller, at once), if none was free.
+
+        Raises:
+            OverShare: ``key`` holds ``max_per_key``, or the pool is full and ``key`` holds its
+                fair share or nobody holds more than theirs.
+        """
+        victim_key = self._victim_key(key)
+        victim = None
+        if victim_key is not None:
+            victim = next(iter(self._held[victim_key]))  # the oldest: held the longest
+            self.release(victim)
+            victim.evicted = True
+        slot = Slot(key)
+        self._held.setdefault(key, {})[slot] = None
+        self.num_held += 1
+        return slot, victim
+
+    def _victim_key(self, key: str) -> str | None:
+        """The key to take a slot from for ``key`` (None: one is free); raises OverShare."""
+        held = self.held_by(key)
+        if held >= self.max_per_key:
+            raise OverShare(f"this address holds {held} {self.unit}, its most")
+        if self.num_held < self.capacity:
+            return None
+        share = self.fair_share(key)
+        if held + 1 > math.ceil(share):
+            raise OverShare(
+                f"all {self.capacity} {self.unit} are in use and this address holds {held}, "
+                f"its fair share of {share:.1f}"
+            )
+        most_key = max(self._held, key=lambda k: len(self._held[k]))
+        most = len(self._held[most_key])
+        if most <= share or most < held + 2:
+            raise OverShare(
+                f"all {self.capacity} {self.unit} are in use, each address within its fair "
+                f"share of {share:.1f}"
+            )
+        return most_key
+
+    def release(self, slot: Slot) -> None:
+        """Give ``slot`` back (a no-op if it was evicted or given back already)."""
+        slots = self._held.get(slot.key)
+        if slots is None or slot not in slots:
+            return
+        del slots[slot]
+        self.num_held -= 1
+        if not slots:
+            del self._held[slot.key]

@@ -12,7 +12,10 @@ to end (``path`` is the logical ``/v2/...`` path both sign).
 Shares: a forwarded request is one of its caller address's requests at the relay
 (``max_requests_per_s_per_address``, 429 past it), its bytes are paid into that address's byte
 bucket, and it holds one of the address's request slots of that peer (past them, a 429 that
-empties the address's bucket of requests). The relay adds the
+empties the address's bucket of requests). A relayed peer's slots and the relay's seats are
+shared fairly when full (:class:`dht.net.shares.FairSlots`): an address holding fewer than its
+fair share takes the oldest slot (seat) of an address over its own, whose request is reset and
+answered 429 (whose tunnel is closed). The relay adds the
 caller's address (``x-vp-relayed-for``: its IPv4 address or IPv6 /64, replacing any the caller
 sent), which the relayed peer charges its address shares to as ``relayed/{address}`` (a hint:
 a relay that lies only moves its own callers' requests between its own keys; every request is
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 
 from aiohttp import web
@@ -35,9 +39,9 @@ from dht.net.door import RELAYED_FOR_HEADER, refuse_over_rate
 from dht.net.limits import peer_host
 from dht.net.server import HttpServer, Proven, Refused
 from dht.net.session import digest, response_mac
-from dht.net.shares import address_key
+from dht.net.shares import FairSlots, OverShare, Slot, address_key
 from dht.reach.relay_mux import MAX_MESSAGE_BYTES, OPEN, Mux, MuxStream
-from dht.reach.relay_shares import ByteRate, OverShareError, RelayShares
+from dht.reach.relay_shares import ByteRate, RelayShares
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +94,14 @@ class RelayService:
         self.shares = RelayShares(
             rate_per_s=config.max_relayed_bytes_per_s,
             rate_per_address_per_s=config.relayed_bytes_per_s_per_address(),
+            max_seats=config.max_relayed_peers,
             max_seats_per_address=config.max_relayed_peers_per_address,
+            max_requests_per_peer=config.max_relayed_requests_per_peer,
             max_requests_per_address=config.max_relayed_requests_per_address,
         )
         self.rate = self.shares.rate
         self._tunnels: dict[str, Mux] = {}
+        self._seats: dict[str, Slot] = {}  # attached peer id -> its seat
         self.num_relayed_bytes = 0
         self.num_attaches = 0
         self._closed_reason: str | None = None
@@ -125,17 +132,30 @@ class RelayService:
         peer_id = proven.peer_id
         if self._closed_reason is not None:
             raise Refused(503, self._closed_reason)
-        if peer_id not in self._tunnels and len(self._tunnels) >= self.config.max_relayed_peers:
-            raise Refused(503, f"relay full: {self.config.max_relayed_peers} peers attached")
-        host = peer_host(request.transport)
-        if not self.shares.seat_free(host):
-            raise Refused(
-                503, f"relay full for this address: {self.shares.max_seats_per_address} attached"
-            )
-        with self.shares.seat(host):
-            return await self._serve_tunnel(request, proven)
+        # A new attach of an attached peer replaces its tunnel: the old one's seat is given up
+        # first (its tunnel is closed once the new one is up, or now if the new one is refused).
+        old_seat = self._seats.pop(peer_id, None)
+        if old_seat is not None:
+            self.shares.seats.release(old_seat)
+        try:
+            seat, evicted = self.shares.seats.take(address_key(peer_host(request.transport)))
+        except OverShare as e:
+            if (old := self._tunnels.get(peer_id)) is not None:
+                await old.close("replaced by an attach that was refused")
+            raise Refused(503, f"relay full: {e}") from None
+        self._seats[peer_id] = seat
+        try:
+            if evicted is not None:  # a newcomer address's seat, from one over its share
+                await _evict(evicted, "its address holds more than its fair share of seats")
+            return await self._serve_tunnel(request, proven, seat)
+        finally:
+            self.shares.seats.release(seat)
+            if self._seats.get(peer_id) is seat:
+                del self._seats[peer_id]
 
-    async def _serve_tunnel(self, request: web.Request, proven: Proven) -> web.StreamResponse:
+    async def _serve_tunnel(
+        self, request: web.Request, proven: Proven, seat: Slot
+    ) -> web.StreamResponse:
         peer_id = proven.peer_id
         ws = web.WebSocketResponse(
             heartbeat=self.config.relay_heartbeat_s, compress=False, max_msg_size=MAX_MESSAGE_BYTES
@@ -149,6 +169,10 @@ class RelayService:
             write_timeout_s=self.config.stream_write_timeout_s,
             max_streams=self.config.max_relayed_requests_per_peer,
         )
+        seat.holder = mux
+        if seat.evicted:  # (given to another address while this one was being set up)
+            await mux.close("its address holds more than its fair share of seats")
+            return ws
         old = self._tunnels.get(peer_id)
         self._tunnels[peer_id] = mux
         self.num_attaches += 1
@@ -197,23 +221,45 @@ class RelayService:
             raise Refused(
                 503, f"this address is over its share of {rate.rate_per_s:.0f} relayed bytes/s"
             )
-        if mux.num_streams >= mux.max_streams:
-            raise Refused(503, f"more than {mux.max_streams} relayed requests to this peer")
+        slots = self.shares.request_slots(peer_id)
         try:
-            with self.shares.request_slot(peer_id, host):
-                try:
-                    stream = mux.open()
-                except TransportError as e:
-                    raise Refused(502, f"relayed peer went away: {e}") from None
-                try:
-                    return await self._relay(request, stream, path, headers, rate)
-                finally:
-                    await stream.close("the caller's request ended")
-        except OverShareError as e:
-            # the address's own doing: a 429 that empties its bucket of requests here, so that
-            # a retry at once is refused at the first check (and held if it keeps coming back)
-            retry_after_s = self.server.requests.addresses.drain(address_key(host))
-            raise Refused(429, str(e), retry_after_s=retry_after_s) from None
+            slot, evicted = slots.take(address_key(host))
+        except OverShare as e:
+            raise self._over_slots(host, slots, str(e)) from None
+        try:
+            if evicted is not None:  # a newcomer's slot, taken from an address over its share
+                await _evict(evicted, "its address holds more than its fair share of slots")
+            if slot.evicted:  # (taken in turn while the eviction above was being sent)
+                raise self._over_slots(host, slots, _given_away(slots))
+            if mux.num_streams >= mux.max_streams:  # (the slots keep below it: a safety net)
+                raise Refused(503, f"more than {mux.max_streams} relayed requests to this peer")
+            try:
+                stream = mux.open()
+            except TransportError as e:
+                raise Refused(502, f"relayed peer went away: {e}") from None
+            slot.holder = stream
+            try:
+                return await self._relay(request, stream, path, headers, rate)
+            except Refused as e:
+                if slot.evicted:  # cut for an address with fewer slots: the caller's doing
+                    raise self._over_slots(host, slots, _given_away(slots)) from e
+                raise
+            finally:
+                await stream.close("the caller's request ended")
+        finally:
+            self.shares.release_request(peer_id, slot)
+
+    def _over_slots(self, host: str, slots: FairSlots, reason: str) -> Refused:
+        """A 429 for an address over its share of a relayed peer's request slots: it empties
+        the address's bucket of requests here, so that a retry at once is refused at the first
+        check (and held if it keeps coming back). An address refused only because every holder
+        is within its fair share did nothing wrong: its bucket is left alone."""
+        key = address_key(host)
+        if slots.held_by(key) >= min(slots.max_per_key, math.floor(slots.fair_share(key))):
+            retry_after_s = self.server.requests.addresses.drain(key)
+        else:
+            retry_after_s = 1
+        return Refused(429, reason, retry_after_s=retry_after_s)
 
     async def _relay(
         self, request: web.Request, stream: MuxStream, path: str, headers: dict, rate: ByteRate
@@ -260,6 +306,23 @@ class RelayService:
             await stream.end()
         except Exception as e:  # whatever cut the caller's body, the relayed peer must hear it
             await stream.reset(f"caller's request failed: {type(e).__name__} {e}"[:200])
+
+
+def _given_away(slots: FairSlots) -> str:
+    return (
+        f"one of this address's {slots.unit} was given to another address: "
+        "it held more than its fair share"
+    )
+
+
+async def _evict(slot: Slot, reason: str) -> None:
+    """Stop what held an evicted slot: a forwarded request's tunnel stream, reset (its RESET
+    goes before the newcomer's OPEN, so the relayed peer never counts both), or a tunnel."""
+    holder = slot.holder
+    if isinstance(holder, MuxStream):
+        await holder.reset(reason)
+    elif isinstance(holder, Mux):
+        await holder.close(reason)
 
 
 def _status(head: dict) -> int:

@@ -4,17 +4,17 @@ A relay's capacity is one pool that every caller and every relayed peer share, s
 relayed bytes are paid as they actually cross (never for an announced ``Content-Length``) into
 the caller's own address bucket and into the relay's, and only a caller whose own bucket is in
 debt is refused; one address holds at most a few seats (attached peers) and a few of a relayed
-peer's request slots.
+peer's request slots, and when either pool is full, at most its fair share of it: a newcomer
+address takes a slot from one that holds more (:class:`dht.net.shares.FairSlots`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, OrderedDict
-from contextlib import contextmanager
+from collections import OrderedDict
 
-from dht.net.shares import address_key
+from dht.net.shares import FairSlots, Slot, address_key
 
 MAX_TRACKED_ADDRESSES = 4096  # address buckets kept; a forgotten one starts full (memory only)
 
@@ -55,13 +55,17 @@ class ByteRate:
 
 
 class RelayShares:
-    """The relay's byte buckets (one per caller address and one for all) and its counts of
-    seats and request slots per address.
+    """The relay's byte buckets (one per caller address and one for all), its seats and each
+    relayed peer's request slots, shared fairly by the addresses holding or asking for them
+    (:class:`dht.net.shares.FairSlots`: under contention an address holding none takes a slot
+    from one holding more than its fair share).
 
     Args:
         rate_per_s: relayed bytes per second, all callers together.
         rate_per_address_per_s: relayed bytes per second of one caller address.
+        max_seats: peers attached at once, from every address together.
         max_seats_per_address: peers attached from one address at once.
+        max_requests_per_peer: requests forwarded to one relayed peer at once.
         max_requests_per_address: requests from one caller address to one relayed peer at once.
     """
 
@@ -70,16 +74,22 @@ class RelayShares:
         *,
         rate_per_s: float,
         rate_per_address_per_s: float,
+        max_seats: int,
         max_seats_per_address: int,
+        max_requests_per_peer: int,
         max_requests_per_address: int,
     ):
         self.rate = ByteRate(rate_per_s)
         self.rate_per_address_per_s = rate_per_address_per_s
         self.max_seats_per_address = max_seats_per_address
+        self.max_requests_per_peer = max_requests_per_peer
         self.max_requests_per_address = max_requests_per_address
         self._rates: OrderedDict[str, ByteRate] = OrderedDict()
-        self._seats: Counter[str] = Counter()
-        self._requests: Counter[tuple[str, str]] = Counter()
+        self.seats = FairSlots(
+            capacity=max_seats, max_per_key=max_seats_per_address, unit="relay seats"
+        )
+        # relayed peer id -> its request slots (kept while any is held)
+        self._requests: dict[str, FairSlots] = {}
 
     def address_rate(self, host: str) -> ByteRate:
         """The byte bucket of the caller address ``host``."""
@@ -96,41 +106,20 @@ class RelayShares:
         if wait_s > 0:
             await asyncio.sleep(wait_s)
 
-    def seat_free(self, host: str) -> bool:
-        return self._seats[address_key(host)] < self.max_seats_per_address
-
-    @contextmanager
-    def seat(self, host: str):
-        """Hold a seat of ``host`` while a tunnel attached from it lives."""
-        key = address_key(host)
-        self._seats[key] += 1
-        try:
-            yield
-        finally:
-            _decrement(self._seats, key)
-
-    @contextmanager
-    def request_slot(self, peer_id: str, host: str):
-        """Hold one of ``peer_id``'s request slots for the caller at ``host``; raises
-        :class:`OverShareError` when that address holds its share of them."""
-        key = (peer_id, address_key(host))
-        if self._requests[key] >= self.max_requests_per_address:
-            raise OverShareError(
-                f"this address has {self.max_requests_per_address} requests to this peer "
-                "in progress"
+    def request_slots(self, peer_id: str) -> FairSlots:
+        """``peer_id``'s request slots (give each back with :meth:`release_request`)."""
+        slots = self._requests.get(peer_id)
+        if slots is None:
+            slots = self._requests[peer_id] = FairSlots(
+                capacity=self.max_requests_per_peer,
+                max_per_key=self.max_requests_per_address,
+                unit="request slots of this peer",
             )
-        self._requests[key] += 1
-        try:
-            yield
-        finally:
-            _decrement(self._requests, key)
+        return slots
 
-
-class OverShareError(Exception):
-    """A caller address asked for more than its share."""
-
-
-def _decrement(counter: Counter, key) -> None:
-    counter[key] -= 1
-    if counter[key] <= 0:
-        del counter[key]
+    def release_request(self, peer_id: str, slot: Slot) -> None:
+        slots = self._requests.get(peer_id)
+        if slots is not None:
+            slots.release(slot)
+            if slots.num_held == 0:
+                del self._requests[peer_id]

@@ -137,7 +137,7 @@ async def test_a_flood_through_a_relay_gets_its_address_share_and_honest_callers
     # for its rate, or for its share of the relayed peer's request slots at the relay
     reasons = Counter(
         "rate" if a.reason.startswith("too many requests from this address") else
-        "slots" if "requests to this peer in progress" in a.reason else a.reason
+        "slots" if "request slots of this peer" in a.reason else a.reason
         for a in refusals
     )  # fmt: skip
     base_p50, attacked_p50 = p50(base), p50(attacked)

@@ -106,7 +106,9 @@ async def test_connection_floods_hit_the_caps_and_stalled_connections_are_closed
     await asyncio.sleep(0.5)  # let the node accept and count them
     info = await a.ask({"cmd": "info"})
     assert info["connections_open"] <= 48
-    assert info["connections_refused"] >= 3 * 60 - 48
+    # each address gets its fair share of the 48 (16): the third one's 16 abort as many of
+    # the first two's (each at its cap of 24 when it came), the rest are refused
+    assert info["connections_refused"] >= 3 * 60 - 48 - 16
     # the stalled ones are closed after the idle timeout; then the honest get through again
     info = await info_when(a, lambda i: i["connections_open"] <= 4)
     assert info["connections_open"] <= 4, info
