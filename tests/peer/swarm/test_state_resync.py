@@ -91,10 +91,15 @@ def perturb(run) -> None:
     run.hook.contribution.discard()
 
 
-@pytest.mark.parametrize("mode", ["grad", "params", "diloco"])
+OVERLAPPED = {"delay_update": dict(mode="grad", delay_update=True), "diloco_overlap": dict(
+    mode="diloco", diloco_overlap=True)}
+
+
+@pytest.mark.parametrize("mode", ["grad", "params", "diloco", *OVERLAPPED])
 def test_two_peers_whose_replicas_differ_end_equal(mode):
     # epochs of about 0.2 s: a few of them per look at the announcements
-    slow = dict(max_epochs=30, target_batch_size=4096, publish_interval=0.1, mode=mode)
+    modes = OVERLAPPED.get(mode, dict(mode=mode))
+    slow = dict(max_epochs=30, target_batch_size=4096, publish_interval=0.1, **modes)
     runs = start_swarm([config(seed=seed, **slow) for seed in (11, 22)])
     for run in runs:
         look_often(run)
@@ -112,7 +117,7 @@ def test_two_peers_whose_replicas_differ_end_equal(mode):
     # equal again within a few epochs, and so they stayed: the last 8 common epochs of the 16
     # each peer keeps (of 30)
     assert len(common) >= 8, digests
-    assert all(digests[0][e] == digests[1][e] for e in common[-8:]), (common, digests)
+    assert all(digests[0][e] == digests[1][e] for e in common[-8:]), [(e, digests[0][e][:6], digests[1][e][:6]) for e in common]
 
 
 async def _lie(node: DHTNode, run, stop_event: threading.Event, stored: list[int]) -> None:
@@ -218,6 +223,6 @@ def test_a_diloco_newcomer_takes_the_outer_momentum_and_stays_equal():
     digests = [{d.epoch: d.digest for d in run.services.state_server.digests} for run in runs]
     common = sorted(set(digests[0]) & set(digests[1]))
     assert len(common) >= 8, digests
-    assert all(digests[0][e] == digests[1][e] for e in common[-8:]), (common, digests)
+    assert all(digests[0][e] == digests[1][e] for e in common[-8:]), [(e, digests[0][e][:6], digests[1][e][:6]) for e in common]
     # equal from the download on: nobody had to re-sync
     assert [run.state.num_resyncs for run in runs] == [0, 0]
