@@ -104,6 +104,7 @@ class StateCatchUp:
         self._download_s = FIRST_DOWNLOAD_S  # the last download's time
         # the longest the swarm takes to leave an epoch whose round is starting
         self._round_s = config.matchmaking_time + config.averaging_timeout
+        self._overlapped = config.delay_update or config.diloco_overlap
         self.num_resyncs = 0  # re-syncs tried (a replica that differed from the agreed one)
         # in every mode: see peer.swarm.state_resync
         self.replicas: ReplicaCheck | None = ReplicaCheck(
@@ -156,7 +157,17 @@ class StateCatchUp:
         # any agreed state newer than this peer's: a donor serves the newest state it has
         # announced, which can trail the epoch its progress record shows by a moment
         arriving = self._arrival(min_epoch) if min_epoch > fallback else None
-        reached = self._download(min(min_epoch, fallback + 1), fallback=fallback, arriving=arriving)
+        if arriving is not None and self._overlapped:
+            # rounds run in the background: the peers at ``arriving`` serve its state once
+            # the round before it lands (peer.swarm.epoch); the newest state they serve until
+            # then lacks that round, and this peer, in no round, would stay a step behind
+            reached = self._download(
+                arriving, fallback=fallback, arriving=arriving, wait_s=self._round_s
+            )
+        else:
+            reached = self._download(
+                min(min_epoch, fallback + 1), fallback=fallback, arriving=arriving
+            )
         if reached <= fallback:
             self._last_failed_s = time.monotonic()
             if arriving is not None:  # it did not arrive: its record says where it is again

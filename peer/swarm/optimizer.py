@@ -229,7 +229,7 @@ class CollaborativeOptimizer:
         if swarm.epoch > self.epoch + 1:
             return True
         self._count_at_epoch(swarm)
-        if self._alone and self.config.diloco_overlap and self._late_epoch != self.epoch:
+        if self._alone and self._overlaps and self._late_epoch != self.epoch:
             # rounds run in the background: the peers one epoch ahead entered it as their
             # round of this one began, and may still be looking for this peer (once per epoch)
             self._late_epoch = self.epoch

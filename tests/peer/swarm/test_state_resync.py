@@ -226,3 +226,48 @@ def test_a_diloco_newcomer_takes_the_outer_momentum_and_stays_equal():
     assert all(digests[0][e] == digests[1][e] for e in common[-8:]), [(e, digests[0][e][:6], digests[1][e][:6]) for e in common]
     # equal from the download on: nobody had to re-sync
     assert [run.state.num_resyncs for run in runs] == [0, 0]
+
+
+@pytest.mark.parametrize("mode", [*OVERLAPPED])
+def test_a_newcomer_to_an_overlapped_swarm_ends_equal(mode):
+    # rounds run in the background: the state a donor serves for an epoch must hold the round
+    # that was in flight as the epoch began, or the newcomer lands one step behind, for good
+    slow = dict(target_batch_size=4096, publish_interval=0.1, **OVERLAPPED[mode])
+    runs = start_swarm([config(seed=seed, **slow) for seed in (1, 2)])
+    for run in runs:
+        look_often(run)
+    threads = [train_in_thread(run) for run in runs]
+    newcomer, newcomer_thread = None, None
+    try:
+        wait_for(
+            lambda: all(run.hook.stats.last_group_size == 2 for run in runs)
+            and min(run.hook.epoch for run in runs) >= 3,
+            "the first two peers did not average together",
+        )
+        newcomer = PeerRun(config(seed=3, initial_peers=[runs[0].address], **slow))
+        newcomer.start()
+        look_often(newcomer)
+        assert newcomer.hook.epoch >= 3  # downloaded: the swarm's state
+        newcomer_thread = train_in_thread(newcomer)
+        runs.append(newcomer)
+        threads.append(newcomer_thread)
+        wait_for(lambda: newcomer.hook.stats.last_group_size == 3, "the three never averaged")
+        last_epoch = max(run.hook.epoch for run in runs) + 10
+        for run in runs:
+            run.config = run.config.model_copy(update={"max_epochs": last_epoch})
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        for run, thread in zip(runs, threads, strict=False):
+            stop(run, thread)
+        if newcomer is not None and newcomer not in runs:
+            stop(newcomer, newcomer_thread)
+    digests = [{d.epoch: d.digest for d in run.services.state_server.digests} for run in runs]
+    common = sorted(set.intersection(*(set(d) for d in digests)))
+    assert len(common) >= 8, digests
+    for epoch in common[-8:]:
+        assert len({d[epoch] for d in digests}) == 1, [
+            (e, *(d[e][:6] for d in digests)) for e in common
+        ]
+    # equal from the download on: nobody had to re-sync
+    assert [run.state.num_resyncs for run in runs] == [0, 0, 0]
