@@ -11,10 +11,11 @@ Modes (``CollaborativeConfig.mode``):
   are averaged (weighted by samples).
 * ``grad`` with ``delay_update``: the round of epoch t runs in the background while the peer
   computes epoch t+1 (on the parameters before t's step); the averaged gradient is applied as
-  soon as the round ends, mid-epoch. The state of epoch t+1 (served, digested, re-synced to:
-  :class:`peer.swarm.epoch.Epoch`) is the one after that step, taken when it lands. Staleness: at most one optimizer step, as in hivemind's
+  soon as the round ends, mid-epoch. Staleness: at most one optimizer step, as in hivemind's
   delayed parameter updates; the all-reduce costs no compute time unless it takes longer than
-  an epoch (then the next boundary waits for it, charged to ``allreduce``).
+  an epoch (then the next boundary waits for it, charged to ``allreduce``). The state of epoch
+  t+1 (served, digested, re-synced to: :class:`peer.swarm.epoch.Epoch`) is the one after that
+  step, taken when it lands.
 * ``diloco``: the inner optimizer steps locally; at each epoch boundary the peers average the
   pseudo-gradient (parameters at the start of the epoch minus now), parameters go back to the
   start of the epoch, and an outer optimizer (SGD with Nesterov momentum) applies the average.
