@@ -157,17 +157,16 @@ class StateCatchUp:
         # any agreed state newer than this peer's: a donor serves the newest state it has
         # announced, which can trail the epoch its progress record shows by a moment
         arriving = self._arrival(min_epoch) if min_epoch > fallback else None
-        if arriving is not None and self._overlapped:
-            # rounds run in the background: the peers at ``arriving`` serve its state once
-            # the round before it lands (peer.swarm.epoch); the newest state they serve until
-            # then lacks that round, and this peer, in no round, would stay a step behind
-            reached = self._download(
-                arriving, fallback=fallback, arriving=arriving, wait_s=self._round_s
-            )
-        else:
-            reached = self._download(
-                min(min_epoch, fallback + 1), fallback=fallback, arriving=arriving
-            )
+        # rounds in the background: the peers at ``arriving`` serve its state once the round
+        # before it lands (peer.swarm.epoch); wait a moment for it rather than arrive behind
+        overlapped = arriving is not None and self._overlapped
+        reached = self._download(
+            min(min_epoch, fallback + 1),
+            fallback=fallback,
+            arriving=arriving,
+            wait_s=RESYNC_WAIT_S if overlapped else 0.0,
+            wait_for_epoch=arriving if overlapped else None,
+        )
         if reached <= fallback:
             self._last_failed_s = time.monotonic()
             if arriving is not None:  # it did not arrive: its record says where it is again
@@ -283,10 +282,12 @@ class StateCatchUp:
         exact: bool = False,
         arriving: int | None = None,
         wait_s: float = 0.0,
+        wait_for_epoch: int | None = None,
     ) -> int:
         """The epoch loaded, or ``fallback``. ``arriving``: the epoch this peer announces while
         it downloads (see :meth:`_announcing`); None announces nothing. ``wait_s``: how long to
-        wait for donors that serve only older states yet."""
+        wait for donors that serve only older states yet (or only states older than
+        ``wait_for_epoch``, after which any of ``min_epoch`` or later is taken)."""
         tensors, _ = pack_state(
             model=self.model,
             optimizer=self.optimizer,
@@ -317,6 +318,7 @@ class StateCatchUp:
                             donors=donors,
                             wait_s=wait_s,
                             num_peers=self.services.tracker.global_progress.num_peers,
+                            wait_for_epoch=wait_for_epoch,
                         ),
                     )
                 )
