@@ -104,6 +104,7 @@ class Session:
             self._open(optimizer, contribution, collaborative, on_behind, start_epoch)
             self._on_epoch_user = on_epoch
             self.epoch.subscribe(self._on_epoch)
+            self.epoch.subscribe_state(self._serve_state)
             self._start(self.epoch.value, last_loss)
         except BaseException:
             self.close(last_loss=None, summary=False, timeout_s=CALL_TIMEOUT_S)
@@ -270,10 +271,13 @@ class Session:
     def _on_epoch(self, epoch: int) -> None:
         """At every epoch change (a round, a catch-up, a jump; :class:`Epoch` calls it)."""
         self.profiler.on_epoch(epoch)
-        # the state at the start of the epoch: served, and its digest announced
-        self.services.state_server.update(self.state.snapshot(epoch))
         self.reports.set_epoch(epoch)
         self._on_epoch_user(epoch)
+
+    def _serve_state(self, epoch: int) -> None:
+        """Once the state of an epoch is whole (every round before it applied: at its start,
+        or when a round in the background lands): served, and its digest announced."""
+        self.services.state_server.update(self.state.snapshot(epoch))
 
     # ---- leaving -------------------------------------------------------------------------
 

@@ -104,6 +104,7 @@ class StateCatchUp:
         self._download_s = FIRST_DOWNLOAD_S  # the last download's time
         # the longest the swarm takes to leave an epoch whose round is starting
         self._round_s = config.matchmaking_time + config.averaging_timeout
+        self._overlapped = config.delay_update or config.diloco_overlap
         self.num_resyncs = 0  # re-syncs tried (a replica that differed from the agreed one)
         # in every mode: see peer.swarm.state_resync
         self.replicas: ReplicaCheck | None = ReplicaCheck(
@@ -156,7 +157,16 @@ class StateCatchUp:
         # any agreed state newer than this peer's: a donor serves the newest state it has
         # announced, which can trail the epoch its progress record shows by a moment
         arriving = self._arrival(min_epoch) if min_epoch > fallback else None
-        reached = self._download(min(min_epoch, fallback + 1), fallback=fallback, arriving=arriving)
+        # rounds in the background: the peers at ``arriving`` serve its state once the round
+        # before it lands (peer.swarm.epoch); wait a moment for it rather than arrive behind
+        overlapped = arriving is not None and self._overlapped
+        reached = self._download(
+            min(min_epoch, fallback + 1),
+            fallback=fallback,
+            arriving=arriving,
+            wait_s=RESYNC_WAIT_S if overlapped else 0.0,
+            wait_for_epoch=arriving if overlapped else None,
+        )
         if reached <= fallback:
             self._last_failed_s = time.monotonic()
             if arriving is not None:  # it did not arrive: its record says where it is again
@@ -272,10 +282,12 @@ class StateCatchUp:
         exact: bool = False,
         arriving: int | None = None,
         wait_s: float = 0.0,
+        wait_for_epoch: int | None = None,
     ) -> int:
         """The epoch loaded, or ``fallback``. ``arriving``: the epoch this peer announces while
         it downloads (see :meth:`_announcing`); None announces nothing. ``wait_s``: how long to
-        wait for donors that serve only older states yet."""
+        wait for donors that serve only older states yet (or only states older than
+        ``wait_for_epoch``, after which any of ``min_epoch`` or later is taken)."""
         tensors, _ = pack_state(
             model=self.model,
             optimizer=self.optimizer,
@@ -306,6 +318,7 @@ class StateCatchUp:
                             donors=donors,
                             wait_s=wait_s,
                             num_peers=self.services.tracker.global_progress.num_peers,
+                            wait_for_epoch=wait_for_epoch,
                         ),
                     )
                 )

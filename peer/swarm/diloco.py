@@ -39,8 +39,10 @@ boundary waits for it, charged to ``allreduce``); the outer step lands one round
 
 In floating point ``x <- g - (a - x)``: when no inner step ran since the boundary (the peer
 stopped there), ``a - x`` is exactly 0 and ``x`` becomes ``g`` bit for bit, so peers that stop at
-the same epoch end with equal replicas. The state a peer serves and checkpoints at an epoch
-change is ``g`` (:meth:`OuterStep.replica_in_model`), never its own iterate.
+the same epoch end with equal replicas. The state a peer serves and checkpoints is ``g``
+(:meth:`OuterStep.replica_in_model`), never its own iterate; overlapped, the state it serves
+for epoch ``t + 1`` is ``g`` once round ``t`` has landed (:class:`peer.swarm.epoch.Epoch`), so
+that a download holds every outer step its donor's replica holds.
 """
 
 from __future__ import annotations

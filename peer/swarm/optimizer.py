@@ -13,7 +13,9 @@ Modes (``CollaborativeConfig.mode``):
   computes epoch t+1 (on the parameters before t's step); the averaged gradient is applied as
   soon as the round ends, mid-epoch. Staleness: at most one optimizer step, as in hivemind's
   delayed parameter updates; the all-reduce costs no compute time unless it takes longer than
-  an epoch (then the next boundary waits for it, charged to ``allreduce``).
+  an epoch (then the next boundary waits for it, charged to ``allreduce``). The state of epoch
+  t+1 (served, digested, re-synced to: :class:`peer.swarm.epoch.Epoch`) is the one after that
+  step, taken when it lands.
 * ``diloco``: the inner optimizer steps locally; at each epoch boundary the peers average the
   pseudo-gradient (parameters at the start of the epoch minus now), parameters go back to the
   start of the epoch, and an outer optimizer (SGD with Nesterov momentum) applies the average.
@@ -21,7 +23,7 @@ Modes (``CollaborativeConfig.mode``):
   inner steps of epoch t+1 go on from where epoch t ended; its average is applied when the round
   ends (the outer step one round late, the inner progress made meanwhile kept: the update is in
   :mod:`peer.swarm.diloco`). As with ``delay_update``, compute waits only for a round longer
-  than an epoch.
+  than an epoch, and the state of epoch t+1 is the replica after round t.
 
 A round that fails (no group, a timeout) is an expected outcome: the peer steps on its own
 contribution, counts it and logs one WARNING line; the next parameter sync brings it back in
@@ -228,7 +230,7 @@ class CollaborativeOptimizer:
         if swarm.epoch > self.epoch + 1:
             return True
         self._count_at_epoch(swarm)
-        if self._alone and self.config.diloco_overlap and self._late_epoch != self.epoch:
+        if self._alone and self._overlaps and self._late_epoch != self.epoch:
             # rounds run in the background: the peers one epoch ahead entered it as their
             # round of this one began, and may still be looking for this peer (once per epoch)
             self._late_epoch = self.epoch
@@ -277,8 +279,9 @@ class CollaborativeOptimizer:
         if self._overlaps and not self._alone:
             self._pending = self.averager.start_average(tensors, **round_args)
             self._pending_epoch = self.epoch
-            with self.contribution.replica_in_model():  # what the epoch's listeners snapshot
-                self._next_epoch()
+            with self.contribution.replica_in_model():  # what the epoch's listeners read
+                # the state of the next epoch is whole once this round lands (``flush``)
+                self.epoch_counter.advance_to(self.epoch + 1, state_pending=True)
             return None
         late = self._alone and self._late_epoch == self.epoch  # see _behind
         looked = not self._alone or late
@@ -392,6 +395,8 @@ class CollaborativeOptimizer:
             self.contribution.apply()
         if result.ok and result.members:  # they entered the next epoch with this peer
             self.progress.note_round(self._pending_epoch + 1, result.averaged_with)
+        with self.contribution.replica_in_model():  # the state of this epoch: served, digested
+            self.epoch_counter.settle()
 
     def _apply_lr(self) -> None:
         if self.lr_schedule is None:

@@ -174,6 +174,7 @@ async def download_state(
     donors: Collection[str] | None = None,
     wait_s: float = 0.0,
     num_peers: float = 1.0,
+    wait_for_epoch: int | None = None,
 ) -> StateSnapshot:
     """Download a verified state of ``min_epoch`` or later, trying donors in turn.
 
@@ -186,6 +187,9 @@ async def download_state(
     ``wait_s``: while every donor tried serves only older states (it announces a new epoch's
     state a moment after entering it), read the announcements and try again for this long.
     ``num_peers``: the swarm's size as this peer counts it (which announcements to read).
+    ``wait_for_epoch``: wait (up to ``wait_s``) for a state of this later epoch first, then take
+    one of ``min_epoch`` or later (with rounds in the background, donors serve the state of
+    their epoch once the round before it lands).
 
     Raises:
         StateSyncError: no donor, or ``max_attempts`` donors failed (each one's reason in it);
@@ -193,13 +197,14 @@ async def download_state(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
+    wanted = max(min_epoch, wait_for_epoch if wait_for_epoch is not None else min_epoch)
     while True:
         try:
             return await _download_once(
                 transport,
                 dht,
                 prefix,
-                min_epoch=min_epoch,
+                min_epoch=wanted,
                 template=functools.partial(
                     Template, expected, extra_prefix, max_extra_bytes, config.compression == "bf16"
                 ),
@@ -212,8 +217,11 @@ async def download_state(
             )
         except NotServedYet as e:
             if loop.time() + MIN_ANNOUNCE_GAP_S > deadline:
-                raise
-            logger.debug("no donor serves epoch %d yet (%s); trying again", min_epoch, e)
+                if wanted == min_epoch:
+                    raise
+                wanted = min_epoch  # waited long enough: any state of min_epoch or later
+                continue
+            logger.debug("no donor serves epoch %d yet (%s); trying again", wanted, e)
             await asyncio.sleep(MIN_ANNOUNCE_GAP_S)
 
 

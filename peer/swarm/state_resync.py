@@ -26,6 +26,10 @@ A read of the announcements at most every ``resync_check_s`` and only when this 
 a new epoch (a few reads, when nobody else announces it), none while a re-sync would not be
 allowed. Each re-sync is counted and logged as one WARNING line.
 
+With rounds overlapped (``delay_update``, ``diloco_overlap``) the digest of an epoch is of the
+state after the round in flight as it began (:class:`peer.swarm.epoch.Epoch`), on every peer
+alike; a re-syncing peer applies its own round in flight, then the download replaces it.
+
 A peer that downloaded its state as bfloat16 (``--state-compression bf16``) holds a replica
 rounded away from everyone's: it differs, and re-syncs once, exactly.
 """

@@ -225,10 +225,13 @@ def test_it_is_a_torch_optimizer_for_code_that_takes_one():
             opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
 
 
-def test_a_library_peer_whose_replica_differs_resyncs():
+@pytest.mark.parametrize("delayed", [False, True], ids=["grad", "delay_optimizer_step"])
+def test_a_library_peer_whose_replica_differs_resyncs(delayed):
     # two library peers in grad mode, same initial parameters; the second one's are moved
     # after construction: the averaged gradients keep the difference for good unless it
-    # re-syncs
+    # re-syncs. Delayed, the state of an epoch is the one after the round in flight as it
+    # began, and a decision comes a round later: 40 epochs
+    num_epochs = 40 if delayed else 30
     models = []
     for _ in range(2):
         torch.manual_seed(7)
@@ -238,7 +241,13 @@ def test_a_library_peer_whose_replica_differs_resyncs():
         opts: list = [None, None]
 
         def build(index, dht):  # each waits for the other: they start at the same epoch
-            opts[index] = make_opt(dht, models[index], target_batch_size=256, wait_for_peers=2)
+            opts[index] = make_opt(
+                dht,
+                models[index],
+                target_batch_size=256,
+                wait_for_peers=2,
+                delay_optimizer_step=delayed,
+            )
 
         builders = [
             threading.Thread(target=build, args=p) for p in enumerate((first_dht, second_dht))
@@ -256,7 +265,7 @@ def test_a_library_peer_whose_replica_differs_resyncs():
 
             def train(opt, model):
                 try:
-                    while not stop.is_set() and opt.local_epoch < 30:
+                    while not stop.is_set() and opt.local_epoch < num_epochs:
                         time.sleep(0.01)  # epochs of about 0.2 s: a few per look
                         train_steps(opt, model, 1)
                 except Exception as e:  # said by the test below

@@ -1,6 +1,7 @@
 """The epoch has one owner: a catch-up (a state download mid-run) moves it for every reader, as a
 round does (before, the state server, the round record and the ``max_epochs`` stop kept the old
-epoch until the next boundary)."""
+epoch until the next boundary). With rounds in the background, the state of an epoch (what is
+served and digested) is the one after the round in flight as it began."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer
 from tests.peer.run.test_join import config
 from tests.peer.swarm.test_collaborative import (
     TARGET,
+    BackgroundSwarm,
     InstantState,
     NoAveraging,
     OnePeerSwarm,
+    TwoPeerSwarm,
     step,
 )
 
@@ -28,6 +31,95 @@ def test_epoch_moves_forward_only_and_tells_its_listeners():
     assert epoch.advance_to(5) and epoch.value == 5 and seen == [5]
     with pytest.raises(ValueError, match="epoch"):
         Epoch(-1)
+
+
+def test_state_listeners_hear_of_an_epoch_once_its_state_is_whole():
+    epoch, boundaries, states = Epoch(), [], []
+    epoch.subscribe(boundaries.append)
+    epoch.subscribe_state(states.append)
+    assert epoch.advance_to(1) and boundaries == states == [1]  # no round in flight
+    assert epoch.advance_to(2, state_pending=True) and epoch.state_pending
+    assert boundaries == [1, 2] and states == [1]  # the round of epoch 1 is still in flight
+    assert epoch.settle() and states == [1, 2] and not epoch.state_pending
+    assert not epoch.settle() and states == [1, 2]  # once per epoch
+    assert epoch.jump_to(7) and states == [1, 2, 7]  # a download: whole at once
+
+
+def batches(num: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(num)]
+
+
+def test_a_delayed_update_serves_the_next_epoch_once_its_round_landed():
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    swarm_mean = [torch.full_like(p, 0.5) for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    epoch, states = Epoch(), []
+    epoch.subscribe_state(
+        lambda e: states.append((e, [p.detach().clone() for p in model.parameters()]))
+    )
+    hook = CollaborativeOptimizer(
+        model=model,
+        optimizer=optimizer,
+        averager=BackgroundSwarm(swarm_mean, num_steps_late=1),
+        progress=TwoPeerSwarm(),
+        config=CollaborativeConfig(target_batch_size=TARGET, delay_update=True),
+        epoch=epoch,
+    )
+    start = [p.detach().clone() for p in model.parameters()]
+    data = batches(4)
+    for inputs, targets in data[:3]:
+        step(hook, model, optimizer, inputs, targets)
+    assert hook.epoch == 1 and states == []  # epoch 1 began; its state lacks round 0 yet
+    step(hook, model, optimizer, *data[3])  # round 0 lands: the state of epoch 1 is whole
+    ((served_epoch, served),) = states
+    assert served_epoch == 1
+    for param, before, mean in zip(served, start, swarm_mean, strict=True):
+        torch.testing.assert_close(param, before - 0.1 * mean)
+
+
+def test_an_overlapped_diloco_peer_serves_the_replica_after_the_round_in_flight():
+    torch.manual_seed(2)
+    model = nn.Linear(3, 2)
+    swarm_mean = [torch.full_like(p, 0.25) for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    epoch, states = Epoch(), []
+    epoch.subscribe_state(
+        lambda e: states.append((e, [p.detach().clone() for p in model.parameters()]))
+    )
+    config = CollaborativeConfig(
+        target_batch_size=TARGET,
+        mode="diloco",
+        diloco_overlap=True,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
+    hook = CollaborativeOptimizer(
+        model=model,
+        optimizer=optimizer,
+        averager=BackgroundSwarm(swarm_mean, num_steps_late=1),
+        progress=TwoPeerSwarm(),
+        config=config,
+        epoch=epoch,
+    )
+    start = [p.detach().clone().double() for p in model.parameters()]
+    data = batches(4)
+    for inputs, targets in data[:3]:
+        step(hook, model, optimizer, inputs, targets)
+    assert hook.epoch == 1 and states == []
+    step(hook, model, optimizer, *data[3])
+    ((served_epoch, served),) = states
+    # the replica after round 0, in float64: Nesterov's first step moves by (1 + mu) * mean
+    expected = [
+        g - 0.7 * (1 + 0.9) * mean.double() for g, mean in zip(start, swarm_mean, strict=True)
+    ]
+    assert served_epoch == 1
+    for param, reference in zip(served, expected, strict=True):
+        torch.testing.assert_close(param.double(), reference, rtol=1e-6, atol=1e-6)
+    # the model holds this peer's iterate again: the inner progress of epoch 1 moved onto it
+    replica = hook.contribution.outer.replica
+    assert all(torch.equal(r, s) for r, s in zip(replica, served, strict=True))
+    assert not all(torch.equal(p, s) for p, s in zip(model.parameters(), served, strict=True))
 
 
 def test_a_catch_up_moves_the_epoch_its_listeners_read():

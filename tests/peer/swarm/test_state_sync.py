@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -113,6 +114,45 @@ async def test_refuses_a_state_of_another_shape_and_reports_no_donor():
             await download_state(
                 transport, node, "run", min_epoch=2, expected=expected, config=CONFIG
             )
+
+
+async def test_a_download_waits_for_the_epoch_it_arrives_at_then_takes_a_newer_one():
+    """With rounds in the background a donor serves the state of its epoch once the round
+    before it lands: a newcomer arriving there waits for it (``wait_for_epoch``) rather than
+    take the older state, and takes that one when the wait runs out."""
+    older, newer = trained_state(1), trained_state(2)
+    config = dataclasses.replace(CONFIG, min_agreement=1)
+    async with AsyncExitStack() as stack:
+        _, donor_node, donor = await stack.enter_async_context(peer([], config=config))
+        await serve(donor, StateSnapshot.capture(3, older))
+        transport, node, _ = await stack.enter_async_context(peer([donor_node.address]))
+
+        def download(wait_s: float):
+            return download_state(
+                transport,
+                node,
+                "run",
+                min_epoch=3,
+                expected=layout_of(older),
+                config=config,
+                wait_s=wait_s,
+                wait_for_epoch=4,
+            )
+
+        # nothing newer comes: after the wait, the state of epoch 3
+        got = await download(wait_s=1.0)
+        assert got.epoch == 3 and torch.equal(
+            got.tensors["model.0.weight"], older["model.0.weight"]
+        )
+        # the round in flight lands while the download waits: the state of epoch 4
+        waiting = asyncio.create_task(download(wait_s=30.0))
+        await asyncio.sleep(0.6)
+        assert not waiting.done()
+        await serve(donor, StateSnapshot.capture(4, newer))
+        got = await asyncio.wait_for(waiting, 30)
+        assert got.epoch == 4 and torch.equal(
+            got.tensors["model.0.weight"], newer["model.0.weight"]
+        )
 
 
 async def test_bf16_compression_halves_the_bytes_within_its_bound():
