@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from dht.errors import BadMessageError, TransportError, ValidationError
 from dht.identity import PeerIdentity, short_id
 from dht.kademlia.config import Clock, DHTConfig, SystemClock, get_dht_time
 from dht.kademlia.lookup import LookupResult, iterative_find
 from dht.kademlia.maintenance import Maintenance
+from dht.kademlia.outcomes import GetOutcome, Replication, StoreOutcome
 from dht.kademlia.protocol import DHTProtocol, FindAnswer, StoreRequest
 from dht.kademlia.routing import DHTID, PeerInfo, RoutingTable
 from dht.kademlia.storage import (
@@ -55,50 +55,6 @@ __all__ = ["DHTConfig", "DHTNode", "GetOutcome", "StoreOutcome", "ValueWithExpir
 
 Key = str | bytes
 _BOOTSTRAP_RETRY_S = 0.25  # pause between rounds of pings to initial peers that did not answer
-
-
-@dataclass(frozen=True)
-class Replication:
-    """Where records went: replicas that accepted them, replicas found, lookup depth."""
-
-    num_accepted: int
-    num_replicas: int
-    hops: int
-
-
-@dataclass(frozen=True)
-class StoreOutcome:
-    """How a store went.
-
-    Attributes:
-        ok: at least one replica (this node included) accepted the value.
-        num_accepted: replicas that accepted it.
-        num_targets: replicas it was sent to (the closest nodes found).
-        hops: depth of the lookup that found the replicas.
-        reason: why nothing accepted it ("" when ok).
-    """
-
-    ok: bool
-    num_accepted: int
-    num_targets: int
-    hops: int
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class GetOutcome:
-    """How a get went: the value (None if not found) and where it came from.
-
-    ``source`` is "cache" (a recent read), "local" (this node is a replica), "network" (a
-    lookup; ``hops`` is its depth) or "none" (nothing found; ``reason`` says whether the key
-    holds nothing or the network failed).
-    """
-
-    value: ValueWithExpiration | None
-    source: Literal["cache", "local", "network", "none"]
-    hops: int = 0
-    num_queried: int = 0
-    reason: str = ""
 
 
 class DHTNode:

@@ -24,7 +24,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dht.identity import PeerIdentity
 from dht.kademlia.config import Clock, DHTConfig, SystemClock
-from dht.kademlia.node import DHTNode, GetOutcome
+from dht.kademlia.node import DHTNode
+from dht.kademlia.outcomes import GetOutcome
 from dht.tools.memory import LatencyModel, MemoryNetwork, MemoryTransport
 
 # Maintenance would only add noise to a run of a minute: refresh and republish stay out of it.
