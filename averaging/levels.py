@@ -328,14 +328,15 @@ def top_search_s(
 ) -> float:
     """How long a delegate looks for the top group: the matchmaking time counted from the end
     of the rows' searches (``rows_left_s`` from now), within the top round's ``budget_s`` less
-    the time its all-reduce takes (about twice the row's, ``exchange_s``).
+    the time its all-reduce takes (about twice the row's, ``exchange_s``); never shorter than
+    the matchmaking time within the budget.
 
     Counted from now instead (as before), a delegate whose row formed early gave up, or closed
     the top group it led, before rows still forming came: at 256 peers, where rows form over
     the whole matchmaking time, two in five rows found the top group gone or none.
     """
-    search_s = rows_left_s + config.matchmaking_time_s
-    return max(0.001, min(search_s, budget_s - 2 * exchange_s))
+    search_s = min(rows_left_s + config.matchmaking_time_s, budget_s - 2 * exchange_s)
+    return max(0.001, min(config.matchmaking_time_s, budget_s), search_s)
 
 
 def top_sizes(
