@@ -363,7 +363,8 @@ class DecentralizedAverager:
         second = self._second if group.top_rows else None
         delegate = second is not None and group.delegate == self.peer_id
         if delegate:
-            second.spreads.open(group)  # members may ask as soon as their row is averaged
+            # members may ask as soon as their row is averaged, and wait up to our deadline
+            second.spreads.open(group, until=deadline)
         try:
             result = await self._allreduce(group, timeout_s)
             if second is not None:

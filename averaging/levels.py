@@ -121,20 +121,26 @@ class Spreads:
     Args:
         transport: the network (the handler is added here).
         prefix: the averager's name.
-        config: ``top_round_timeout_s`` and ``request_timeout_s`` bound the long poll.
+        config: ``top_round_timeout_s`` and ``request_timeout_s`` bound the long poll (at
+            least; a row opened ``until`` a later time is answered until then).
     """
 
     def __init__(self, transport, prefix: str, config: AveragerConfig):
         self._transport = transport
         self._name = f"averaging.{prefix}.spread"
         self._wait_s = config.top_round_timeout_s + config.request_timeout_s
-        self._rows: dict[str, tuple[frozenset[str], asyncio.Future]] = {}
+        # row id: (the members but the delegate, the word, loop time the long poll ends)
+        self._rows: dict[str, tuple[frozenset[str], asyncio.Future, float]] = {}
         transport.add_rpc_handler(self._name, self._on_spread)
 
-    def open(self, row: GroupInfo) -> None:
-        """This peer is ``row``'s delegate: its members may ask from now on."""
+    def open(self, row: GroupInfo, until: float = 0.0) -> None:
+        """This peer is ``row``'s delegate: its members may ask from now on, and wait for its
+        word until loop time ``until`` (its step's deadline: the top round may wait for rows
+        still forming), or the config's bound if that is later."""
+        loop = asyncio.get_running_loop()
         others = frozenset(row.peer_ids) - {self._transport.peer_id}
-        self._rows[row.group_id] = (others, asyncio.get_running_loop().create_future())
+        until = max(until, loop.time() + self._wait_s)
+        self._rows[row.group_id] = (others, loop.create_future(), until)
 
     def answer(self, row_id: str, word: Word) -> None:
         """Tell the members waiting (and those still to ask) of ``row_id``."""
@@ -152,11 +158,11 @@ class Spreads:
         entry = self._rows.get(row_id) if isinstance(row_id, str) else None
         if entry is None:
             return Word(False, "unknown", "the delegate knows no such row").to_wire()
-        members, word = entry
+        members, word, until = entry
         if ctx.sender not in members:  # only the row's own members may ask
             return Word(False, "refused", "not a member of this row").to_wire()
         try:
-            async with asyncio.timeout(self._wait_s):
+            async with asyncio.timeout_at(until):
                 return (await asyncio.shield(word)).to_wire()
         except TimeoutError:
             return Word(False, "failed", "no word from the top round in time").to_wire()
@@ -222,7 +228,9 @@ class SecondLevel:
             finally:  # (cancelled or a bug: the members must not wait for nothing)
                 self.spreads.answer(row.group_id, Word(False, "failed", "the top round ended"))
         else:
-            wait_s = self.config.top_round_timeout_s + self.config.request_timeout_s
+            # the delegate's top round may wait for the rows still forming (see top_search_s)
+            rows_left_s = max(0.0, rows_end - loop.time())
+            wait_s = rows_left_s + self.config.top_round_timeout_s + self.config.request_timeout_s
             word = await self.spreads.ask(row, min(wait_s, deadline - loop.time()))
             phase_s["spread_wait"] = loop.time() - start
         spread = None
@@ -244,15 +252,16 @@ class SecondLevel:
         """A peer that found no row takes part in the top round as a row of its own (None:
         no top group either; then it is alone)."""
         loop = asyncio.get_running_loop()
-        budget_s = min(self.config.top_round_timeout_s, deadline - loop.time())
+        rows_left_s = max(0.0, rows_end - loop.time())
+        budget_s = min(rows_left_s + self.config.top_round_timeout_s, deadline - loop.time())
         end = loop.time() + budget_s
         options = SearchOptions(
-            sizes=top_sizes(top_rows, plan, self.config, rows_end - loop.time()),
+            sizes=top_sizes(top_rows, plan, self.config, rows_left_s),
             max_weight_ratio=top_weight_ratio(self.config),
             with_partners=False,
         )
         start = loop.time()
-        timeout_s = max(0.001, min(self.config.matchmaking_time_s, budget_s))
+        timeout_s = top_search_s(self.config, rows_left_s, budget_s, 0.0)
         match = await self.find_group(top_key, weight, timeout_s, options)
         matchmaking_s = loop.time() - start
         if match.group is None:
@@ -284,17 +293,23 @@ class SecondLevel:
         if weight <= 0:
             return Word(False, "failed", "the row has no weight"), None
         remaining_s = deadline - loop.time()
+        rows_left_s = max(0.0, rows_end - loop.time())
         # leave the spread (an exchange like the row's) time to run within the step's bound
         spread_reserve_s = max(2 * row_result.allreduce_s, remaining_s / 4)
-        budget_s = min(self.config.top_round_timeout_s, remaining_s - spread_reserve_s)
+        budget_s = min(
+            rows_left_s + self.config.top_round_timeout_s, remaining_s - spread_reserve_s
+        )
         end = loop.time() + budget_s
         options = SearchOptions(
-            sizes=top_sizes(row.top_rows, plan, self.config, rows_end - loop.time()),
+            # the last row comes after its own all-reduce: quiet for about as long as ours
+            sizes=top_sizes(
+                row.top_rows, plan, self.config, rows_left_s, 2 * row_result.allreduce_s
+            ),
             max_weight_ratio=top_weight_ratio(self.config),
             count=max(1, min(MAX_COUNT, len(averaged))),
             with_partners=False,  # every delegate must meet every other
         )
-        timeout_s = max(0.001, min(self.config.matchmaking_time_s, budget_s))
+        timeout_s = top_search_s(self.config, rows_left_s, budget_s, row_result.allreduce_s)
         start = loop.time()
         match = await self.find_group(top_key, weight, timeout_s, options)
         phase_s["top_matchmaking"] = loop.time() - start
@@ -308,19 +323,42 @@ class SecondLevel:
         return Word(True, top.status, top.reason, min(reached, MAX_COUNT)), top
 
 
+def top_search_s(
+    config: AveragerConfig, rows_left_s: float, budget_s: float, exchange_s: float
+) -> float:
+    """How long a delegate looks for the top group: the matchmaking time counted from the end
+    of the rows' searches (``rows_left_s`` from now), within the top round's ``budget_s`` less
+    the time its all-reduce takes (about twice the row's, ``exchange_s``); never shorter than
+    the matchmaking time within the budget.
+
+    Counted from now instead (as before), a delegate whose row formed early gave up, or closed
+    the top group it led, before rows still forming came: at 256 peers, where rows form over
+    the whole matchmaking time, two in five rows found the top group gone or none.
+    """
+    search_s = min(rows_left_s + config.matchmaking_time_s, budget_s - 2 * exchange_s)
+    return max(0.001, min(config.matchmaking_time_s, budget_s), search_s)
+
+
 def top_sizes(
-    top_rows: int, plan: RoundPlan | None, config: AveragerConfig, rows_left_s: float
+    top_rows: int,
+    plan: RoundPlan | None,
+    config: AveragerConfig,
+    rows_left_s: float,
+    min_quiet_s: float = 0.0,
 ) -> SizePlan:
     """The delegates' search (:meth:`RoundPlan.top_sizes`): one group that closes once the
-    delegates' counts sum to this peer's ``N``; short of that, only once the row searches are
-    over (``rows_left_s`` from now, at least ``row_grace_s``), every delegate seen is in and
-    none arrived for ``top_quiet_s``. Without a plan (a row given to :meth:`step_in_group`),
-    at the rows the group expects too."""
+    delegates' counts sum to this peer's ``N`` (and every delegate seen is in, or none arrived
+    for the quiet time); short of that, only once the row searches are over (``rows_left_s``
+    from now, at least ``row_grace_s``), every delegate seen is in and none arrived for
+    ``top_quiet_s`` (at least ``min_quiet_s``: a row closed at the end of its search comes
+    after its all-reduce). Without a plan (a row given to :meth:`step_in_group`), at the rows
+    the group expects too."""
     grace_s = max(config.row_grace_s, rows_left_s)
+    quiet_s = max(config.top_quiet_s, min_quiet_s)
     if plan is not None:
-        return dataclasses.replace(plan.top_sizes(config.top_quiet_s), grace_s=grace_s)
+        return dataclasses.replace(plan.top_sizes(quiet_s), grace_s=grace_s)
     target = max(2, top_rows)
-    return SizePlan(target, 2, grace_s, wait_for_seen=True, quiet_s=config.top_quiet_s)
+    return SizePlan(target, 2, grace_s, wait_for_seen=True, quiet_s=quiet_s)
 
 
 def merged(

@@ -209,7 +209,10 @@ class Search:
         if size >= sizes.target:
             return True
         if sizes.expected_count and size >= min_group_size:
-            if self.me.count + sum(m.count for m in waiting) >= sizes.expected_count:
+            # every peer counted is in; a count short of the truth (this peer's estimate of N
+            # too low) must not close out delegates seen but not in yet, unless they went quiet
+            counted = self.me.count + sum(m.count for m in waiting) >= sizes.expected_count
+            if counted and (size >= sizes.floor or now >= self.last_arrival + sizes.quiet_s):
                 return True
         if now < self.started + sizes.grace_s or size < max(sizes.floor, min_group_size):
             return False

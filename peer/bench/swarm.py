@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from averaging.config import AveragerConfig
 from peer.bench.swarm_summary import summarize
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +31,7 @@ _NUM_INITIAL_PEERS = 4  # a process's peers join through this many peers started
 _LINE_LIMIT_BYTES = 2**26  # a round line carries the replica (base64 float32)
 _STOP_TIMEOUT_S = 60.0  # a child answers "stop" with its facts within this
 _STATUS_INTERVAL_S = 30.0  # a line on stderr this often while the peers run
+TOP_ROUND_TIMEOUT_S = AveragerConfig().top_round_timeout_s  # the peers' (the default)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +139,16 @@ class SwarmBenchConfig:
         )
 
     @property
+    def step_timeout_s(self) -> float:
+        """Bound on one averaging step: matchmaking and an all-reduce, and when the swarm does
+        not fit one group, the second level's round and spread too (as the averager's default;
+        without them the delegates' top round was squeezed into what the rows left)."""
+        step_s = self.matchmaking_s + self.allreduce_timeout_s
+        if self.num_peers > self.target_group_size:
+            step_s += TOP_ROUND_TIMEOUT_S + self.allreduce_timeout_s
+        return step_s
+
+    @property
     def num_processes(self) -> int:
         return math.ceil(self.num_peers / self.peers_per_process)
 
@@ -146,7 +158,7 @@ class SwarmBenchConfig:
             return self.timeout_s
         startup_s = 60.0 + 0.5 * self.num_peers
         epoch_s = self.batch_size / (self.num_peers * self.samples_per_s)
-        round_s = self.matchmaking_s + self.allreduce_timeout_s
+        round_s = self.step_timeout_s
         if self.seconds is not None:
             return startup_s + self.seconds + round_s + 60.0
         num_epochs = self.num_rounds + self.num_warmup_rounds
@@ -174,7 +186,7 @@ class SwarmBenchConfig:
                 "min_deadline_s": self.min_deadline,
                 "max_deadline_s": max(120.0, 2 * self.min_deadline),
             },
-            "step_timeout_s": self.matchmaking_s + self.allreduce_timeout_s,
+            "step_timeout_s": self.step_timeout_s,
             "rpc_timeout_s": self.rpc_s,
             # a process joins while the others' peers keep the host busy
             "bootstrap_timeout_s": max(10.0, 2 * self.rpc_s),

@@ -48,6 +48,14 @@ STEP_TAKES_EXPECTED_PEERS = (
 )
 
 
+def peers_at(swarm: GlobalProgress, epoch: int) -> int:
+    """How many peers of the swarm are at ``epoch``, as the optimizer counts them
+    (:meth:`GlobalProgress.num_at`): a large swarm's records are a sample, each standing for
+    several peers. Counting the records read instead planned 256 peers' rounds for 46 to 77
+    (rows whose top round closed once that many were in, leaving most rows out)."""
+    return swarm.num_at(epoch)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerSpec:
     """What every peer of a run shares (the parent's config, as the child gets it).
@@ -150,7 +158,7 @@ class SwarmPeer:
             self.samples += batch
             self.tracker.report_local_progress(self.epoch, int(self.samples))
             swarm = self.last_estimate = self.tracker.current()
-            num_at_epoch = sum(peer.epoch == self.epoch for peer in swarm.peers)
+            num_at_epoch = peers_at(swarm, self.epoch)
             if self._behind(swarm, num_at_epoch):  # a real peer downloads the state here
                 report({"type": "caught_up", "rank": self.rank, "epoch": self.epoch,
                         "to_epoch": swarm.epoch})  # fmt: skip

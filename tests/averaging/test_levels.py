@@ -90,6 +90,34 @@ def test_the_delegates_search_closes_on_the_counts_it_holds():
     assert (top.quiet_s, top.grace_s) == (2.0, 1.0)
 
 
+async def test_a_top_leader_whose_count_of_n_is_low_waits_for_the_delegates_it_saw():
+    """The delegates' leader closes once the counts it holds reach its ``N``; an ``N`` counted
+    too low (the peers' estimates differ) must not close out delegates it saw coming, unless
+    they went quiet."""
+    from averaging.matchmaking.group import GroupMember
+    from averaging.matchmaking.search import Follower, Search, rank_of
+    from averaging.rules.compression import Compression
+
+    def member(i: int) -> GroupMember:
+        return GroupMember(f"{i:064x}", f"http://127.0.0.1:{9000 + i}", 1.0, 1.0, count=4)
+
+    sizes = RoundPlan.of(12, 4, 1.0).top_sizes(quiet_s=2.0)  # this leader counts N = 12
+    me = member(0)
+    search = Search("k.top", me, 10, Compression.NONE, 100.0, rank_of("k.top", me.peer_id),
+                    4, sizes=sizes)  # fmt: skip
+    search.started = search.last_arrival = 0.0
+    search.lead()
+    search.see([member(i).peer_id for i in range(1, 5)], now=0.0)  # 4 more delegates seen
+    search.resize()
+    for i in (1, 2):  # 3 rows of 4 in: the count reaches 12, two delegates seen are not in
+        search.term.followers[member(i).peer_id] = Follower(member(i), 100.0, 0.0, True)
+    assert not search.should_close(now=0.5, min_group_size=2)
+    assert search.should_close(now=2.5, min_group_size=2)  # they went quiet
+    for i in (3, 4):
+        search.term.followers[member(i).peer_id] = Follower(member(i), 100.0, 0.0, True)
+    assert search.should_close(now=0.5, min_group_size=2)  # everyone seen is in
+
+
 def test_the_delegates_answer_is_parsed_as_hostile():
     assert Word.from_wire({"status": "go", "top": "ok", "reached": 7}) == Word(True, "ok", "", 7)
     assert not Word.from_wire({"status": "go?", "top": "ok"}).go
@@ -299,3 +327,43 @@ async def test_a_peer_left_without_a_row_joins_the_top_round_as_a_row_of_one(mak
     # a peer that learns every other is in a row goes to the top at once; one that had not
     # yet seen the last peer may leave it the last too (two rows of one: exact all the same)
     assert sum(r.levels.get("row") == "alone" for r in results) <= 2
+
+
+async def test_rows_formed_apart_by_more_than_the_top_rounds_bound_still_meet(make_swarm):
+    """A row that forms late in the rows' matchmaking time (its peers started later) still
+    finds the top round: the delegates' search and the members' wait for their delegate's
+    word count from the end of the rows' searches, not from when each row happened to form
+    (as at 256 peers, where rows form over the whole matchmaking time and the early rows'
+    top round had ended before the late rows came)."""
+    num_peers, late = 6, 3
+    vectors = vectors_for(num_peers, 5_000, 11)
+    weights = [float(w) for w in range(1, num_peers + 1)]
+    # rows of 3 + 3 under one key; the second row's peers start 3 s after the first's, longer
+    # than the whole second level may take counted from the first row's forming
+    config = fast_config(
+        target_group_size=3,
+        row_grace_s=0.5,
+        matchmaking_time_s=10.0,
+        top_round_timeout_s=1.5,
+        request_timeout_s=1.0,
+        adaptive_deadlines=False,
+    )
+    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+
+    async def step(index: int):
+        if index >= late:
+            await asyncio.sleep(3.0)
+        return await peers[index].averager.step(
+            weight=weights[index], epoch=0, expected_peers=num_peers
+        )
+
+    results = await asyncio.gather(*(step(i) for i in range(num_peers)))
+
+    assert [r.status for r in results] == ["ok"] * num_peers, [r.reason for r in results]
+    assert len(rows_of(results)) == 2
+    expected = exact_mean(vectors, weights)
+    first = peers[0].tensors[0]
+    for peer, result in zip(peers, results, strict=True):
+        np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
+        assert np.array_equal(peer.tensors[0], first)  # one model, bit for bit
+        assert result.num_reached == num_peers

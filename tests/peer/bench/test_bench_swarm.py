@@ -118,3 +118,31 @@ def test_simulate_without_the_simulation_says_so_and_exits_2(monkeypatch, capsys
     assert run_bench_swarm(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--simulate" in err[0]
+
+
+def test_a_peer_counts_the_swarm_a_sample_stands_for_not_the_records_read():
+    # a 256-peer swarm read as a sample: 64 records, each standing for 4 peers (3 at the
+    # peer's epoch, 1 record ahead); counting the records read planned rows for 48 peers
+    from peer.bench.swarm_peer import peers_at
+    from peer.records.progress import PeerProgress
+    from peer.swarm.progress import GlobalProgress
+
+    records = tuple(
+        PeerProgress(f"{i:064x}", 5 if i % 4 else 6, 0, 1.0, 0.0, None, False) for i in range(64)
+    )
+    swarm = GlobalProgress(5, 0, 100, 64.0, 1.0, 256, 0, records, (4.0,) * 64)
+    assert peers_at(swarm, 5) == 192
+    assert peers_at(swarm, 6) == 64
+
+
+def test_a_step_of_a_swarm_larger_than_a_group_has_time_for_the_second_level():
+    # the averager's own default for two levels: the rows, then the top round and the spread
+    from averaging.config import AveragerConfig
+    from peer.bench.swarm import SwarmBenchConfig
+
+    top_s = AveragerConfig().top_round_timeout_s
+    one = SwarmBenchConfig(num_peers=16, target_group_size=16)
+    assert one.step_timeout_s == one.matchmaking_s + one.allreduce_timeout_s
+    two = SwarmBenchConfig(num_peers=64, target_group_size=16)
+    assert two.step_timeout_s == two.matchmaking_s + 2 * two.allreduce_timeout_s + top_s
+    assert two.child_spec()["step_timeout_s"] == two.step_timeout_s
