@@ -142,7 +142,11 @@ async def test_every_peer_ends_with_the_global_weighted_mean(make_swarm, num_pee
     assert [r.status for r in results] == ["ok"] * num_peers, [r.reason for r in results]
     rows = rows_of(results)
     sizes = sorted(len(r) for r in rows)
-    assert len(rows) == math.ceil(num_peers / group_size) and sizes[-1] - sizes[0] <= 1, sizes
+    # rows of at most the group size: the plan's ceil(N / g) balanced rows, or on a crowded
+    # host more rows, where one closed short at its grace (the mean is exact either way)
+    assert sizes[-1] <= group_size and len(rows) >= math.ceil(num_peers / group_size), sizes
+    if len(rows) == math.ceil(num_peers / group_size):
+        assert sizes[-1] - sizes[0] <= 1, sizes
     assert set().union(*rows) == {p.peer_id for p in peers}  # every peer in exactly one row
     assert sum(sizes) == num_peers
     expected = exact_mean(vectors, weights)
