@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import aiohttp
 import pytest
@@ -269,3 +272,64 @@ def status_line(response: bytes) -> int:
 def host_port(address: str) -> tuple[str, int]:
     host, port = address.removeprefix("http://").rsplit(":", 1)
     return host, int(port)
+
+
+Outcome = TypeVar("Outcome")
+
+
+def refused(answer: Answer) -> bool:
+    """Whether an answer is a refusal for a share (429)."""
+    return answer.status == 429
+
+
+class Flood(Generic[Outcome]):
+    """``num_senders`` tasks calling ``send(sender_index)`` back to back until stopped; every
+    outcome kept (an :class:`Answer`, a status...). ``is_refusal`` says which outcomes are the
+    node's refusals (the attacker spent its share)."""
+
+    def __init__(
+        self,
+        send: Callable[[int], Awaitable[Outcome]],
+        *,
+        is_refusal: Callable[[Outcome], bool],
+        num_senders: int = 12,
+    ):
+        self.send, self.is_refusal, self.num_senders = send, is_refusal, num_senders
+        self.outcomes: list[Outcome] = []
+        self._refused = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.started_s = self.stopped_s = 0.0
+
+    def start(self) -> None:
+        self.started_s = time.monotonic()
+        self._tasks = [asyncio.create_task(self._run(i)) for i in range(self.num_senders)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        self.stopped_s = time.monotonic()
+
+    async def _run(self, index: int) -> None:
+        while not self._stop.is_set():
+            outcome = await self.send(index)
+            self.outcomes.append(outcome)
+            if self.is_refusal(outcome):
+                self._refused.set()
+
+    async def until_refused(self, timeout_s: float = 30.0, *, required: bool = True) -> None:
+        """Wait until the attacker spent its share (its first refusal), at most ``timeout_s``
+        (past it: TimeoutError, or just go on where a refusal is not ``required``)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._refused.wait()
+        except TimeoutError:
+            if required:
+                raise
+
+    def counts(self, key: Callable[[Outcome], Any] = lambda outcome: outcome) -> Counter:
+        return Counter(map(key, self.outcomes))
+
+    @property
+    def duration_s(self) -> float:
+        return self.stopped_s - self.started_s

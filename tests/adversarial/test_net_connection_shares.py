@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 
 import aiohttp
 import pytest
@@ -34,6 +33,7 @@ from dht.net.session import PendingHello
 from dht.net.wire import pack
 from tests.adversarial.harness_net import (
     ATTACKER_HOST,
+    Flood,
     WireClient,
     assert_no_crashes,
     assert_serving,
@@ -49,46 +49,7 @@ DEFAULTS = TransportConfig()
 MIN_FLOOD_S = 3.0  # how long a flood goes on past its first refusal, honest pings all along
 HONEST_PAUSE_S = 0.6  # between two rounds of NUM_PINGS honest pings: about 100 a second at most
 REFUSED = -1  # a connection the node closed before answering
-
-
-class Flood:
-    """``NUM_SENDERS`` tasks calling ``send`` back to back until stopped; every outcome kept
-    (an HTTP status, :data:`REFUSED`, or 0 for a sender that hung up first)."""
-
-    def __init__(self, send):
-        self.send = send
-        self.outcomes: list[int] = []
-        self._refused = asyncio.Event()
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self.started_s = self.stopped_s = 0.0
-
-    def start(self) -> None:
-        self.started_s = time.monotonic()
-        self._tasks = [asyncio.create_task(self._run()) for _ in range(NUM_SENDERS)]
-
-    async def stop(self) -> None:
-        self._stop.set()
-        await asyncio.gather(*self._tasks)
-        self.stopped_s = time.monotonic()
-
-    async def _run(self) -> None:
-        while not self._stop.is_set():
-            outcome = await self.send()
-            self.outcomes.append(outcome)
-            if outcome in (REFUSED, 429):
-                self._refused.set()
-
-    async def until_refused(self, timeout_s: float = 30.0) -> None:
-        async with asyncio.timeout(timeout_s):
-            await self._refused.wait()
-
-    def counts(self) -> Counter:
-        return Counter(self.outcomes)
-
-    @property
-    def duration_s(self) -> float:
-        return self.stopped_s - self.started_s
+REFUSALS = (REFUSED, 429)
 
 
 async def _pings(victim, honest) -> list[float | None]:
@@ -141,7 +102,11 @@ async def test_a_sender_that_reconnects_after_each_refusal_gets_its_share_of_con
             except aiohttp.ClientError:  # closed by the node before a byte was parsed
                 return REFUSED
 
-        flood = Flood(ping_on_a_new_connection)
+        flood = Flood(
+            lambda _: ping_on_a_new_connection(),
+            is_refusal=REFUSALS.__contains__,
+            num_senders=NUM_SENDERS,
+        )
         try:
             base_p50, attacked_p50 = await _measured(victim, honest, flood)
         finally:
@@ -187,7 +152,11 @@ async def test_a_flood_of_handshakes_gets_its_share_and_others_are_served(
         WireClient(local_host=ATTACKER_HOST) as attacker,
         WireClient(PeerIdentity.generate()) as newcomer,  # from 127.0.0.1, as the honest node
     ):
-        flood = Flood(lambda: _hello(attacker, victim.address))
+        flood = Flood(
+            lambda _: _hello(attacker, victim.address),
+            is_refusal=REFUSALS.__contains__,
+            num_senders=NUM_SENDERS,
+        )
 
         async def newcomers_shake_hands() -> None:
             for _ in range(5):

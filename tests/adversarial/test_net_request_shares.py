@@ -13,10 +13,6 @@ own no-attack value.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections import Counter
-
 import pytest
 
 from dht.identity import PeerIdentity
@@ -26,10 +22,12 @@ from dht.net.wire import pack
 from tests.adversarial.harness_net import (
     ATTACKER_HOST,
     Answer,
+    Flood,
     WireClient,
     assert_no_crashes,
     assert_serving,
     node_processes,  # noqa: F401 - a fixture
+    refused,
 )
 from tests.adversarial.test_net_shares import P50_FACTOR, P50_SLACK_S, p50
 from tests.adversarial.test_net_work_shares import RECORDS_PER_STORE, _signed_records
@@ -40,43 +38,14 @@ NUM_PINGS = 60
 DEFAULTS = TransportConfig()
 
 
-class Flood:
-    """``NUM_SENDERS`` tasks sending one kind of signed request back to back, round robin over
-    the attacker's keys, until stopped; every answer kept."""
+def send_from(clients: list[tuple[WireClient, Session]], address: str, name: str, body: bytes):
+    """A flood's sender ``index`` sends as key ``index`` (round robin over the keys)."""
 
-    def __init__(self, address: str, clients: list[tuple[WireClient, Session]], body: bytes,
-                 name: str):  # fmt: skip
-        self.address, self.clients, self.body, self.name = address, clients, body, name
-        self.answers: list[Answer] = []
-        self._refused = asyncio.Event()
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self.started_s = self.stopped_s = 0.0
+    async def send(index: int) -> Answer:
+        client, session = clients[index % len(clients)]
+        return await client.rpc(address, name, body, session=session)
 
-    def start(self) -> None:
-        self.started_s = time.monotonic()
-        self._tasks = [asyncio.create_task(self._send(i)) for i in range(NUM_SENDERS)]
-
-    async def stop(self) -> None:
-        self._stop.set()
-        await asyncio.gather(*self._tasks)
-        self.stopped_s = time.monotonic()
-
-    async def _send(self, index: int) -> None:
-        client, session = self.clients[index % len(self.clients)]
-        while not self._stop.is_set():
-            answer = await client.rpc(self.address, self.name, self.body, session=session)
-            self.answers.append(answer)
-            if answer.status == 429:
-                self._refused.set()
-
-    def statuses(self) -> Counter:
-        return Counter(answer.status for answer in self.answers)
-
-    async def until_refused(self, timeout_s: float = 20.0) -> None:
-        """Wait until the attacker spent its burst (its first 429)."""
-        async with asyncio.timeout(timeout_s):
-            await self._refused.wait()
+    return send
 
 
 def _share(num_keys: int) -> tuple[float, float]:
@@ -111,7 +80,9 @@ async def test_a_flood_of_signed_requests_gets_its_share_and_honest_pings_are_se
     for _ in range(num_keys):
         client = await WireClient(local_host=ATTACKER_HOST).__aenter__()
         clients.append((client, await client.hello(victim.address)))
-    flood = Flood(victim.address, clients, body, name)
+    flood = Flood(
+        send_from(clients, victim.address, name, body), is_refusal=refused, num_senders=NUM_SENDERS
+    )
     try:
         if kind == "store":  # its records are verified once, before the flood
             first = await clients[0][0].rpc(victim.address, name, body, session=clients[0][1])
@@ -124,10 +95,10 @@ async def test_a_flood_of_signed_requests_gets_its_share_and_honest_pings_are_se
     finally:
         for client, _ in clients:
             await client.__aexit__()
-    statuses = flood.statuses()
-    duration_s = flood.stopped_s - flood.started_s
+    statuses = flood.counts(lambda answer: answer.status)
+    duration_s = flood.duration_s
     assert set(statuses) <= {200, 429}, statuses
-    refusals = [answer for answer in flood.answers if answer.status == 429]
+    refusals = [answer for answer in flood.outcomes if answer.status == 429]
     assert all(a.reason.startswith("too many requests") or "share" in a.reason
                for a in refusals), {a.reason for a in refusals}  # fmt: skip
     assert all(int(a.headers["Retry-After"]) >= 1 for a in refusals)
