@@ -34,7 +34,9 @@ from tests.peer.run.test_join import config
 
 pytestmark = pytest.mark.timeout(120)
 SLEEP_S = 0.05
-SLEPT_S: list[float] = []  # what each batch really slept (the loader runs in the test's process)
+# what the loader really spent on each batch: its sleep and the making of the batch, the first
+# one's generator included (the loader runs in the test's process)
+SLEPT_S: list[float] = []
 
 
 class SlowBatches(IterableDataset):
@@ -44,13 +46,15 @@ class SlowBatches(IterableDataset):
         self.shard = shard
 
     def __iter__(self):
+        start = time.perf_counter()
         generator = worker_generator(self.shard)
         while True:
-            start = time.perf_counter()
             time.sleep(SLEEP_S)
-            SLEPT_S.append(time.perf_counter() - start)
             inputs = torch.randn(8, 16, generator=generator)
-            yield inputs, (inputs.sum(dim=1) > 0).long()
+            labels = (inputs.sum(dim=1) > 0).long()
+            SLEPT_S.append(time.perf_counter() - start)
+            yield inputs, labels
+            start = time.perf_counter()
 
 
 def slow_task() -> Task:
