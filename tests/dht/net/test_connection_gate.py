@@ -105,6 +105,19 @@ async def _fresh_connection_info(host: str, port: int, source: str) -> bytes:
         writer.close()
 
 
+async def assert_a_reconnecting_sender_gets_its_burst(node, honest) -> None:
+    """40 fresh connections from the attacker's address to a node whose share of accepts per
+    address is a burst of 20 (and a rate that refills none meanwhile): 20 served, 20 refused;
+    the honest peer at 127.0.0.1 is served before and after."""
+    assert await honest.call(node.address, "echo", 1) == 1  # 127.0.0.1 is being served
+    host, port = node.address.removeprefix("http://").rsplit(":", 1)
+    answers = [await _fresh_connection_info(host, int(port), ATTACKER_HOST) for _ in range(40)]
+    served = [a for a in answers if a.startswith(b"HTTP/1.1 200")]
+    assert len(served) == 20 and answers.count(b"") == 20, answers
+    assert node.gate.num_refused_for_rate == 20
+    assert await honest.call(node.address, "echo", 2) == 2
+
+
 async def test_a_real_server_refuses_a_sender_that_reconnects_and_serves_the_honest(
     make_transport,
 ):
@@ -113,13 +126,8 @@ async def test_a_real_server_refuses_a_sender_that_reconnects_and_serves_the_hon
     node = await make_transport(config)
     node.add_rpc_handler("echo", lambda ctx, payload: _echo(payload))
     honest = await make_transport(TransportConfig(client_mode=True))
-    assert await honest.call(node.address, "echo", 1) == 1  # 127.0.0.1 is being served
-    host, port = node.address.removeprefix("http://").rsplit(":", 1)
-    answers = [await _fresh_connection_info(host, int(port), ATTACKER_HOST) for _ in range(40)]
-    served = [a for a in answers if a.startswith(b"HTTP/1.1 200")]
-    assert len(served) == 20 and answers.count(b"") == 20, answers
-    assert node.gate.num_refused_for_rate == 20
-    # the honest peer is served on its connection, and on new ones (a fresh client: its address
+    await assert_a_reconnecting_sender_gets_its_burst(node, honest)
+    # the honest peer is served on new connections too (a fresh client: its address
     # has a share of new connections of its own, far from spent)
     assert await honest.call(node.address, "echo", 2) == 2
     async with HttpTransport(PeerIdentity.generate(), TransportConfig(client_mode=True)) as new:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import uvloop  # (installed with hivemind, which switches to it)
 
 from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.net.config import TransportConfig
 from dht.net.listener import accept_is_gated
-from tests.dht.net.test_connection_gate import ATTACKER_HOST, _fresh_connection_info
+from tests.dht.net.test_connection_gate import assert_a_reconnecting_sender_gets_its_burst
 
-uvloop = pytest.importorskip("uvloop")  # (installed with hivemind, which switches to it)
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -32,13 +32,7 @@ async def _reconnecting_sender_gets_its_share() -> None:
     ):
         node.add_rpc_handler("echo", _echo)
         assert not accept_is_gated(asyncio.get_running_loop())
-        assert await honest.call(node.address, "echo", 1) == 1  # 127.0.0.1 is being served
-        host, port = node.address.removeprefix("http://").rsplit(":", 1)
-        answers = [await _fresh_connection_info(host, int(port), ATTACKER_HOST) for _ in range(40)]
-        served = [a for a in answers if a.startswith(b"HTTP/1.1 200")]
-        assert len(served) == 20 and answers.count(b"") == 20, answers
-        assert node.gate.num_refused_for_rate == 20
-        assert await honest.call(node.address, "echo", 2) == 2
+        await assert_a_reconnecting_sender_gets_its_burst(node, honest)
 
 
 def test_under_uvloop_a_reconnecting_sender_still_gets_its_share_of_connections():
