@@ -21,7 +21,7 @@ import heapq
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from dht.kademlia.protocol import FindAnswer
+from dht.kademlia.messages import FindAnswer
 from dht.kademlia.routing import PeerInfo
 from dht.kademlia.storage import Entry, merge_entries
 

@@ -8,7 +8,7 @@ import time
 from typing import Any, Protocol
 
 from dht.kademlia.config import DHTConfig
-from dht.kademlia.protocol import StoreRequest
+from dht.kademlia.messages import StoreRequest
 from dht.kademlia.routing import DHTID, RoutingTable
 from dht.kademlia.storage import DHTStorage, Record
 from dht.net.schema import MAX_RECORDS_PER_STORE

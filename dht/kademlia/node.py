@@ -25,8 +25,9 @@ from dht.identity import PeerIdentity, short_id
 from dht.kademlia.config import Clock, DHTConfig, SystemClock, get_dht_time
 from dht.kademlia.lookup import LookupResult, iterative_find
 from dht.kademlia.maintenance import Maintenance
+from dht.kademlia.messages import FindAnswer, StoreRequest
 from dht.kademlia.outcomes import GetOutcome, Replication, StoreOutcome
-from dht.kademlia.protocol import DHTProtocol, FindAnswer, StoreRequest
+from dht.kademlia.protocol import DHTProtocol
 from dht.kademlia.routing import DHTID, PeerInfo, RoutingTable
 from dht.kademlia.storage import (
     DHTStorage,

@@ -1,33 +1,17 @@
 """The three DHT RPCs, both ends, and what every contact teaches the routing table.
 
-Messages (msgpack maps; ids travel as 20 raw bytes, values as the writer's packed bytes; the
-schema, strict, is in :mod:`dht.net.schema`):
-
-* ``dht.ping``  ``{addr}`` -> ``{peer_id, addr}``
-* ``dht.find``  ``{addr, key, value: bool}`` -> ``{peer_id, nodes: {peer_id: url}, entry}``
-  where ``entry`` is None, ``["p", value, expiration]`` or
-  ``["d", [[subkey, value, expiration, signature]...]]``
-* ``dht.store`` ``{addr, records: [[key, subkey, value, expiration, signature]...]}`` ->
-  ``{peer_id, accepted: [bool...], nodes}`` (nodes closest to the first record's key, so that
-  stores double as the last round of a lookup); a record that fails validation refuses the
-  whole request (422), one over ``max_value_bytes`` or malformed too (400).
-
-``addr`` is the sender's URL (None for a client-mode node, which is never added to routing
-tables). The transport proves who sent a request and who answered one; the ``peer_id`` an answer
-names must be that proven peer. An address is a claim until proven: a node enters the routing
-table only with an address at which it answered a request from this node (a sender's claimed
-address is pinged back first). A node that fails to answer is dropped at once.
+The messages and their wire forms are in :mod:`dht.kademlia.messages`. The transport proves who
+sent a request and who answered one; the ``peer_id`` an answer names must be that proven peer.
+An address is a claim until proven: a node enters the routing table only with an address at
+which it answered a request from this node (a sender's claimed address is pinged back first).
+A node that fails to answer is dropped at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
-from urllib.parse import urlsplit
 
 from dht.errors import (
     BadMessageError,
@@ -37,9 +21,19 @@ from dht.errors import (
     WrongPeerError,
 )
 from dht.identity import is_peer_id, short_id
+from dht.kademlia.messages import (
+    FindAnswer,
+    StoreAnswer,
+    StoreRequest,
+    checked_value,
+    decode_entry,
+    decode_peers,
+    encode_entry,
+    same_host,
+)
 from dht.kademlia.record_checks import RecordChecker
 from dht.kademlia.routing import DHTID, PeerInfo, RoutingTable
-from dht.kademlia.storage import DHTStorage, Entry, Record, Subkey
+from dht.kademlia.storage import DHTStorage, Entry, Record
 from dht.kademlia.validation import RecordValidator
 from dht.net import schema
 from dht.net.fair_work import FairWork
@@ -50,86 +44,6 @@ logger = logging.getLogger(__name__)
 PING, FIND, STORE = "dht.ping", "dht.find", "dht.store"
 # Refusals that prove the remote is alive and a DHT node: it stays in the routing table.
 _ALIVE_STATUSES = frozenset({400, 413, 422, 429, 503})
-
-
-@dataclass(frozen=True)
-class StoreRequest:
-    """One record to store under ``key_id`` (and ``subkey`` for a dictionary value)."""
-
-    key_id: int
-    subkey: Subkey | None
-    record: Record
-
-
-@dataclass(frozen=True)
-class StoreAnswer:
-    """A node's answer to ``dht.store``: which records it took, and its closest nodes."""
-
-    accepted: list[bool]
-    peers: list[PeerInfo]
-
-
-@dataclass(frozen=True)
-class FindAnswer:
-    """A node's answer to ``dht.find``: its closest known nodes and what it holds."""
-
-    peers: list[PeerInfo]
-    entry: Entry | None
-
-
-def encode_entry(entry: Entry | None) -> list | None:
-    if entry is None:
-        return None
-    if isinstance(entry, Record):
-        return ["p", entry.value_bytes, entry.expiration_time]
-    return ["d", [[sk, r.value_bytes, r.expiration_time, r.signature] for sk, r in entry.items()]]
-
-
-def decode_entry(wire: tuple | None, max_value_bytes: int) -> Entry | None:
-    """An entry from its schema-checked wire form; BadMessageError if a value is too big."""
-    if wire is None:
-        return None
-    if wire[0] == "p":
-        return Record(_value(wire[1], max_value_bytes), wire[2])
-    entry = {
-        subkey: Record(_value(value, max_value_bytes), expiration, signature)
-        for subkey, value, expiration, signature in wire[1]
-    }
-    return entry or None
-
-
-def _value(value: bytes, max_value_bytes: int) -> bytes:
-    if len(value) > max_value_bytes:
-        raise BadMessageError(f"value of {len(value)} bytes exceeds max_value_bytes")
-    return value
-
-
-def decode_peers(nodes: dict[str, str], schemes: tuple[str, ...]) -> list[PeerInfo]:
-    """Nodes of a schema-checked answer; BadMessageError if one has another scheme."""
-    return [_peer_info(peer_id, address, schemes) for peer_id, address in nodes.items()]
-
-
-@lru_cache(maxsize=16384)
-def _same_host(address: str, remote_host: str) -> bool:
-    """Whether ``address`` (a node URL) names the host ``remote_host`` (a connection's source
-    IP; the in-memory transport gives the caller's own address)."""
-    if address == remote_host:
-        return True
-    try:
-        claimed = ipaddress.ip_address(urlsplit(address).hostname or "")
-        source = ipaddress.ip_address(remote_host)
-    except ValueError:
-        return False  # a DNS name: only a ping back can tell
-    claimed = getattr(claimed, "ipv4_mapped", None) or claimed
-    source = getattr(source, "ipv4_mapped", None) or source
-    return claimed == source
-
-
-@lru_cache(maxsize=16384)
-def _peer_info(peer_id: str, address: str, schemes: tuple[str, ...]) -> PeerInfo:
-    # Every find answer names up to k nodes, mostly the same ones: check and hash each once.
-    schema.parse_address(address, schemes)
-    return PeerInfo.of(peer_id, address)
 
 
 class DHTProtocol:
@@ -226,7 +140,7 @@ class DHTProtocol:
         if known is not None and known.address == address:
             self.note_contact(known)
             return
-        if remote_host and _same_host(address, remote_host):
+        if remote_host and same_host(address, remote_host):
             # A sender can only point its own id at its own host: nothing to verify there.
             self.note_contact(peer)
             return
@@ -404,7 +318,7 @@ class DHTProtocol:
         requests = [
             StoreRequest(
                 DHTID.from_raw(key), subkey,
-                Record(_value(value, self.max_value_bytes), expiration, signature),
+                Record(checked_value(value, self.max_value_bytes), expiration, signature),
             )
             for key, subkey, value, expiration, signature in request.records
         ]  # fmt: skip

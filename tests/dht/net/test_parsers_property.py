@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dht.errors import AuthError, BadMessageError, RemoteError
 from dht.identity import PeerIdentity
-from dht.kademlia.protocol import decode_entry, encode_entry
+from dht.kademlia.messages import decode_entry, encode_entry, same_host
 from dht.kademlia.storage import ANONYMOUS, DHTStorage, Record, charges
 from dht.net import schema
 from dht.net.frames import FrameReader
@@ -343,6 +343,4 @@ def test_storage_accounting_matches_what_is_held(stores):
     ],
 )
 def test_a_claimed_address_is_on_the_senders_host_or_checked(address, remote_host, same):
-    from dht.kademlia.protocol import _same_host
-
-    assert _same_host(address, remote_host) is same
+    assert same_host(address, remote_host) is same
