@@ -227,8 +227,10 @@ class DecentralizedAverager:
             top = TopRound(f"{base}.top", plan, rows_end)
             if match.group is None and not match.stopped and options and options.top_rows:
                 solo = await self._solo(weight, top, options.top_rows, deadline)
-                if solo is not None:
+                if solo.status != "alone":
                     return await self._end(key, solo, phase_s, waits)
+                # say why at both levels: the row search's reason alone hid a missed top round
+                match = dataclasses.replace(match, reason=f"{match.reason}; {solo.reason}")
             if match.group is None:
                 result = RoundResult("alone", match.reason, phase_s=phase_s, deadlines_s=waits)
                 return self._finish(key, result, phase_s["matchmaking"])
@@ -386,7 +388,7 @@ class DecentralizedAverager:
 
     async def _solo(
         self, weight: float, top: TopRound, top_rows: int, deadline: float
-    ) -> RoundResult | None:
+    ) -> RoundResult:
         """No row: join the top round as a row of one (:meth:`SecondLevel.solo`)."""
         self._waits = self.deadlines.snapshot()
         return await self._second.solo(

@@ -248,9 +248,9 @@ class SecondLevel:
         top_rows: int,
         deadline: float,
         rows_end: float = 0.0,
-    ) -> RoundResult | None:
-        """A peer that found no row takes part in the top round as a row of its own (None:
-        no top group either; then it is alone)."""
+    ) -> RoundResult:
+        """A peer that found no row takes part in the top round as a row of its own ("alone",
+        and why, if it found no top group either)."""
         loop = asyncio.get_running_loop()
         rows_left_s = max(0.0, rows_end - loop.time())
         budget_s = min(rows_left_s + self.config.top_round_timeout_s, deadline - loop.time())
@@ -265,7 +265,7 @@ class SecondLevel:
         match = await self.find_group(top_key, weight, timeout_s, options)
         matchmaking_s = loop.time() - start
         if match.group is None:
-            return None
+            return RoundResult("alone", f"no top group either: {match.reason}"[:MAX_REASON_CHARS])
         top = await self.allreduce(match.group, max(0.001, end - loop.time()))
         reached = sum(match.group.member(p).count for p in top.averaged_with)
         return dataclasses.replace(
@@ -350,9 +350,9 @@ def top_sizes(
     delegates' counts sum to this peer's ``N`` (and every delegate seen is in, or none arrived
     for the quiet time); short of that, only once the row searches are over (``rows_left_s``
     from now, at least ``row_grace_s``), every delegate seen is in and none arrived for
-    ``top_quiet_s`` (at least ``min_quiet_s``: a row closed at the end of its search comes
-    after its all-reduce). Without a plan (a row given to :meth:`step_in_group`), at the rows
-    the group expects too."""
+    ``top_quiet_s`` since then (at least ``min_quiet_s``: a row closed at the end of its
+    search comes after its all-reduce). Without a plan (a row given to
+    :meth:`step_in_group`), at the rows the group expects too."""
     grace_s = max(config.row_grace_s, rows_left_s)
     quiet_s = max(config.top_quiet_s, min_quiet_s)
     if plan is not None:

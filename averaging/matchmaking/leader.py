@@ -90,11 +90,14 @@ class Leader:
             return {"status": "malformed", "reason": refusal}
         if term.outcome.done():
             return _full(term, search)
-        # a seat is held no longer than this leader would wait itself, whatever is asked
-        remaining_s = min(max(0.0, remaining_s), self._config.matchmaking_time_s)
         if request.get("numel") != search.numel:
             return {"status": "incompatible"}
         now = asyncio.get_running_loop().time()
+        # a seat is held no longer than this leader waits itself, whatever is asked: its own
+        # search's deadline, not the matchmaking time (a delegates' search runs past it, to the
+        # end of the row searches; capped there, the first delegates' seats lapsed and the
+        # leader closed with them before the last rows came: a second top group)
+        remaining_s = min(max(0.0, remaining_s), max(0.0, search.deadline - now))
         self._purge_reservations(term, now)
         if member.peer_id not in term.followers:
             # a partner's seat is kept for it: strangers (fresh ids among them) take the others,

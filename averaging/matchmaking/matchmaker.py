@@ -257,10 +257,10 @@ class Matchmaker:
         comes first."""
         now = asyncio.get_running_loop().time()
         grace_end = search.started + search.sizes.grace_s
-        quiet_end = search.last_arrival + search.sizes.quiet_s
+        quiet_end = search.quiet_from() + search.sizes.quiet_s  # never before the grace ends
         wake_at = grace_end if now < grace_end else search.deadline
         if now < quiet_end:
-            wake_at = min(wake_at, max(grace_end, quiet_end))
+            wake_at = min(wake_at, quiet_end)
         return max(0.0, min(wake_at, search.deadline) - now)
 
     async def _unless_formed(self, search: Search, coro: Awaitable[T]) -> T | None:

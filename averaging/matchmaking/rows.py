@@ -107,7 +107,8 @@ class SizePlan:
         expected_count: the delegates' search: close once the members' counts (the peers each
             one's contribution stands for) sum to this (``N``); 0: no such rule.
         quiet_s: past the grace, close at the floor only once no peer arrived or was first
-            seen for this long (the delegates' search: ``top_quiet_s``).
+            seen for this long, counted from the end of the grace at the earliest (the
+            delegates' search: ``top_quiet_s``; the last rows come after the grace).
     """
 
     target: int

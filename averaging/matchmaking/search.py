@@ -216,7 +216,15 @@ class Search:
                 return True
         if now < self.started + sizes.grace_s or size < max(sizes.floor, min_group_size):
             return False
-        return now >= self.last_arrival + sizes.quiet_s
+        return now >= self.quiet_from() + sizes.quiet_s
+
+    def quiet_from(self) -> float:
+        """The loop time from which a short close waits ``quiet_s``: the last arrival, or the
+        end of the grace if later. Counted from the last arrival alone, a delegates' leader
+        whose rows came early closed the instant its grace (the end of the row searches)
+        ended, before the rows that close at that very deadline could come (their all-reduce
+        and announcement take a while): a second top group, a second model."""
+        return max(self.last_arrival, self.started + self.sizes.grace_s)
 
     def is_last(self, now: float) -> bool:
         """Past the grace, every other peer seen under the key is in another group, nobody new
