@@ -6,7 +6,10 @@ Modes (``CollaborativeConfig.mode``):
 * ``grad``: gradients accumulate locally, weighted by batch size; when the swarm has gathered
   ``target_batch_size`` samples, the peers average their mean gradients weighted by the samples
   each contributed (so the result is the gradient of the union of everyone's batches), the local
-  optimizer steps once, and the epoch advances.
+  optimizer steps once, and the epoch advances. Exact while no member brought more than
+  ``max_weight_ratio`` (8) times the group's lower median of samples: beyond it the weight is
+  capped (:mod:`averaging.bounds`, against a member claiming a huge one), so the batches of a
+  peer that entered the epoch late with a few samples weigh a little more than in the union.
 * ``params``: the optimizer steps on every local batch; at each epoch boundary the parameters
   are averaged (weighted by samples).
 * ``grad`` with ``delay_update``: the round of epoch t runs in the background while the peer

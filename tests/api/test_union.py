@@ -7,31 +7,44 @@ from __future__ import annotations
 import pytest
 import torch
 
+from averaging.config import AveragerConfig
 from tests.api.loop import LR, build_model, loss_fn, make_batch
 from tests.api.processes import finish, first_line, spawn
 
 EPOCHS = 3
 
 
+def round_weights(samples: list[int]) -> list[float]:
+    """Each peer's weight in a round, as every member of the group uses it: its samples, capped
+    at ``max_weight_ratio`` times the lower median of the group's (averaging/bounds.py, against
+    a member claiming a huge weight). Within that ratio of each other, peers weigh exactly their
+    samples; a peer that entered the epoch late with one batch, beside one that gathered ten,
+    is not (under load, a round of 160 samples against 16: the 160 count as 128)."""
+    ratio = AveragerConfig().max_weight_ratio  # the peers' (peer.run.config leaves the default)
+    positive = sorted(s for s in samples if s > 0)
+    cap = ratio * positive[(len(positive) - 1) // 2]
+    return [min(float(s), cap) for s in samples]
+
+
 def reference_params(seeds: list[int], epoch_samples: list[list[int]], batch: int):
-    """One process stepping Adam on the mean gradient of the union of every peer's batches."""
+    """One process stepping Adam on the mean gradient of the union of every peer's batches,
+    each peer's mean weighted by its samples as the round bounds them (:func:`round_weights`)."""
     model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     params = list(model.parameters())
     next_index = dict.fromkeys(seeds, 0)
     for epoch in range(len(epoch_samples[0])):
         total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-        num_samples = 0
-        for seed, samples in zip(seeds, epoch_samples, strict=True):
+        weights = round_weights([samples[epoch] for samples in epoch_samples])
+        for seed, samples, weight in zip(seeds, epoch_samples, weights, strict=True):
             for _ in range(samples[epoch] // batch):
                 model.zero_grad()
                 loss_fn(model, make_batch(seed, next_index[seed])).backward()
                 next_index[seed] += 1
                 for accumulator, p in zip(total, params, strict=True):
-                    accumulator += p.grad.double() * batch
-                num_samples += batch
+                    accumulator += p.grad.double() * (batch * weight / samples[epoch])
         for accumulator, p in zip(total, params, strict=True):
-            p.grad = (accumulator / num_samples).float()
+            p.grad = (accumulator / sum(weights)).float()
         optimizer.step()
     return [p.detach() for p in params]
 
