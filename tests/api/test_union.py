@@ -6,24 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # the first optimizer step imports it (seconds): here, not in a timed test
 
-from averaging.config import AveragerConfig
 from tests.api.loop import LR, build_model, loss_fn, make_batch
 from tests.api.processes import finish, first_line, spawn
+from tests.union_reference import round_weights
 
 EPOCHS = 3
-
-
-def round_weights(samples: list[int]) -> list[float]:
-    """Each peer's weight in a round, as every member of the group uses it: its samples, capped
-    at ``max_weight_ratio`` times the lower median of the group's (averaging/bounds.py, against
-    a member claiming a huge weight). Within that ratio of each other, peers weigh exactly their
-    samples; a peer that entered the epoch late with one batch, beside one that gathered ten,
-    is not (under load, a round of 160 samples against 16: the 160 count as 128)."""
-    ratio = AveragerConfig().max_weight_ratio  # the peers' (peer.run.config leaves the default)
-    positive = sorted(s for s in samples if s > 0)
-    cap = ratio * positive[(len(positive) - 1) // 2]
-    return [min(float(s), cap) for s in samples]
 
 
 def reference_params(seeds: list[int], epoch_samples: list[list[int]], batch: int):

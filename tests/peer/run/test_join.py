@@ -8,11 +8,13 @@ import time
 
 import pytest
 import torch
+import torch._dynamo  # the first optimizer step imports it (seconds): here, not in a timed test
 
 from peer.run.config import PeerConfig
 from peer.run.runner import PeerRun
 from peer.swarm.state_sync import StateSnapshot
 from peer.train.tasks import DataShard, load_task
+from tests.union_reference import round_weights
 
 pytestmark = pytest.mark.timeout(180)
 TASK_OPTIONS = ["hidden_dim=64", "num_eval_batches=0"]
@@ -66,7 +68,8 @@ def train_together(runs: list[PeerRun]) -> list:
 
 
 def reference_params(seeds: list[int], epoch_samples: list[list[int]], lr: float):
-    """One process stepping Adam on the mean gradient of the union of every peer's batches."""
+    """One process stepping Adam on the mean gradient of the union of every peer's batches,
+    each peer's mean weighted by its samples as the round bounds them (:func:`round_weights`)."""
     task = load_task("synthetic", dict(option.split("=") for option in TASK_OPTIONS))
     model = task.build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
@@ -74,17 +77,16 @@ def reference_params(seeds: list[int], epoch_samples: list[list[int]], lr: float
     params = list(model.parameters())
     for epoch in range(len(epoch_samples[0])):
         total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-        num_samples = 0
-        for stream, samples in zip(streams, epoch_samples, strict=True):
+        weights = round_weights([samples[epoch] for samples in epoch_samples])
+        for stream, samples, weight in zip(streams, epoch_samples, weights, strict=True):
             for _ in range(samples[epoch] // task.batch_size):
                 inputs, targets = next(stream)
                 model.zero_grad()
                 task.loss_fn(model(inputs), targets).backward()
                 for accumulator, p in zip(total, params, strict=True):
-                    accumulator += p.grad.double() * len(targets)
-                num_samples += len(targets)
+                    accumulator += p.grad.double() * (len(targets) * weight / samples[epoch])
         for accumulator, p in zip(total, params, strict=True):
-            p.grad = (accumulator / num_samples).float()
+            p.grad = (accumulator / sum(weights)).float()
         optimizer.step()
     return [p.detach() for p in params]
 
