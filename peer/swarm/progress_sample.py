@@ -13,7 +13,7 @@ bucket at every other level once (:func:`probe_size`).
 Reads are bounded whatever the swarm's size: ``max_buckets_read`` keys of about
 ``records_per_bucket`` records each (a key holds 16 to 32 records, about 6 KiB at most in a
 steady swarm, far below the DHT's per-key cap), each merged from the key's ``num_replicas``
-(5) replicas.
+replicas (20 by default, :class:`dht.kademlia.config.DHTConfig`).
 """
 
 from __future__ import annotations
