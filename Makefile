@@ -21,11 +21,11 @@ demo: $(BIN)/.installed
 # Most tests wait on sockets, timeouts and other processes rather than compute, so the suite
 # runs on more workers than cores; tests that share a machine-wide resource run in one group,
 # and the few that read the host's timing closely run afterwards, alone (tests/conftest.py).
-# PYTEST_WORKERS=0 runs the first part in one process too.
+# PYTEST_WORKERS=0 runs the first part in one process too. -rs names every skipped test and why.
 PYTEST_WORKERS ?= 3
 test: $(BIN)/.installed lint
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not serial" --durations=15
-	$(BIN)/python -m pytest -q -m serial
+	$(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadgroup -m "not serial" --durations=15
+	$(BIN)/python -m pytest -q -rs -m serial
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
