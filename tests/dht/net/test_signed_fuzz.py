@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 import os
 import threading
@@ -53,6 +54,10 @@ CONFIG = TransportConfig(
     reachability=ReachabilityConfig(dial_back_timeout_s=1.0, check_timeout_s=2.0),
 )
 ANSWER_WITHIN_S = CONFIG.request_timeout_s + 2.0  # the route's timeout, and a loaded machine's
+# The relay waits for the relayed peer's answer up to its stream idle timeout, then answers 502:
+# at 2 s a loaded machine's late (but immediate) answer of the relayed peer became a 502 in a
+# full run. The relay waits as long as the caller would; the nodes keep the short timeouts.
+RELAY_CONFIG = dataclasses.replace(CONFIG, stream_idle_timeout_s=ANSWER_WITHIN_S)
 SETTINGS = settings(
     max_examples=150,
     deadline=None,
@@ -126,7 +131,7 @@ class Lab:
     async def _start(self) -> None:
         self._closing: list[Any] = []
         direct, _ = await self._node()
-        self.relay = HttpTransport(PeerIdentity.generate(), CONFIG)
+        self.relay = HttpTransport(PeerIdentity.generate(), RELAY_CONFIG)
         await self.relay.start()
         self._closing.append(self.relay)
         hidden, _ = await self._node()
