@@ -129,7 +129,9 @@ async def test_several_streams_per_pair_average_exactly_over_as_many_connections
     rng = np.random.default_rng(5)
     vectors = [rng.standard_normal(size).astype(np.float32) for _ in range(num_peers)]
     weights = [0.5, 2.0, 3.25]
-    peers = await make_peers([[v.copy()] for v in vectors], config=fast_config())
+    # the late peer's senders connect after it starts: a loaded host took over the fast 2 s
+    config = fast_config(sender_timeout_s=10.0, reducer_timeout_s=20.0)
+    peers = await make_peers([[v.copy()] for v in vectors], config=config)
     members = sorted(
         (GroupMember(p.peer_id, p.address, 1.0, w) for p, w in zip(peers, weights, strict=True)),
         key=lambda m: m.peer_id,
