@@ -157,12 +157,13 @@ class Leader:
     async def on_wait(self, ctx, request: Any) -> dict[str, Any]:
         search = self._current()
         term = search.term if search is not None else None
-        if (
-            not isinstance(request, Mapping)
-            or term is None
-            or request.get("key") != search.key
-            or ctx.sender not in term.followers
-        ):
+        if not isinstance(request, Mapping) or search is None or request.get("key") != search.key:
+            return {"status": "dropped"}
+        if term is None and search.following is not None:
+            # this peer handed its term over between the follower's join and its wait: the
+            # follower goes where the others went (answered "dropped", it led on its own)
+            return {"status": "redirect", "leader": search.following.to_wire()}
+        if term is None or ctx.sender not in term.followers:
             return {"status": "dropped"}
         follower = term.followers[ctx.sender]
         if request.get("leave") or term.outcome.done():

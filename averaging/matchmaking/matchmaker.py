@@ -19,11 +19,16 @@ The protocol has three requests, all answered at once except ``wait``:
 
 **Leadership that fresh ids cannot grind** (ids are free: anyone can make one that ranks first).
 Peers that averaged before announce ``settled`` and rank before newcomers. A peer follows only
-its *partners* (members of its last ``num_partner_rounds`` rounds) while any is looking, else
-(none seen for half its matchmaking time, or none at all) whoever ranks best; a partner's
-redirect to a stranger is not followed. Waits still point to better-ranked peers: no cycles.
+the peers it *trusts* while any is looking, else (none seen for half its matchmaking time, or
+none at all) whoever ranks best. It trusts its *partners* (members of its last
+``num_partner_rounds`` rounds) and whoever a trusted peer says it follows (a join answered
+"following", a redirect, or an invite answered "following": the partner vouches for its
+leader). Without the vouching, partners from different past rows each led a row of their own,
+and a swarm of 64 formed 10 to 12 rows where 4 would hold it. A ground id is trusted only once
+some partner follows it, which a partner does only when it trusts it. Waits still point to
+better-ranked peers: no cycles.
 Every member checks the whole group (:func:`averaging.matchmaking.group.check_offered`); see
-``docs/SECURITY-swarm.md``.
+``docs/SECURITY.md``.
 
 Peers announce before they first read, so of two peers that start together the later one always
 sees the earlier one. The leader's side is :mod:`averaging.matchmaking.leader`; a leader closes its
@@ -254,10 +259,12 @@ class Matchmaker:
 
     def _until_next_check(self, search: Search) -> float:
         """Seconds until the deadline, or until the grace (then the quiet) ends if that
-        comes first."""
+        comes first (a row's quiet: the longer of the two, see :meth:`Search.should_close`)."""
         now = asyncio.get_running_loop().time()
         grace_end = search.started + search.sizes.grace_s
         quiet_end = search.quiet_from() + search.sizes.quiet_s  # never before the grace ends
+        if search.sizes.expected_in_key:  # a row below its floor closes a grace after that
+            quiet_end = max(quiet_end, search.quiet_from() + search.sizes.grace_s)
         wake_at = grace_end if now < grace_end else search.deadline
         if now < quiet_end:
             wake_at = min(wake_at, quiet_end)
@@ -313,12 +320,17 @@ class Matchmaker:
         answer = await self._request(search, candidate, self._invite_name, request)
         if answer.get("status") == "full":
             self._note_taken(search, answer)
+        elif answer.get("status") == "following":  # a partner here follows a better leader
+            leader = search.parse_candidate(answer.get("leader"))
+            if leader is not None and search.vouch(leader.peer_id, by=candidate.peer_id):
+                search.hints[leader.peer_id] = leader
+                search.wakeup.set()
 
     def _best_leader(self, search: Search, candidates: list[Candidate]) -> Candidate | None:
-        """The best-ranked peer above this one to follow: among partners while any partner is
-        looking (see the module docstring), else among all."""
+        """The best-ranked peer above this one to follow: among the trusted (partners and
+        those they follow) while any is looking (see the module docstring), else among all."""
         now = asyncio.get_running_loop().time()
-        partners = search.partners
+        partners = search.trusted
         if any(c.peer_id in partners for c in candidates):
             candidates = [c for c in candidates if c.peer_id in partners]
         elif partners and now < search.strangers_after:
@@ -363,10 +375,10 @@ class Matchmaker:
                 search.skip_until[target.peer_id] = (
                     asyncio.get_running_loop().time() + self._config.matchmaking_poll_min_s
                 )
-                was_partner = target.peer_id in search.partners
+                asked = target.peer_id
                 target = search.parse_candidate(answer.get("leader"))
-                if was_partner and target is not None and target.peer_id not in search.partners:
-                    return None  # a partner that follows a stranger: lead rather than go there
+                if target is not None:  # a trusted peer vouches for the leader it follows
+                    search.vouch(target.peer_id, by=asked)
                 continue
             search.excluded.add(target.peer_id)
             if status == "full":
@@ -404,9 +416,8 @@ class Matchmaker:
             self._note_taken(search, answer)
         elif status == "redirect":
             redirect = search.parse_candidate(answer.get("leader"))
-            if redirect is not None and (
-                redirect.peer_id in search.partners or leader.peer_id not in search.partners
-            ):
+            if redirect is not None:  # a trusted leader vouches for the one it hands us to
+                search.vouch(redirect.peer_id, by=leader.peer_id)
                 search.excluded.add(leader.peer_id)
                 search.lead()
                 return await self._follow(search, redirect)
@@ -456,6 +467,8 @@ class Matchmaker:
             return {"status": "malformed"}
         if search is None or request.get("key") != search.key:
             return self._leader.not_looking(request.get("key"))
+        if search.following is not None:  # the inviter may follow where this peer went
+            return {"status": "following", "leader": search.following.to_wire()}
         leader = search.parse_candidate(
             {"peer": ctx.sender, "addr": request.get("leader"), "settled": request.get("settled")}
         )

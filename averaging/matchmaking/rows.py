@@ -5,7 +5,9 @@ groups of at most ``g`` (``target_group_size``). Rather than filling groups of `
 the rest to chance (24 peers, ``g`` 16: 16 + 8), the round takes ``k = ceil(N / g)`` *rows* of
 balanced sizes: a leader closes at ``ceil(N / k)`` members (24: 12 + 12), or, after a short
 grace, at what the last row holds when the others took ``ceil(N / k)`` (25: 13 + 12 without
-waiting for the matchmaking deadline). Leaders do not coordinate, but a peer in a formed group
+waiting for the matchmaking deadline); a row below that floor closes once nobody joined or was
+newly seen for another grace (:meth:`averaging.matchmaking.search.Search.should_close`).
+Leaders do not coordinate, but a peer in a formed group
 tells whoever asks to join it which peers are in it (``full`` with ``formed``), so a later leader
 balances its row over the peers left (10 peers, ``g`` 4: 4 + 3 + 3, not 4 + 4 + 2); a peer
 that learns every other is taken goes to the top round at once as a row of one.

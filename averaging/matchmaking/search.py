@@ -33,6 +33,18 @@ class Candidate:
     rank: bytes
 
     @property
+    def trusted(self) -> frozenset[str]:
+        """The peers this one follows first: its partners, and the peers they follow."""
+        return self.partners | self.vouched
+
+    def vouch(self, peer_id: str, *, by: str) -> bool:
+        """``by`` said it follows ``peer_id``: when ``by`` is trusted, so is ``peer_id`` (a
+        partner vouches for its leader by following it). Whether ``peer_id`` is trusted now."""
+        if by in self.trusted:
+            self.vouched.add(peer_id)
+        return peer_id in self.trusted
+
+    @property
     def settled(self) -> bool:
         return self.rank[:1] == SETTLED
 
@@ -167,6 +179,7 @@ class Search:
     max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO  # of the groups formed and accepted
     partners: frozenset[str] = frozenset()  # followed first, seats kept for them
     top_rows: int = 0  # written into a group this peer forms
+    vouched: set[str] = field(default_factory=set)  # strangers a trusted peer follows
     taken: set[str] = field(default_factory=set)  # in other groups (their leaders said so)
     last_arrival: float = 0.0  # loop time a follower last arrived or a peer was first seen
     stop_when: Callable[[], str | None] | None = None  # see SearchOptions
@@ -200,7 +213,8 @@ class Search:
 
     def should_close(self, now: float, min_group_size: int) -> bool:
         """Whether this leader's group, as it stands, is complete: at its target, at the
-        expected count, or past the grace (and quiet) with at least the floor."""
+        expected count, past the grace (and quiet) with at least the floor, or, a row search,
+        past the grace and quiet for a grace with fewer."""
         if self.term is None or self.term.outcome.done():
             return False
         waiting = [f.member for f in self.term.followers.values() if f.waiting]
@@ -214,9 +228,14 @@ class Search:
             counted = self.me.count + sum(m.count for m in waiting) >= sizes.expected_count
             if counted and (size >= sizes.floor or now >= self.last_arrival + sizes.quiet_s):
                 return True
-        if now < self.started + sizes.grace_s or size < max(sizes.floor, min_group_size):
+        if now < self.started + sizes.grace_s or size < min_group_size:
             return False
-        return now >= self.quiet_from() + sizes.quiet_s
+        if size >= sizes.floor:
+            return now >= self.quiet_from() + sizes.quiet_s
+        # a row below its floor that nobody joined or newly saw for a grace: those expected
+        # found other rows (or are late; they come to the top round as rows of one). Waiting
+        # out the matchmaking time for them made every round at 64 peers last its 12.8 s.
+        return bool(sizes.expected_in_key) and now >= self.quiet_from() + sizes.grace_s
 
     def quiet_from(self) -> float:
         """The loop time from which a short close waits ``quiet_s``: the last arrival, or the
@@ -240,6 +259,18 @@ class Search:
             and not self.term.outcome.done()
             and not self.term.followers
         )
+
+    @property
+    def trusted(self) -> frozenset[str]:
+        """The peers this one follows first: its partners, and the peers they follow."""
+        return self.partners | self.vouched
+
+    def vouch(self, peer_id: str, *, by: str) -> bool:
+        """``by`` said it follows ``peer_id``: when ``by`` is trusted, so is ``peer_id`` (a
+        partner vouches for its leader by following it). Whether ``peer_id`` is trusted now."""
+        if by in self.trusted:
+            self.vouched.add(peer_id)
+        return peer_id in self.trusted
 
     @property
     def settled(self) -> bool:
