@@ -31,7 +31,8 @@ Every member checks the whole group (:func:`averaging.matchmaking.group.check_of
 ``docs/SECURITY.md``.
 
 Peers announce before they first read, so of two peers that start together the later one always
-sees the earlier one. The leader's side is :mod:`averaging.matchmaking.leader`; a leader closes its
+sees the earlier one. The leader's side is :mod:`averaging.matchmaking.leader`, the follower's
+:mod:`averaging.matchmaking.follower`; a leader closes its
 group as soon as it has ``target_group_size`` members, at its own deadline, or at a follower's
 deadline, whichever comes first, if it has at least ``min_group_size``. Otherwise it disbands, and a
 peer that found nobody gets an "alone" result.
@@ -48,15 +49,13 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from averaging.config import AveragerConfig, reducing_address
-from averaging.errors import ProtocolViolation
+from averaging.matchmaking.follower import FollowerSide
 from averaging.matchmaking.group import (
-    MAX_GROUP_SIZE,
-    GroupInfo,
     GroupMember,
     serves_at,
 )
 from averaging.matchmaking.leader import Leader
-from averaging.matchmaking.records import announce, check_group, join_request, read_candidates
+from averaging.matchmaking.records import announce, read_candidates
 from averaging.matchmaking.search import (
     CLIENT_RANK,
     Candidate,
@@ -67,13 +66,9 @@ from averaging.matchmaking.search import (
     rank_of,
 )
 from averaging.rules.compression import Compression
-from dht.errors import DHTError
-from dht.identity import is_peer_id
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_MAX_HOPS = 8  # redirects followed in one attempt; each goes to a better-ranked peer
 
 
 def _partners_under_key(partners: frozenset[str], options: SearchOptions) -> frozenset[str]:
@@ -123,6 +118,14 @@ class Matchmaker:
         self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
         self.partners: frozenset[str] = frozenset()
         self._deadlines = deadlines
+        self._side = FollowerSide(
+            transport=transport,
+            peer_id=peer_id,
+            config=config,
+            deadlines=deadlines,
+            join_name=self._join_name,
+            wait_name=self._wait_name,
+        )
         self._leader = Leader(
             config,
             lambda: self._search,
@@ -248,7 +251,7 @@ class Matchmaker:
             search.hints.clear()
             leader = self._best_leader(search, candidates)
             if leader is not None:
-                group = await self._follow(search, leader)
+                group = await self._side.follow(search, leader)
                 if group is not None:
                     return MatchResult(group)
                 continue  # the next best from the same read: refusals say who is taken
@@ -317,9 +320,9 @@ class Matchmaker:
 
     async def _send_invite(self, search: Search, candidate: Candidate) -> None:
         request = {"key": search.key, "leader": search.me.address, "settled": search.settled}
-        answer = await self._request(search, candidate, self._invite_name, request)
+        answer = await self._side.request(search, candidate, self._invite_name, request)
         if answer.get("status") == "full":
-            self._note_taken(search, answer)
+            self._side.note_taken(search, answer)
         elif answer.get("status") == "following":  # a partner here follows a better leader
             leader = search.parse_candidate(answer.get("leader"))
             if leader is not None and search.vouch(leader.peer_id, by=candidate.peer_id):
@@ -356,109 +359,6 @@ class Matchmaker:
             f"saw {len(search.seen)} other peer(s) but no group of "
             f"{self._config.min_group_size} formed within the matchmaking time",
         )
-
-    # ---- following a leader ------------------------------------------------------------------
-
-    async def _follow(self, search: Search, leader: Candidate) -> GroupInfo | None:
-        """Join ``leader`` (or where it redirects); the group, or None to keep looking."""
-        target: Candidate | None = leader
-        for _ in range(_MAX_HOPS):
-            if target is None:
-                return None
-            request = join_request(search)
-            answer = await self._request(search, target, self._join_name, request)
-            status = answer.get("status")
-            if status == "accepted":
-                self._deadlines.observe_arrival(asyncio.get_running_loop().time() - search.started)
-                return await self._take_seat(search, target)
-            if status == "following":
-                search.skip_until[target.peer_id] = (
-                    asyncio.get_running_loop().time() + self._config.matchmaking_poll_min_s
-                )
-                asked = target.peer_id
-                target = search.parse_candidate(answer.get("leader"))
-                if target is not None:  # a trusted peer vouches for the leader it follows
-                    search.vouch(target.peer_id, by=asked)
-                continue
-            search.excluded.add(target.peer_id)
-            if status == "full":
-                search.excluded.update(self._note_taken(search, answer))
-            return None
-        return None
-
-    async def _take_seat(self, search: Search, leader: Candidate) -> GroupInfo | None:
-        if search.term is not None and search.term.outcome.done():
-            # Our own group formed while the join was in flight: release the seat, keep ours.
-            await self._request(search, leader, self._wait_name, {"key": search.key, "leave": True})
-            return None
-        if search.term is not None:
-            search.term.outcome.set_result(leader)  # our followers go to the better leader
-            search.term = None
-        search.following = leader
-        timeout_s = search.deadline - asyncio.get_running_loop().time()
-        answer = await self._request(
-            search,
-            leader,
-            self._wait_name,
-            {"key": search.key},
-            timeout_s=max(0.0, timeout_s) + self._config.request_timeout_s,
-        )
-        search.following = None
-        status = answer.get("status")
-        if status == "group":
-            try:
-                group = GroupInfo.from_wire(answer.get("group"))
-                check_group(search, group, leader, self._config)
-                return group
-            except (ProtocolViolation, KeyError, ValueError, TypeError) as e:
-                logger.warning("leader %s sent a bad group: %s", leader.peer_id[:8], e)
-        elif status == "full":
-            self._note_taken(search, answer)
-        elif status == "redirect":
-            redirect = search.parse_candidate(answer.get("leader"))
-            if redirect is not None:  # a trusted leader vouches for the one it hands us to
-                search.vouch(redirect.peer_id, by=leader.peer_id)
-                search.excluded.add(leader.peer_id)
-                search.lead()
-                return await self._follow(search, redirect)
-        search.excluded.add(leader.peer_id)
-        search.lead()
-        return None
-
-    def _note_taken(self, search: Search, answer: Mapping) -> set[str]:
-        """The peers a "full" answer names as in that leader's group; when it formed, they
-        count as taken in this search's sizes (only where they were also seen under the key)."""
-        members = answer.get("members")
-        if not isinstance(members, list):
-            return set()
-        named = {p for p in members[:MAX_GROUP_SIZE] if is_peer_id(p)} - {self._peer_id}
-        if answer.get("formed") is True:
-            search.taken.update(named)
-            search.resize()
-        return named
-
-    async def _request(
-        self,
-        search: Search,
-        target: Candidate,
-        name: str,
-        payload: dict,
-        timeout_s: float | None = None,
-    ) -> dict:
-        if timeout_s is None:
-            remaining_s = search.deadline - asyncio.get_running_loop().time()
-            timeout_s = max(0.001, min(self._deadlines.request_s, remaining_s))
-        try:
-            answer = await self._transport.call(target.address, name, payload, timeout_s=timeout_s)
-        except (DHTError, TimeoutError) as e:
-            logger.debug("%s to %s failed: %s", name, target.peer_id[:8], e)
-            return {"status": "unreachable"}
-        if not isinstance(answer, dict):
-            return {"status": "malformed"}
-        logger.debug(
-            "%s to %s: %s", name.rsplit(".", 1)[-1], target.peer_id[:8], answer.get("status")
-        )
-        return answer
 
     async def _on_invite(self, ctx, request: Any) -> dict[str, Any]:
         """A better-ranked leader tells us it is looking: try it at once."""
