@@ -33,18 +33,6 @@ class Candidate:
     rank: bytes
 
     @property
-    def trusted(self) -> frozenset[str]:
-        """The peers this one follows first: its partners, and the peers they follow."""
-        return self.partners | self.vouched
-
-    def vouch(self, peer_id: str, *, by: str) -> bool:
-        """``by`` said it follows ``peer_id``: when ``by`` is trusted, so is ``peer_id`` (a
-        partner vouches for its leader by following it). Whether ``peer_id`` is trusted now."""
-        if by in self.trusted:
-            self.vouched.add(peer_id)
-        return peer_id in self.trusted
-
-    @property
     def settled(self) -> bool:
         return self.rank[:1] == SETTLED
 
