@@ -333,10 +333,10 @@ class Matchmaker:
         """The best-ranked peer above this one to follow: among the trusted (partners and
         those they follow) while any is looking (see the module docstring), else among all."""
         now = asyncio.get_running_loop().time()
-        partners = search.trusted
-        if any(c.peer_id in partners for c in candidates):
-            candidates = [c for c in candidates if c.peer_id in partners]
-        elif partners and now < search.strangers_after:
+        trusted = search.trusted
+        if any(c.peer_id in trusted for c in candidates):
+            candidates = [c for c in candidates if c.peer_id in trusted]
+        elif trusted and now < search.strangers_after:
             return None  # partners may not have announced yet: lead for now
         eligible = [
             c
@@ -367,13 +367,12 @@ class Matchmaker:
             return {"status": "malformed"}
         if search is None or request.get("key") != search.key:
             return self._leader.not_looking(request.get("key"))
-        if search.following is not None:  # the inviter may follow where this peer went
-            return {"status": "following", "leader": search.following.to_wire()}
         leader = search.parse_candidate(
             {"peer": ctx.sender, "addr": request.get("leader"), "settled": request.get("settled")}
         )
-        if leader is None:
-            return {"status": "ignored"}
-        search.hints[leader.peer_id] = leader
-        search.wakeup.set()
-        return {"status": "ok"}
+        if leader is not None:  # tried at the next look (after the wait, while following)
+            search.hints[leader.peer_id] = leader
+            search.wakeup.set()
+        if search.following is not None:  # the inviter may follow where this peer went
+            return {"status": "following", "leader": search.following.to_wire()}
+        return {"status": "ignored"} if leader is None else {"status": "ok"}
