@@ -53,8 +53,13 @@ class FollowerSide:
         self.join_name = join_name
         self.wait_name = wait_name
 
-    async def follow(self, search: Search, leader: Candidate) -> GroupInfo | None:
-        """Join ``leader`` (or where it redirects); the group, or None to keep looking."""
+    async def follow(
+        self, search: Search, leader: Candidate, *, guessed: bool = False
+    ) -> GroupInfo | None:
+        """Join ``leader`` (or where it redirects); the group, or None to keep looking.
+
+        ``guessed``: a partner tried where it last was, before the DHT showed it looking; one
+        that is not looking (yet) or out of reach is tried again once the DHT shows it."""
         target: Candidate | None = leader
         for _ in range(_MAX_HOPS):
             if target is None:
@@ -74,6 +79,8 @@ class FollowerSide:
                 if target is not None:  # a trusted peer vouches for the leader it follows
                     search.vouch(target.peer_id, by=asked)
                 continue
+            if guessed and target is leader and status in ("not_looking", "unreachable"):
+                return None
             search.excluded.add(target.peer_id)
             if status == "full":
                 search.excluded.update(self.note_taken(search, answer))

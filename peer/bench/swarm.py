@@ -203,7 +203,9 @@ class _Child:
 
     @classmethod
     async def start(cls, index: int, ranks: list[int], spec: dict, log_level: str) -> _Child:
-        env = {**os.environ, "PYTHONPATH": str(_REPO_ROOT)}
+        # the repository first, then what this process was given
+        paths = (str(_REPO_ROOT), os.environ.get("PYTHONPATH"))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "peer.bench.swarm_child", log_level,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,

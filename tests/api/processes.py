@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.child import python_path
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def spawn(args: list[str], **kwargs) -> subprocess.Popen:
     """``python ARGS`` from the repository root, stdout piped (text), stderr kept apart."""
     # one torch thread per process: several peers share the machine's cores
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = python_path(ROOT)
     return subprocess.Popen(
         [sys.executable, *args],
         cwd=ROOT,

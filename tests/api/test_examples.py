@@ -18,6 +18,7 @@ import torch
 
 from peer.profiling.phases import PHASES
 from tests.api.processes import ROOT, first_line, spawn
+from tests.helpers.child import python_path
 
 MONITOR = [sys.executable, "-m", "peer", "monitor", "--once", "--run-id", "plain-loop"]
 METRICS_FIELDS = {"t", "peer", "run", "epoch", "step", "loss", "samples", "samples_per_s"}
@@ -95,7 +96,7 @@ def test_peer_monitor_once_shows_library_peers():
                 capture_output=True,
                 text=True,
                 timeout=60,
-                env={**os.environ, "COLUMNS": "160", "PYTHONPATH": str(ROOT)},
+                env={**os.environ, "COLUMNS": "160", "PYTHONPATH": python_path(ROOT)},
             )
             frame = shown.stdout
             if shown.returncode == 0 and all(i[:8] in frame for i in ids) and "2 peers" in frame:

@@ -18,6 +18,12 @@ from typing import IO, Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def python_path(root: Path) -> str:
+    """``PYTHONPATH`` for a child run from ``root``: the repository first, then what this
+    process was given (packages installed beside the interpreter's own, as on a GPU image)."""
+    return os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+
+
 class JsonLinesChild:
     """A worker started with this interpreter and the checkout on its path.
 
@@ -30,7 +36,7 @@ class JsonLinesChild:
     name = "child"
 
     def __init__(self, worker: Path, spec: dict[str, Any], *, stderr: IO[str] | None = None):
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env = {**os.environ, "PYTHONPATH": python_path(REPO_ROOT)}
         self.process = subprocess.Popen(
             [sys.executable, str(worker)],
             stdin=subprocess.PIPE,

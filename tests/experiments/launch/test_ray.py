@@ -25,6 +25,7 @@ from experiments.analysis import PLACEMENT_FILE
 from experiments.report.writer import write_report
 from tests.experiments.helpers import ROOT, tiny_spec
 from tests.experiments.test_local_sweep import summary_rows
+from tests.helpers.child import python_path
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,7 +39,8 @@ CLUSTER_START_S = 120.0  # three nodes on a loaded 2-core machine
 def _env() -> dict[str, str]:
     """This checkout first on the path: the cluster's workers and the peers import it too (and
     the console wide enough that a line is not wrapped)."""
-    return os.environ | {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "COLUMNS": "300"}
+    env = {"PYTHONPATH": python_path(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "COLUMNS": "300"}
+    return os.environ | env
 
 
 def sweep_processes(namespace: str) -> dict[int, str]:

@@ -1,0 +1,138 @@
+"""Partners meet where they last were: a group that stays together forms in a join and a wait;
+and a leader invites the peers it sees.
+
+Before, every round went through the DHT: announce (a store on the key's replicas), then read
+the key, then join. At 10 rounds a second on two cores those requests were about 13 ms of every
+round that the peers did not train (docs/BENCHMARKS.md, issue #25 item 2). Now a peer tries its
+partners at the addresses of their last group first: it joins the best-ranked one above it and
+invites those below it, while its announcement goes out for everyone else. And a leader's
+invitation ("join me now") reaches a peer that announced before it, between that peer's reads:
+before, no invitation was ever sent to a peer not invited yet (its last invitation's time,
+-inf, plus an infinite interval was NaN, and no time is at or past NaN).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from averaging.matchmaking.search import rank_of
+from tests.averaging.conftest import exact_mean, fast_config
+
+VALUES = [np.arange(6, dtype=np.float32), -2.0 * np.arange(6, dtype=np.float32)]
+WEIGHTS = [3.0, 1.0]
+
+
+def _count_reads(peer, prefix: str) -> list[str]:
+    """The matchmaking keys ``peer`` read from the DHT from now on, as each read returns (its
+    real node answers)."""
+    reads: list[str] = []
+    get = peer.averager._matchmaker._dht.get
+
+    async def counting_get(key, *args, **kwargs):
+        found = await get(key, *args, **kwargs)
+        if str(key).startswith(prefix):
+            reads.append(key)
+        return found
+
+    peer.averager._matchmaker._dht.get = counting_get
+    return reads
+
+
+async def _looking(peer) -> None:
+    """Until ``peer`` leads a search (accepts followers)."""
+    while True:
+        search = peer.averager._matchmaker._search
+        if search is not None and search.term is not None:
+            return
+        await asyncio.sleep(0.002)
+
+
+def _by_rank(peers, epoch: int, settled: bool = True):
+    key = peers[0].averager.matchmaking_key(epoch)
+    return sorted(peers, key=lambda p: rank_of(key, p.peer_id, settled=settled))
+
+
+async def _first_round(peers) -> None:
+    pairs = zip(peers, WEIGHTS, strict=True)
+    results = await asyncio.gather(
+        *(p.averager.step(w, epoch=0, expected_peers=2) for p, w in pairs)
+    )
+    assert [r.status for r in results] == ["ok", "ok"], [r.reason for r in results]
+
+
+def _assert_exact(peers, results, values) -> None:
+    assert [r.status for r in results] == ["ok", "ok"], [r.reason for r in results]
+    assert results[0].group_id == results[1].group_id
+    expected = exact_mean(values, WEIGHTS)
+    for peer in peers:
+        np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-6)
+
+
+@pytest.mark.timeout(60)
+async def test_a_follower_joins_its_partner_without_reading_the_dht(make_swarm):
+    peers = await make_swarm([[v.copy()] for v in VALUES], config=fast_config())
+    await _first_round(peers)
+    leader, follower = _by_rank(peers, epoch=1)
+    for peer, v in zip(peers, VALUES, strict=True):
+        peer.tensors[0][:] = v
+    reads = _count_reads(follower, "t.mm")
+
+    leading = asyncio.create_task(leader.averager.step(WEIGHTS[peers.index(leader)], epoch=1,
+                                                       expected_peers=2))  # fmt: skip
+    await _looking(leader)
+    following = await follower.averager.step(
+        WEIGHTS[peers.index(follower)], epoch=1, expected_peers=2
+    )
+    results = [await leading, following]
+
+    assert reads == []  # before: the follower read the key after its announcement, then joined
+    ordered = [results[0], results[1]] if peers[0] is leader else [results[1], results[0]]
+    _assert_exact(peers, ordered, VALUES)
+
+
+@pytest.mark.timeout(60)
+async def test_a_follower_that_is_early_still_meets_its_partner(make_swarm):
+    # the follower tries its partner before the partner looks: "not looking" must not exclude
+    # it for the round; the partner's invite (or the DHT) brings the two together
+    peers = await make_swarm([[v.copy()] for v in VALUES], config=fast_config())
+    await _first_round(peers)
+    leader, follower = _by_rank(peers, epoch=1)
+    for peer, v in zip(peers, VALUES, strict=True):
+        peer.tensors[0][:] = v
+
+    following = asyncio.create_task(follower.averager.step(
+        WEIGHTS[peers.index(follower)], epoch=1, expected_peers=2))  # fmt: skip
+    await _looking(follower)  # it leads until it finds its better-ranked partner
+    await asyncio.sleep(0.2)
+    leading = await leader.averager.step(WEIGHTS[peers.index(leader)], epoch=1, expected_peers=2)
+    results = [leading, await following]
+
+    ordered = [results[0], results[1]] if peers[0] is leader else [results[1], results[0]]
+    _assert_exact(peers, ordered, VALUES)
+
+
+@pytest.mark.timeout(60)
+async def test_a_leader_invites_a_peer_that_announced_before_it(make_swarm):
+    # newcomers (no partners): only the DHT brings them together. The worse-ranked one
+    # announces and reads an empty key; its next read is a second away. The better-ranked one
+    # comes, reads the key, sees it and invites it: it joins at once, without that next read.
+    config = fast_config(matchmaking_poll_min_s=1.0, matchmaking_poll_max_s=1.0)
+    peers = await make_swarm([[v.copy()] for v in VALUES], config=config)
+    leader, follower = _by_rank(peers, epoch=0, settled=False)
+    reads = _count_reads(follower, "t.mm")
+
+    following = asyncio.create_task(follower.averager.step(
+        WEIGHTS[peers.index(follower)], epoch=0, expected_peers=2))  # fmt: skip
+    while True:  # its first read has returned (empty: the leader has not announced)
+        if reads:
+            break
+        await asyncio.sleep(0.002)
+    leading = await leader.averager.step(WEIGHTS[peers.index(leader)], epoch=0, expected_peers=2)
+    results = [leading, await following]
+
+    assert len(reads) == 1, reads  # before: the invitation never came; it read again, joined
+    ordered = [results[0], results[1]] if peers[0] is leader else [results[1], results[0]]
+    _assert_exact(peers, ordered, VALUES)
