@@ -32,8 +32,8 @@ Every member checks the whole group (:func:`averaging.matchmaking.group.check_of
 
 Peers announce before they first read, so of two peers that start together the later one always
 sees the earlier one. Meanwhile a peer tries its partners where their last group had them
-(``_meet_partners``): it invites those ranked below it and joins the best ranked above it, so a
-group that stays together forms in a join and a wait, without waiting for the DHT.
+(:mod:`averaging.matchmaking.invites`): it invites those ranked below it and joins the best
+ranked above it, so a group that stays together forms in a join and a wait, without the DHT.
 
 The leader's side is :mod:`averaging.matchmaking.leader`, the follower's
 :mod:`averaging.matchmaking.follower`; a leader closes its group as soon as it has
@@ -47,10 +47,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 from averaging.config import AveragerConfig, reducing_address
 from averaging.matchmaking.follower import FollowerSide
@@ -58,6 +57,7 @@ from averaging.matchmaking.group import (
     GroupMember,
     serves_at,
 )
+from averaging.matchmaking.invites import Invitations, until_invited
 from averaging.matchmaking.leader import Leader
 from averaging.matchmaking.records import announce, read_candidates
 from averaging.matchmaking.search import (
@@ -117,13 +117,9 @@ class Matchmaker:
         self._config: AveragerConfig = config
         self._join_name = f"averaging.{prefix}.join"
         self._wait_name = f"averaging.{prefix}.wait"
-        self._invite_name = f"averaging.{prefix}.invite"
         self._search: Search | None = None
         self._rounds: deque[frozenset[str]] = deque(maxlen=max(1, config.num_partner_rounds))
         self.partners: frozenset[str] = frozenset()
-        # partners' addresses in the group this peer last met each in (_meet_partners)
-        self._addresses: dict[str, str] = {}
-        self._last_group: frozenset[str] = frozenset()
         self._deadlines = deadlines
         self._side = FollowerSide(
             transport=transport,
@@ -141,9 +137,16 @@ class Matchmaker:
             num_streams,
             functools.partial(serves_at, transport, timeout_s=config.request_timeout_s),
         )
+        self._invitations = Invitations(
+            side=self._side,
+            leader=self._leader,
+            current=lambda: self._search,
+            peer_id=peer_id,
+            invite_name=f"averaging.{prefix}.invite",
+        )
         transport.add_rpc_handler(self._join_name, self._leader.on_join)
         transport.add_rpc_handler(self._wait_name, self._leader.on_wait)
-        transport.add_rpc_handler(self._invite_name, self._on_invite)
+        transport.add_rpc_handler(self._invitations.invite_name, self._invitations.on_invite)
 
     def note_round(self, members: Iterable[str]) -> None:
         """``members`` averaged with this peer: partners for the next rounds."""
@@ -151,7 +154,7 @@ class Matchmaker:
             return
         self._rounds.append(frozenset(members) - {self._peer_id})
         self.partners = frozenset().union(*self._rounds)
-        self._addresses = {p: a for p, a in self._addresses.items() if p in self.partners}
+        self._invitations.keep_only(self.partners)
 
     # ---- looking for a group -----------------------------------------------------------------
 
@@ -185,12 +188,13 @@ class Matchmaker:
                 # one then always sees the earlier one (and invites it or joins it).
                 announcing = asyncio.create_task(announce(self._dht, search, self._config))
                 search.tasks.add(announcing)  # cancelled once a group formed: nobody needs it
-            result = await self._meet_partners(search)
+            group = await self._invitations.meet_partners(search)
+            result = MatchResult(group) if group is not None else None
             if result is None:
                 result = await self._look(search, announcing)
             if result.group is not None:  # later joins under the key learn who is taken
                 self._leader.formed = (key, result.group.peer_ids)
-                self._note_addresses(result.group)
+                self._invitations.note_group(result.group)
             return result
         finally:
             self._search = None
@@ -230,40 +234,6 @@ class Matchmaker:
         search.strangers_after = loop.time() + timeout_s / 2
         search.lead()
         return search
-
-    async def _meet_partners(self, search: Search) -> MatchResult | None:
-        """While the announcement goes out, try the partners at the addresses of the group
-        they were last met in: invite those ranked below this peer, join the best ranked above
-        it. A group whose members stay together then forms in the two requests of a join and a
-        wait, not after a DHT store and read (four to six requests more on the critical path,
-        about 10 ms a round on a loaded host). A partner not looking yet is tried again when
-        the DHT shows it. The group, or None to go on looking through the DHT."""
-        known = self._partner_candidates(search)
-        # invites only to the last group's members: a bounded burst, not one per partner
-        worse = [c for c in known if c.rank > search.rank and c.peer_id in self._last_group]
-        self._invite(search, worse, guessed=True)
-        better = [c for c in known if c.rank < search.rank]
-        if better:
-            leader = min(better, key=lambda c: c.rank)
-            group = await self._side.follow(search, leader, guessed=True)
-            if group is not None:
-                return MatchResult(group)
-        return None
-
-    def _partner_candidates(self, search: Search) -> list[Candidate]:
-        """This search's partners where their last group had them (a partner averaged with
-        this peer, so it ranks among the settled)."""
-        return [
-            Candidate(peer_id, address, rank_of(search.key, peer_id, settled=True))
-            for peer_id, address in self._addresses.items()
-            if peer_id in search.partners and peer_id not in search.excluded
-        ]
-
-    def _note_addresses(self, group) -> None:
-        self._last_group = frozenset(group.peer_ids)
-        for member in group.members:
-            if member.peer_id != self._peer_id and member.address is not None:
-                self._addresses[member.peer_id] = member.address
 
     async def _look(self, search: Search, announcing: asyncio.Task | None) -> MatchResult:
         loop = asyncio.get_running_loop()
@@ -309,7 +279,7 @@ class Matchmaker:
                 if group is not None:
                     return MatchResult(group)
                 continue  # the next best from the same read: refusals say who is taken
-            self._invite(search, candidates)
+            self._invitations.invite(search, candidates)
             await self._pause(search, min(pause_s, self._until_next_check(search)))
             pause_s = min(2 * pause_s, self._config.matchmaking_poll_max_s)
             candidates = None
@@ -339,7 +309,7 @@ class Matchmaker:
         waits: set[asyncio.Future] = {task}
         if search.term is not None:
             waits.add(search.term.outcome)
-        invited = asyncio.ensure_future(_until_hinted(search)) if hinted else None
+        invited = asyncio.ensure_future(until_invited(search)) if hinted else None
         if invited is not None:
             waits.add(invited)
         try:
@@ -361,42 +331,6 @@ class Matchmaker:
             except TimeoutError:
                 pass
         search.wakeup.clear()
-
-    def _invite(self, search: Search, candidates: list[Candidate], guessed: bool = False) -> None:
-        """As a leader, tell the worse-ranked peers we see (``guessed``: partners, unseen) to
-        join us now rather than at their next read of the DHT."""
-        if search.term is None:
-            return
-        now = asyncio.get_running_loop().time()
-        # a row search asks again, a grace later, those not known to be in a group: a peer
-        # in one answers with its members, so the last peers of a key learn they are the last
-        again_s = search.sizes.grace_s if search.sizes.expected_in_key else math.inf
-        for candidate in candidates:
-            invited_at = search.invited.get(candidate.peer_id)
-            if (
-                candidate.rank > search.rank
-                # (never invited: -inf + inf would be nan, and no peer was ever invited)
-                and (invited_at is None or now >= invited_at + again_s)
-                and candidate.peer_id not in search.term.followers
-                and candidate.peer_id not in search.taken
-            ):
-                search.invited[candidate.peer_id] = now
-                task = asyncio.create_task(self._send_invite(search, candidate, guessed))
-                search.tasks.add(task)
-                task.add_done_callback(search.tasks.discard)
-
-    async def _send_invite(self, search: Search, candidate: Candidate, guessed: bool) -> None:
-        request = {"key": search.key, "leader": search.me.address, "settled": search.settled}
-        answer = await self._side.request(search, candidate, self._invite_name, request)
-        if guessed and answer.get("status") in ("not_looking", "unreachable"):
-            search.invited.pop(candidate.peer_id, None)  # invited again once the DHT shows it
-        elif answer.get("status") == "full":
-            self._side.note_taken(search, answer)
-        elif answer.get("status") == "following":  # a partner here follows a better leader
-            leader = search.parse_candidate(answer.get("leader"))
-            if leader is not None and search.vouch(leader.peer_id, by=candidate.peer_id):
-                search.hints[leader.peer_id] = leader
-                search.wakeup.set()
 
     def _best_leader(self, search: Search, candidates: list[Candidate]) -> Candidate | None:
         """The best-ranked peer above this one to follow: among the trusted (partners and
@@ -428,27 +362,3 @@ class Matchmaker:
             f"saw {len(search.seen)} other peer(s) but no group of "
             f"{self._config.min_group_size} formed within the matchmaking time",
         )
-
-    async def _on_invite(self, ctx, request: Any) -> dict[str, Any]:
-        """A better-ranked leader tells us it is looking: try it at once."""
-        search = self._search
-        if not isinstance(request, Mapping):
-            return {"status": "malformed"}
-        if search is None or request.get("key") != search.key:
-            return self._leader.not_looking(request.get("key"))
-        leader = search.parse_candidate(
-            {"peer": ctx.sender, "addr": request.get("leader"), "settled": request.get("settled")}
-        )
-        if leader is not None:  # tried at the next look (after the wait, while following)
-            search.hints[leader.peer_id] = leader
-            search.wakeup.set()
-        if search.following is not None:  # the inviter may follow where this peer went
-            return {"status": "following", "leader": search.following.to_wire()}
-        return {"status": "ignored"} if leader is None else {"status": "ok"}
-
-
-async def _until_hinted(search: Search) -> None:
-    """Until a better leader invited ``search``'s peer (``search.hints``)."""
-    while not search.hints:
-        search.wakeup.clear()  # a group formed meanwhile shows in the term's outcome
-        await search.wakeup.wait()
