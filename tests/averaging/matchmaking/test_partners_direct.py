@@ -71,47 +71,50 @@ def _assert_exact(peers, results, values) -> None:
         np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-6)
 
 
-@pytest.mark.timeout(60)
-async def test_a_follower_joins_its_partner_without_reading_the_dht(make_swarm):
+async def _partners(make_swarm):
+    """Two peers that averaged once (partners), their values set anew; (peers, leader,
+    follower) by rank at epoch 1."""
     peers = await make_swarm([[v.copy()] for v in VALUES], config=fast_config())
     await _first_round(peers)
-    leader, follower = _by_rank(peers, epoch=1)
     for peer, v in zip(peers, VALUES, strict=True):
         peer.tensors[0][:] = v
+    return (peers, *_by_rank(peers, epoch=1))
+
+
+def _step(peer, peers, epoch: int):
+    return peer.averager.step(WEIGHTS[peers.index(peer)], epoch=epoch, expected_peers=2)
+
+
+def _in_order(peers, leader, leading, following) -> list:
+    """The two results in the order of ``peers``."""
+    return [leading, following] if peers[0] is leader else [following, leading]
+
+
+@pytest.mark.timeout(60)
+async def test_a_follower_joins_its_partner_without_reading_the_dht(make_swarm):
+    peers, leader, follower = await _partners(make_swarm)
     reads = _count_reads(follower, "t.mm")
 
-    leading = asyncio.create_task(leader.averager.step(WEIGHTS[peers.index(leader)], epoch=1,
-                                                       expected_peers=2))  # fmt: skip
+    leading = asyncio.create_task(_step(leader, peers, epoch=1))
     await _looking(leader)
-    following = await follower.averager.step(
-        WEIGHTS[peers.index(follower)], epoch=1, expected_peers=2
-    )
-    results = [await leading, following]
+    following = await _step(follower, peers, epoch=1)
 
     assert reads == []  # before: the follower read the key after its announcement, then joined
-    ordered = [results[0], results[1]] if peers[0] is leader else [results[1], results[0]]
-    _assert_exact(peers, ordered, VALUES)
+    _assert_exact(peers, _in_order(peers, leader, await leading, following), VALUES)
 
 
 @pytest.mark.timeout(60)
 async def test_a_follower_that_is_early_still_meets_its_partner(make_swarm):
     # the follower tries its partner before the partner looks: "not looking" must not exclude
     # it for the round; the partner's invite (or the DHT) brings the two together
-    peers = await make_swarm([[v.copy()] for v in VALUES], config=fast_config())
-    await _first_round(peers)
-    leader, follower = _by_rank(peers, epoch=1)
-    for peer, v in zip(peers, VALUES, strict=True):
-        peer.tensors[0][:] = v
+    peers, leader, follower = await _partners(make_swarm)
 
-    following = asyncio.create_task(follower.averager.step(
-        WEIGHTS[peers.index(follower)], epoch=1, expected_peers=2))  # fmt: skip
+    following = asyncio.create_task(_step(follower, peers, epoch=1))
     await _looking(follower)  # it leads until it finds its better-ranked partner
     await asyncio.sleep(0.2)
-    leading = await leader.averager.step(WEIGHTS[peers.index(leader)], epoch=1, expected_peers=2)
-    results = [leading, await following]
+    leading = await _step(leader, peers, epoch=1)
 
-    ordered = [results[0], results[1]] if peers[0] is leader else [results[1], results[0]]
-    _assert_exact(peers, ordered, VALUES)
+    _assert_exact(peers, _in_order(peers, leader, leading, await following), VALUES)
 
 
 @pytest.mark.timeout(60)
@@ -124,15 +127,13 @@ async def test_a_leader_invites_a_peer_that_announced_before_it(make_swarm):
     leader, follower = _by_rank(peers, epoch=0, settled=False)
     reads = _count_reads(follower, "t.mm")
 
-    following = asyncio.create_task(follower.averager.step(
-        WEIGHTS[peers.index(follower)], epoch=0, expected_peers=2))  # fmt: skip
+    following = asyncio.create_task(_step(follower, peers, epoch=0))
     while True:  # its first read has returned (empty: the leader has not announced)
         if reads:
             break
         await asyncio.sleep(0.002)
-    leading = await leader.averager.step(WEIGHTS[peers.index(leader)], epoch=0, expected_peers=2)
-    results = [leading, await following]
+    leading = await _step(leader, peers, epoch=0)
+    following = await following
 
     assert len(reads) == 1, reads  # before: the invitation never came; it read again, joined
-    ordered = [results[0], results[1]] if peers[0] is leader else [results[1], results[0]]
-    _assert_exact(peers, ordered, VALUES)
+    _assert_exact(peers, _in_order(peers, leader, leading, following), VALUES)
