@@ -1,7 +1,8 @@
 """Reads a run's records from the DHT into :class:`monitor.state.SwarmView` frames.
 
 Per run, the progress buckets (``{run}/progress/{level}/{bucket}``, :mod:`peer.records.progress`;
-the dashboard is no peer and reads every bucket, :class:`peer.records.progress_read.ProgressSweep`);
+the dashboard is no peer and reads every bucket of the levels in use,
+:class:`peer.records.progress_read.ProgressSweep`);
 then, at the levels the peers counted reads as in use, the buckets of one signed record per peer
 of ``{run}/profile`` (:mod:`peer.records.profile`), ``{run}/rounds`` (:mod:`peer.records.rounds`)
 and ``{run}/state`` (:mod:`peer.records.state`: the digests that mark a replica differing from
