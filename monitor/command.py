@@ -9,6 +9,7 @@ import time (``peer --help`` stays fast); the rest comes when the command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 from collections.abc import Callable, Mapping
@@ -16,8 +17,12 @@ from contextlib import AbstractContextManager, AsyncExitStack
 
 from dht.options import add_network_args, positive_float, positive_int
 
-# Bound on the one read of ``--once``, in seconds (start-up and bootstrap come on top).
+# Bound on the one read of ``--once``, in seconds (start-up and bootstrap come on top): a script
+# asks for one whole frame and gets no second try, where the live view retries every interval
+# (on 2 cores shared with 32 peers, a whole read took longer than the live view's 10 s).
 ONCE_TIMEOUT_S = 30.0
+# How much longer than its read ``--once`` waits for the frame, in seconds.
+_ONCE_SLACK_S = 5.0
 # (initial peers, run id) -> a context manager whose value is a monitor.records.RecordSource
 OpenRecords = Callable[[list[str], str], AbstractContextManager]
 
@@ -84,6 +89,8 @@ def run_monitor(args: argparse.Namespace, backends: Mapping[str, OpenRecords]) -
     config = MonitorConfig(
         run_id=args.run_id, interval_s=args.interval, target_batch_size=args.target_batch_size
     )
+    if args.once:
+        config = dataclasses.replace(config, read_timeout_s=ONCE_TIMEOUT_S)
     if args.backend != "native":
         for flag, value in (("--swarm-key-file", args.swarm_key_file), ("--tls-ca", args.tls_ca)):
             if value is not None:
@@ -109,7 +116,7 @@ def _show(app, *, once: bool) -> int:
         finally:
             signal.signal(signal.SIGINT, previous)
         return 0
-    view = app.print_once(ONCE_TIMEOUT_S)
+    view = app.print_once(ONCE_TIMEOUT_S + _ONCE_SLACK_S)
     if view.error:
         sys.stderr.write(f"peer: error: reading the swarm failed: {view.error}\n")
         return 1
