@@ -124,13 +124,25 @@ def test_the_part_header_names_its_stream():
             PartHeader.from_wire({**header.to_wire(), "stream": bad})
 
 
+async def _open_connections(peer, at_least: int, timeout_s: float = 8.0) -> int:
+    """The connections open at ``peer`` once there are ``at_least`` (or ``timeout_s`` later:
+    a fixed 0.3-s look saw none under a loaded suite, before the senders had started)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        num_open = peer.transport.gate.num_open
+        if num_open >= at_least or asyncio.get_running_loop().time() >= deadline:
+            return num_open
+        await asyncio.sleep(0.01)
+
+
 async def test_several_streams_per_pair_average_exactly_over_as_many_connections(make_peers):
     num_peers, num_streams, size = 3, 3, 60_001  # several chunks per part, uneven slices
     rng = np.random.default_rng(5)
     vectors = [rng.standard_normal(size).astype(np.float32) for _ in range(num_peers)]
     weights = [0.5, 2.0, 3.25]
-    # the late peer's senders connect after it starts: a loaded host took over the fast 2 s
-    config = fast_config(sender_timeout_s=10.0, reducer_timeout_s=20.0)
+    # the late peer's senders connect after it starts, and the others' streams wait for its
+    # group: a loaded host took over the fast 2 s for either
+    config = fast_config(sender_timeout_s=10.0, reducer_timeout_s=20.0, group_wait_s=10.0)
     peers = await make_peers([[v.copy()] for v in vectors], config=config)
     members = sorted(
         (GroupMember(p.peer_id, p.address, 1.0, w) for p, w in zip(peers, weights, strict=True)),
@@ -140,8 +152,7 @@ async def test_several_streams_per_pair_average_exactly_over_as_many_connections
 
     # the last peer starts late: the others' streams to it wait, open, for its group
     steps = [asyncio.create_task(p.averager.step_in_group(group)) for p in peers[:-1]]
-    await asyncio.sleep(0.3)
-    num_held = peers[-1].transport.gate.num_open
+    num_held = await _open_connections(peers[-1], at_least=(num_peers - 1) * num_streams)
     steps.append(asyncio.create_task(peers[-1].averager.step_in_group(group)))
     results = await asyncio.gather(*steps)
 
