@@ -23,6 +23,8 @@ from dht.identity import is_peer_id
 logger = logging.getLogger(__name__)
 
 _MAX_HOPS = 8  # redirects followed in one attempt; each goes to a better-ranked peer
+# what a peer that is not looking (yet), or cannot be reached, answers (here, as a request's)
+NOT_THERE = ("not_looking", "unreachable")
 
 
 class FollowerSide:
@@ -79,7 +81,7 @@ class FollowerSide:
                 if target is not None:  # a trusted peer vouches for the leader it follows
                     search.vouch(target.peer_id, by=asked)
                 continue
-            if guessed and target is leader and status in ("not_looking", "unreachable"):
+            if guessed and target is leader and status in NOT_THERE:
                 return None
             search.excluded.add(target.peer_id)
             if status == "full":

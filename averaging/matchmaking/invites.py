@@ -23,13 +23,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from averaging.matchmaking.follower import FollowerSide
+from averaging.matchmaking.follower import NOT_THERE, FollowerSide
 from averaging.matchmaking.group import GroupInfo
 from averaging.matchmaking.leader import Leader
 from averaging.matchmaking.search import Candidate, Search, rank_of
-
-# what a peer answers an invitation when it is not looking (yet), or when it cannot be reached
-_NOT_THERE = ("not_looking", "unreachable")
 
 
 class Invitations:
@@ -119,7 +116,7 @@ class Invitations:
         request = {"key": search.key, "leader": search.me.address, "settled": search.settled}
         answer = await self._side.request(search, candidate, self.invite_name, request)
         status = answer.get("status")
-        if guessed and status in _NOT_THERE:
+        if guessed and status in NOT_THERE:
             search.invited.pop(candidate.peer_id, None)  # invited again once the DHT shows it
         elif status == "full":
             self._side.note_taken(search, answer)

@@ -189,9 +189,9 @@ class Matchmaker:
                 announcing = asyncio.create_task(announce(self._dht, search, self._config))
                 search.tasks.add(announcing)  # cancelled once a group formed: nobody needs it
             group = await self._invitations.meet_partners(search)
-            result = MatchResult(group) if group is not None else None
-            if result is None:
-                result = await self._look(search, announcing)
+            result = (
+                MatchResult(group) if group is not None else await self._look(search, announcing)
+            )
             if result.group is not None:  # later joins under the key learn who is taken
                 self._leader.formed = (key, result.group.peer_ids)
                 self._invitations.note_group(result.group)

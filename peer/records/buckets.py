@@ -52,7 +52,11 @@ def record_key(prefix: str, peer_id: str, num_peers: float, records_per_bucket: 
 def read_levels(num_peers: float, records_per_bucket: int) -> tuple[int, ...]:
     """The levels a reader that counts ``num_peers`` peers reads (about 3.5 keys per bucket
     it would read at its own level: publishers count the swarm differently)."""
-    level = read_level(num_peers, records_per_bucket)
+    return levels_around(read_level(num_peers, records_per_bucket))
+
+
+def levels_around(level: int) -> tuple[int, ...]:
+    """``level`` and the levels on either side of it that exist."""
     return tuple(lv for lv in (level - 1, level, level + 1) if 0 <= lv <= MAX_LEVEL)
 
 

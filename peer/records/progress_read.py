@@ -13,8 +13,8 @@ import asyncio
 from collections.abc import Iterable
 from typing import Protocol
 
+from peer.records.buckets import levels_around
 from peer.records.progress import (
-    MAX_LEVEL,
     PROBE_LEVELS,
     RECORDS_PER_BUCKET,
     PeerProgress,
@@ -120,8 +120,7 @@ class ProgressSweep:
             self.level = await self._find_level(node)
         else:
             self.level = read_level(self.num_peers, self.records_per_bucket)
-        levels = [lv for lv in (self.level - 1, self.level, self.level + 1) if 0 <= lv <= MAX_LEVEL]
-        keys = [(lv, b) for lv in levels for b in range(2**lv)]
+        keys = [(lv, b) for lv in levels_around(self.level) for b in range(2**lv)]
         latest = len(keys) <= self.max_latest_buckets
         gate = asyncio.Semaphore(self.max_in_flight)
 
