@@ -248,6 +248,7 @@ class StateServer:
         # (peers agree on epochs they all digested) unless epochs outrun hashing by this many
         self._pending: collections.deque[StateSnapshot] = collections.deque(maxlen=PENDING_DIGESTS)
         self._digest_task: asyncio.Task | None = None
+        self._handed = asyncio.Event()  # set when a snapshot is queued for its digest
         self._digesting: StateSnapshot | None = None
         self._schedule = DigestSchedule(max_stride=config.max_digest_stride)
         self._linger: asyncio.TimerHandle | None = None
@@ -308,6 +309,7 @@ class StateServer:
 
     def _queue(self, snapshot: StateSnapshot) -> None:
         self._pending.append(snapshot)
+        self._handed.set()
         if self._digest_task is None or self._digest_task.done():
             self._digest_task = asyncio.create_task(
                 self._digest_and_announce(), name="state-digest"
@@ -335,9 +337,18 @@ class StateServer:
             wait_s = self._last_announce + MIN_ANNOUNCE_GAP_S - loop.time()
             if wait_s <= 0:
                 break
-            await asyncio.sleep(wait_s)  # then digest what came meanwhile, and announce it all
+            # Digest what comes meanwhile at once and announce it all after the gap: asleep
+            # through it, epochs shorter than a fourth of the gap overflowed the pending queue
+            # and their digests were lost.
+            self._handed.clear()
+            try:
+                await asyncio.wait_for(self._handed.wait(), wait_s)
+                continue
+            except TimeoutError:
+                pass
             if not self._pending and self.served is self._digested:
                 return  # the periodic announcement (more frequent than the gap) published it
+            break
         await self.announce()
 
     async def settle(self) -> None:

@@ -34,7 +34,8 @@ def _why_not() -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"{' and '.join(missing)} missing (install iproute2)"
-    probe = "vpx-test-probe"
+    # one name per process: pytest-xdist's workers collect this module at the same moment
+    probe = f"vpx-probe-{os.getpid()}"
     done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     delete_namespace(probe)
     if done.returncode != 0:

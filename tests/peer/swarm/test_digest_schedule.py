@@ -140,3 +140,16 @@ async def test_a_newcomer_asking_for_an_epoch_the_schedule_skipped_gets_it_diges
             transport, node, "run", min_epoch=3, expected=layout_of(state), config=CONFIG
         )
     assert got.epoch == 3
+
+
+async def test_epochs_faster_than_the_announcement_gap_each_get_their_digest():
+    # 20 epochs of 30 ms: more than the pending queue holds arrive within one announcement gap
+    # (0.5 s); digested as they come, none is dropped for a newer one
+    state = trained_state(2)
+    async with AsyncExitStack() as stack:
+        _, _, donor = await stack.enter_async_context(peer([]))
+        for epoch in range(1, 21):
+            donor.update(StateSnapshot.capture(epoch, state))
+            await asyncio.sleep(0.03)
+        await donor.settle()
+        assert [d.epoch for d in donor.digests] == list(range(5, 21))  # the last MAX_DIGESTS
