@@ -82,7 +82,10 @@ class DecentralizedAverager:
         self.deadlines = Deadlines(self.config, self._measured_rtt_s)
         self.streams = StreamChooser(self.config, self._measured_rtt_s)
         self._router = PartRouter(
-            transport, self._stream_name, group_wait_s=self.config.group_wait_s
+            transport,
+            self._stream_name,
+            group_wait_s=self.config.group_wait_s,
+            deadlines=self.deadlines,
         )
         self._matchmaker = None
         self._second: SecondLevel | None = None

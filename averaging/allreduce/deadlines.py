@@ -11,11 +11,18 @@ peer saw in its recent rounds:
 
 * **matchmaking**: how long after a search began its partners arrived (a leader: each
   follower's ``wait``; a follower: its seat taken), and the RTTs the transport measured;
-* **sender** (a reducer's wait for a sender's next chunk or its connection): how long its
-  chunks took to come, and the averaged chunks to be written back to it;
+* **sender** (a reducer's wait for a sender's next chunk): how long its chunks took to come,
+  and the averaged chunks to be written back to it;
+* **connect** (a reducer's wait for a sender's stream, from the round's start): how long its
+  senders took to connect, at least the sender wait. It is not a link's time: each member
+  learns of the group and gets a CPU to open its streams, which on a host whose cores all
+  train takes longer than a chunk (32 peers on 2 cores: over a second, and a floor of one
+  second dropped members every few rounds, leaving replicas apart);
 * **reducer** (a sender's wait for the next averaged chunk): the waits it saw, and always
-  twice the sender wait (a reducer waits out a slow sender before it can answer);
-* **group wait** (a stream early for its group): the sender wait;
+  twice the sender wait and the connect wait plus a sender wait (a reducer waits out a slow
+  sender, or one that has not connected, before it can answer);
+* **group wait** (a stream early for its group): the connect wait (the same lag seen from the
+  other side: the sender learned of the group before this reducer did);
 * **request** (a matchmaking request to a peer, answered at once: ``join``, ``invite``):
   ``safety`` times 2 RTTs, at most ``request_timeout_s`` (a leader that stalled costs a
   follower about a second on loopback, not 5 s).
@@ -47,7 +54,7 @@ NUM_SAMPLES = 64  # recent samples kept per kind: a few rounds' worth
 MIN_SAMPLES = 4  # below this, the configured field is the estimate
 QUANTILE = 0.9
 
-SENDER, REDUCER, MATCHMAKING = "sender", "reducer", "matchmaking"
+SENDER, CONNECT, REDUCER, MATCHMAKING = "sender", "connect", "reducer", "matchmaking"
 
 
 class SampleWindow:
@@ -83,9 +90,14 @@ class Deadlines:
     def __init__(self, config: AveragerConfig, rtt_s: Callable[[], float | None] = lambda: None):
         self._config = config
         self._rtt_s = rtt_s
-        self._samples = {kind: SampleWindow() for kind in (SENDER, REDUCER, MATCHMAKING)}
-        self._pending: dict[str, list[float]] = {SENDER: [], REDUCER: []}  # this round's
-        self._backed_off_s = {SENDER: 0.0, REDUCER: 0.0}  # at least this after a wait ran out
+        self._samples = {kind: SampleWindow() for kind in (SENDER, CONNECT, REDUCER, MATCHMAKING)}
+        self._pending: dict[str, list[float]] = {
+            SENDER: [],
+            CONNECT: [],
+            REDUCER: [],
+        }  # this round's
+        # at least this after a wait ran out
+        self._backed_off_s = {SENDER: 0.0, CONNECT: 0.0, REDUCER: 0.0}
         self._ran_out: set[str] = set()
 
     @property
@@ -103,12 +115,17 @@ class Deadlines:
         an averaged chunk to it took ``wait_s``."""
         self._pending[SENDER].append(wait_s)
 
+    def observe_connection(self, offset_s: float) -> None:
+        """As a reducer, a sender's stream came ``offset_s`` after the round began."""
+        self._pending[CONNECT].append(offset_s)
+
     def observe_reducer_wait(self, wait_s: float) -> None:
         """As a sender, the reducer's next averaged chunk came after ``wait_s``."""
         self._pending[REDUCER].append(wait_s)
 
     def ran_out(self, kind: str) -> None:
-        """A ``sender`` or ``reducer`` wait of this round ran out (a drop or a stall)."""
+        """A ``sender``, ``connect`` or ``reducer`` wait of this round ran out (a drop or a
+        stall)."""
         self._ran_out.add(kind)
 
     def end_round(self) -> None:
@@ -118,7 +135,7 @@ class Deadlines:
         it (what did arrive were the fast ones: the estimate would come out too short); the
         wait doubles instead, and stays so until a round without a timeout measured it.
         """
-        waits = {SENDER: self.sender_s, REDUCER: self.reducer_s}
+        waits = {SENDER: self.sender_s, CONNECT: self.connect_s, REDUCER: self.reducer_s}
         for kind, pending in self._pending.items():
             if kind in self._ran_out:
                 self._backed_off_s[kind] = 2 * waits[kind]
@@ -131,9 +148,13 @@ class Deadlines:
         self._ran_out.clear()
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "waits now %s; p90 of waits for senders %s, reducers %s, arrivals %s; rtt %s",
+                "waits now %s; p90 of waits for senders %s, connections %s, reducers %s, "
+                "arrivals %s; rtt %s",
                 {k: round(v, 3) for k, v in self.snapshot().items()},
-                *(self._samples[k].quantile(QUANTILE) for k in (SENDER, REDUCER, MATCHMAKING)),
+                *(
+                    self._samples[k].quantile(QUANTILE)
+                    for k in (SENDER, CONNECT, REDUCER, MATCHMAKING)
+                ),
                 self._rtt_s(),
             )
 
@@ -164,6 +185,17 @@ class Deadlines:
         return min(high_s, max(estimate, self._backed_off_s[SENDER]))
 
     @property
+    def connect_s(self) -> float:
+        """A reducer drops a sender whose stream has not come this long after the round began
+        (never sooner than the sender wait)."""
+        if not self.adaptive:
+            return self._config.sender_timeout_s
+        high_s = self._config.max_deadline_s / 2
+        sender_s = self.sender_s
+        estimate = self._estimate(CONNECT, sender_s, 2, high_s)
+        return min(high_s, max(estimate, sender_s, self._backed_off_s[CONNECT]))
+
+    @property
     def reducer_s(self) -> float:
         """A sender gives up on a reducer that sends no next averaged chunk this long."""
         config = self._config
@@ -172,14 +204,15 @@ class Deadlines:
         high_s = config.max_deadline_s
         estimate = self._estimate(REDUCER, config.reducer_timeout_s, 2, high_s)
         backed_off_s = self._backed_off_s[REDUCER]
-        return min(high_s, max(estimate, backed_off_s, 2 * self.sender_s))
+        sender_s = self.sender_s
+        return min(high_s, max(estimate, backed_off_s, 2 * sender_s, self.connect_s + sender_s))
 
     @property
     def group_wait_s(self) -> float:
         """A reducer holds a stream for a group it has not heard of yet this long."""
         if not self.adaptive:
             return self._config.group_wait_s
-        return self.sender_s  # below the reducer wait, as the config requires of its fields
+        return self.connect_s  # below the reducer wait, as the config requires of its fields
 
     @property
     def matchmaking_s(self) -> float:
@@ -205,6 +238,7 @@ class Deadlines:
         return {
             "matchmaking_s": self.matchmaking_s,
             "sender_s": self.sender_s,
+            "connect_s": self.connect_s,
             "reducer_s": self.reducer_s,
             "group_wait_s": self.group_wait_s,
             "request_s": self.request_s,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from averaging.allreduce.accumulator import checked, make_window
-from averaging.allreduce.deadlines import SENDER, Deadlines
+from averaging.allreduce.deadlines import CONNECT, SENDER, Deadlines
 from averaging.allreduce.protocol import CHUNK_HEADER, REPLY_OK, PartHeader, pack_chunk_header
 from averaging.allreduce.protocol import unpack_chunk_header as parse_chunk_header
 from averaging.bounds import value_limit
@@ -90,6 +90,8 @@ class PartReducer:
         self._codec = codec
         self._timeout_s = config.sender_timeout_s
         self._deadlines = deadlines or Deadlines(config)
+        # a sender's stream, from the round's start (see averaging.allreduce.deadlines)
+        self._connect_s = max(self._timeout_s, self._deadlines.connect_s)
         self._worker = worker
         robust = aggregation is not Aggregation.MEAN
         # a robust window holds a row per contributor: fewer chunks in flight
@@ -107,7 +109,7 @@ class PartReducer:
             limit=limit,
         )
         loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = self._started_at = loop.time()
         self._senders = {
             peer: _Sender(peer, w, part.num_chunks if w > 0 else 0, row=row, last_progress=now)
             for row, (peer, w) in enumerate(senders.items(), start=1)
@@ -149,8 +151,21 @@ class PartReducer:
         self._opened_at[chunk] = asyncio.get_running_loop().time()
         self._opened[chunk].set_result(None)
 
+    def _deadline(self, sender: _Sender, chunk: int) -> float:
+        if not sender.connected:
+            return self._started_at + self._connect_s
+        return self._waiting_since(sender, chunk) + self._timeout_s
+
     def _waiting_since(self, sender: _Sender, chunk: int) -> float:
         return max(sender.last_progress, self._opened_at[chunk])
+
+    def _drop_late(self, sender: _Sender) -> None:
+        if sender.connected:
+            self._deadlines.ran_out(SENDER)
+            self.drop(sender.peer_id, f"no chunk within sender_timeout_s={self._timeout_s}")
+        else:
+            self._deadlines.ran_out(CONNECT)
+            self.drop(sender.peer_id, f"no connection within connect_s={self._connect_s:.3g}")
 
     async def _wait_for_chunk(self, chunk: int) -> None:
         loop = asyncio.get_running_loop()
@@ -163,12 +178,10 @@ class PartReducer:
             if not missing:
                 return
             now = loop.time()
-            deadlines = {s: self._waiting_since(s, chunk) + self._timeout_s for s in missing}
+            deadlines = {s: self._deadline(s, chunk) for s in missing}
             overdue = [s for s, deadline in deadlines.items() if deadline <= now]
             for sender in overdue:
-                what = "chunk" if sender.connected else "connection"
-                self._deadlines.ran_out(SENDER)
-                self.drop(sender.peer_id, f"no {what} within sender_timeout_s={self._timeout_s}")
+                self._drop_late(sender)
             if overdue:
                 continue
             self._changed.clear()
@@ -214,15 +227,14 @@ class PartReducer:
                 s for s in self._senders.values() if not (s.dropped or s.done_event.is_set())
             ]
             waiting = [s for s in pending if not s.connected]
-            now = loop.time()
-            for sender in waiting:
-                if sender.last_progress + self._timeout_s <= now:
-                    self._deadlines.ran_out(SENDER)
-                    self.drop(sender.peer_id, f"no connection within {self._timeout_s} s")
+            if waiting and loop.time() >= self._started_at + self._connect_s:
+                for sender in waiting:
+                    self._drop_late(sender)
+                continue
             if not pending:
                 return
             self._changed.clear()
-            deadline = min((s.last_progress + self._timeout_s for s in waiting), default=None)
+            deadline = self._started_at + self._connect_s if waiting else None
             try:
                 async with asyncio.timeout_at(deadline):
                     await self._changed.wait()
@@ -292,6 +304,7 @@ class PartReducer:
                 self.drop(stream.sender, f"stream refused: {e}")
             raise
         sender.connected = True
+        self._deadlines.observe_connection(asyncio.get_running_loop().time() - self._started_at)
         self._progress(sender)
         try:
             await stream.reply(REPLY_OK)

@@ -111,6 +111,7 @@ async def test_peer_that_stalls_is_dropped(make_peers, spawn_peer, tmp_path):
     counts = check_survivors(*outcome)
     assert counts["survivors"] >= 1 and counts["victim part kept"] >= 1, counts
     for result in outcome[-1]:
-        assert "sender_timeout_s" in result.reason  # dropped as a sender that went silent
+        # dropped as a sender that went silent (before it connected to this reducer, or after)
+        assert "sender_timeout_s" in result.reason or "connect_s" in result.reason
         assert "stalled" in result.reason or "in time" in result.reason  # and as a reducer
     assert outcome[2].process.poll() is None  # stopped, not dead (the fixture kills it)

@@ -19,7 +19,8 @@ def test_bench_reports_the_contract_fields():
     assert set(result) == CONTRACT | {"deadlines_s", "streams_per_pair"}
     assert result["streams_per_pair"] == 1  # loopback: one
     assert set(result["deadlines_s"]) == {
-        "matchmaking_s", "sender_s", "reducer_s", "group_wait_s", "request_s", "allreduce_s",
+        "matchmaking_s", "sender_s", "connect_s", "reducer_s", "group_wait_s", "request_s",
+        "allreduce_s",
     }  # fmt: skip
     assert result["backend"] == "native" and result["peers"] == 2 and result["rounds"] == 2
     assert result["max_abs_err"] < 1e-6
