@@ -64,7 +64,7 @@ def check_survivors(vectors, survivors, victim, group, results) -> dict[str, int
     for result in results:
         assert result.status == "partial", result
         assert victim.peer_id in result.dropped_peers, result
-        assert 0 < result.averaged_fraction < 1, result
+        assert 0 < result.averaged_fraction <= 1, result  # what was lost: each test's own
     counts = {"all": 0, "survivors": 0, "victim part averaged": 0, "victim part kept": 0}
     for index in range(len(group.members)):
         for lo, hi in chunks_of(group, index):
@@ -90,7 +90,9 @@ async def test_peer_killed_while_sending(make_peers, spawn_peer, tmp_path):
     )
     counts = check_survivors(*outcome)
     assert counts["all"] >= 1, counts  # it delivered a chunk before it died
-    assert counts["victim part kept"] >= 1, counts
+    # Its own part may be averaged whole or not: its reducer can answer every chunk before its
+    # sender reads its first reply (on a loaded host it did). Every chunk is checked all the
+    # same: the mean of all three, of the survivors, or kept.
     assert outcome[2].process.wait(10) < 0  # it really died of the signal
 
 
