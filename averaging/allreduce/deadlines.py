@@ -191,8 +191,11 @@ class Deadlines:
         if not self.adaptive:
             return self._config.sender_timeout_s
         high_s = self._config.max_deadline_s / 2
+        # cold, the configured sender wait: the chunks of a first round bring the sender wait
+        # to its floor while its connections were few, and at the start of a run (every process
+        # loading) they come late the most
         sender_s = self.sender_s
-        estimate = self._estimate(CONNECT, sender_s, 2, high_s)
+        estimate = self._estimate(CONNECT, self._config.sender_timeout_s, 2, high_s)
         return min(high_s, max(estimate, sender_s, self._backed_off_s[CONNECT]))
 
     @property

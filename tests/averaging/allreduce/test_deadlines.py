@@ -46,8 +46,14 @@ def test_cold_start_uses_the_fields_then_measurements_within_bounds():
         deadlines.observe_reducer_wait(0.003)
         deadlines.observe_arrival(0.01)
     deadlines.end_round()  # a round's waits are learned at its end
+    # connections not measured yet: their wait is still the configured one
+    assert deadlines.connect_s == 5.0 and deadlines.reducer_s == pytest.approx(5.05)
+    for _ in range(MIN_SAMPLES):
+        deadlines.observe_connection(0.004)
+    deadlines.end_round()
     waits = deadlines.snapshot()
     assert waits["sender_s"] == pytest.approx(0.05)  # 4 x 2 ms is below the floor
+    assert waits["connect_s"] == pytest.approx(0.05)
     assert waits["reducer_s"] == pytest.approx(0.1)  # at least twice the sender wait
     assert waits["group_wait_s"] == waits["sender_s"]
     assert waits["matchmaking_s"] == pytest.approx(0.05)
@@ -147,9 +153,9 @@ async def test_a_member_that_always_connects_late_stays_in_the_rounds(make_peers
         group = make_group(peers, chunk_numel=4096)
         results = await asyncio.wait_for(asyncio.gather(*(step(p, group) for p in peers)), 60)
         statuses.append([(r.status, len(r.members), r.dropped_peers) for r in results])
-    # the first round waits the configured 5 s; one round at the floor may drop the late peer
-    # (nothing measured its lateness yet); from then on every round has all three
-    assert all(s == [("ok", 3, ())] * 3 for s in statuses[3:]), statuses
+    # the configured 5 s until a few connections were measured, then 4 x their 1.3 s: every
+    # round has all three
+    assert all(s == [("ok", 3, ())] * 3 for s in statuses), statuses
     for peer in peers:
         np.testing.assert_allclose(
             peer.tensors[0], exact_mean(vectors, [1] * 3), rtol=1e-5, atol=1e-6
