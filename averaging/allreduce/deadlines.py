@@ -97,7 +97,7 @@ class Deadlines:
             REDUCER: [],
         }  # this round's
         # at least this after a wait ran out
-        self._backed_off_s = {SENDER: 0.0, CONNECT: 0.0, REDUCER: 0.0}
+        self._backed_off_s = {SENDER: 0.0, CONNECT: 0.0, REDUCER: 0.0, MATCHMAKING: 0.0}
         self._ran_out: set[str] = set()
 
     @property
@@ -109,6 +109,18 @@ class Deadlines:
     def observe_arrival(self, offset_s: float) -> None:
         """A partner arrived ``offset_s`` seconds after this peer began looking."""
         self._samples[MATCHMAKING].add(offset_s)
+
+    def search_ran_out(self) -> None:
+        """A search saw others looking and formed no group in its window: the next window is
+        twice as long (up to ``matchmaking_time_s``), and stays so until a group forms. The
+        arrivals measured are the ones that came in time (Karn's rule, as for the chunk
+        waits): peers that could not, on a busy host, taught the window nothing."""
+        self._backed_off_s[MATCHMAKING] = 2 * self.matchmaking_s
+
+    def group_formed(self) -> None:
+        """A search formed a group: its window is the estimate again (which has learned the
+        later arrivals a longer window let in)."""
+        self._backed_off_s[MATCHMAKING] = 0.0
 
     def observe_sender_wait(self, wait_s: float) -> None:
         """As a reducer, a sender's next chunk came ``wait_s`` after it could have, or writing
@@ -224,7 +236,9 @@ class Deadlines:
         if not self.adaptive:
             return config.matchmaking_time_s
         # announce, read, join, wait: four round trips at least
-        return self._estimate(MATCHMAKING, config.matchmaking_time_s, 4, config.matchmaking_time_s)
+        high_s = config.matchmaking_time_s
+        estimate = self._estimate(MATCHMAKING, high_s, 4, high_s)
+        return min(high_s, max(estimate, self._backed_off_s[MATCHMAKING]))
 
     @property
     def request_s(self) -> float:

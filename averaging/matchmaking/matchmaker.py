@@ -193,6 +193,7 @@ class Matchmaker:
                 MatchResult(group) if group is not None else await self._look(search, announcing)
             )
             if result.group is not None:  # later joins under the key learn who is taken
+                self._deadlines.group_formed()
                 self._leader.formed = (key, result.group.peer_ids)
                 self._invitations.note_group(result.group)
             return result
@@ -357,6 +358,7 @@ class Matchmaker:
             return MatchResult(group)
         if not search.seen:
             return MatchResult(None, "no other peer was looking for a group")
+        self._deadlines.search_ran_out()  # others looked, and the window closed on them
         return MatchResult(
             None,
             f"saw {len(search.seen)} other peer(s) but no group of "

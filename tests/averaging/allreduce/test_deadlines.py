@@ -127,6 +127,26 @@ def test_connections_are_waited_for_as_long_as_they_took():
     assert deadlines.connect_s == pytest.approx(4.8) and deadlines.sender_s == 1.0
 
 
+def test_a_search_that_closed_on_others_doubles_the_window_until_a_group_forms():
+    # on a busy host the arrivals measured are the ones that came in time: a search that saw
+    # others and formed nothing waited too little, whatever they said
+    deadlines = Deadlines(AveragerConfig(matchmaking_time_s=5.0))
+    for _ in range(MIN_SAMPLES):
+        deadlines.observe_arrival(0.01)
+    assert deadlines.matchmaking_s == 1.0  # the floor
+    deadlines.search_ran_out()
+    assert deadlines.matchmaking_s == 2.0
+    deadlines.search_ran_out()
+    deadlines.search_ran_out()
+    assert deadlines.matchmaking_s == 5.0  # never past the user's bound
+    deadlines.observe_arrival(3.0)  # a late partner the longer window let in
+    deadlines.group_formed()
+    assert deadlines.matchmaking_s == 5.0  # 4 x the 90th percentile of what arrived, bounded
+    for _ in range(10):
+        deadlines.observe_arrival(0.01)
+    assert deadlines.matchmaking_s == 1.0
+
+
 LATE_S = 1.3  # past the 1-s floor of every wait measured on loopback
 
 
