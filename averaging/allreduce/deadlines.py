@@ -91,11 +91,8 @@ class Deadlines:
         self._config = config
         self._rtt_s = rtt_s
         self._samples = {kind: SampleWindow() for kind in (SENDER, CONNECT, REDUCER, MATCHMAKING)}
-        self._pending: dict[str, list[float]] = {
-            SENDER: [],
-            CONNECT: [],
-            REDUCER: [],
-        }  # this round's
+        # this round's waits, learned at its end (or not: see end_round)
+        self._pending: dict[str, list[float]] = {SENDER: [], CONNECT: [], REDUCER: []}
         # at least this after a wait ran out
         self._backed_off_s = {SENDER: 0.0, CONNECT: 0.0, REDUCER: 0.0, MATCHMAKING: 0.0}
         self._ran_out: set[str] = set()

@@ -346,7 +346,7 @@ class StateServer:
                 continue
             except TimeoutError:
                 pass
-            if not self._pending and self.served is self._digested:
+            if self.served is self._digested:  # nothing came: the digests are all taken
                 return  # the periodic announcement (more frequent than the gap) published it
             break
         await self.announce()
