@@ -338,7 +338,7 @@ class DHTNode:
     # ---- get ---------------------------------------------------------------------------------
 
     async def get(
-        self, key: Key, latest: bool = False, *, fresh: bool = False
+        self, key: Key, latest: bool = False, *, fresh: bool = False, replicas: int | None = None
     ) -> ValueWithExpiration | None:
         """The value under ``key``, or None if there is none (or the network failed).
 
@@ -358,12 +358,15 @@ class DHTNode:
                 current value (this node's own, or the first found by a lookup), for a
                 value that changes every few seconds and is read as a sample (one copy
                 moves, not one per replica).
+            replicas: with ``latest``, merge only the this many closest replicas (at most
+                ``num_replicas``; None: all of them). For a value read often whose every store
+                goes to all ``num_replicas``: each replica merged is one more copy moved.
         """
-        outcome = await self.get_outcome(key, latest=latest, fresh=fresh)
+        outcome = await self.get_outcome(key, latest=latest, fresh=fresh, replicas=replicas)
         return outcome.value
 
     async def get_outcome(
-        self, key: Key, *, latest: bool = False, fresh: bool = False
+        self, key: Key, *, latest: bool = False, fresh: bool = False, replicas: int | None = None
     ) -> GetOutcome:
         """Like :meth:`get`, with where the value came from and the lookup's depth."""
         key_id = DHTID.from_key(key)
@@ -374,7 +377,10 @@ class DHTNode:
                 value = self._decode(entry, key)
                 if value is not None:
                     return GetOutcome(value, source)  # type: ignore[arg-type]
-        found = await self.lookup(key_id, want_value=True, latest=latest)
+        converge_on = None
+        if latest and replicas is not None:
+            converge_on = max(1, min(int(replicas), self.config.num_replicas))
+        found = await self.lookup(key_id, want_value=True, latest=latest, converge_on=converge_on)
         entry = found.entry
         if latest:
             entry = merge_entries(entry, self.storage.get(key_id))

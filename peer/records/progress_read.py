@@ -28,7 +28,9 @@ from peer.records.progress import (
 class ValueReader(Protocol):
     """What reading needs of a DHT node (:class:`dht.kademlia.node.DHTNode` has it)."""
 
-    async def get(self, key: str, latest: bool = False, *, fresh: bool = False): ...
+    async def get(
+        self, key: str, latest: bool = False, *, fresh: bool = False, replicas: int | None = None
+    ): ...
 
 
 def parse_bucket(found: object, level: int, bucket: int, max_samples_per_s: float) -> list:
@@ -52,10 +54,16 @@ async def read_bucket(
     max_samples_per_s: float,
     *,
     latest: bool = True,
+    replicas: int | None = None,
 ) -> list[PeerProgress]:
-    """The records of one bucket (``latest``: merged from every replica; else one replica's,
-    never a cached read: records change every publishing interval)."""
-    found = await node.get(bucket_key(run_id, level, bucket), latest=latest, fresh=not latest)
+    """The records of one bucket (``latest``: merged from the ``replicas`` closest replicas,
+    None: every one; else one replica's, never a cached read: records change every publishing
+    interval)."""
+    key = bucket_key(run_id, level, bucket)
+    if not latest:
+        return parse_bucket(await node.get(key, fresh=True), level, bucket, max_samples_per_s)
+    merged = {} if replicas is None else {"replicas": replicas}
+    found = await node.get(key, latest=True, **merged)
     return parse_bucket(found, level, bucket, max_samples_per_s)
 
 

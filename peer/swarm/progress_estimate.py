@@ -80,6 +80,16 @@ class ProgressConfig:
             the last this long (each draws other buckets), in seconds.
         max_stranger_claim_ratio: in a sample, a stranger's samples count at most this many
             times the partners' mean (see the module docstring).
+        max_publish_gap_s: a record that readers' extrapolation still predicts (the same
+            epoch, samples and rate within half an interval's samples) is republished only
+            after this long, in seconds (at most half of ``record_ttl_s`` and of
+            ``max_extrapolation_s``; ``publish_interval_s`` or less: every interval). A peer
+            training at a steady rate stores its record every few intervals, not every one.
+        read_replicas: each bucket read merges the records of this many of the bucket key's
+            closest replicas (None: all of the DHT's ``num_replicas``, 20 by default). Every
+            store goes to all of them, so the closest few already hold every record a store
+            placed; each one more is one more request and one more copy of the bucket per
+            read, and the reads were half of a 64-peer swarm's DHT requests at 20.
     """
 
     target_batch_size: int
@@ -96,8 +106,16 @@ class ProgressConfig:
     max_partner_buckets: int = 3
     size_window_s: float = 20.0
     max_stranger_claim_ratio: float = 4.0
+    max_publish_gap_s: float = 5.0
+    read_replicas: int | None = 8
 
     def __post_init__(self) -> None:
+        if self.read_replicas is not None and (
+            isinstance(self.read_replicas, bool)
+            or not isinstance(self.read_replicas, int)
+            or self.read_replicas < 1
+        ):
+            raise ConfigError(f"read_replicas must be None or >= 1, got {self.read_replicas!r}")
         for name in ("target_batch_size", "trust_rounds", "records_per_bucket"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -121,11 +139,17 @@ class ProgressConfig:
             "epoch_skew_s",
             "size_window_s",
             "max_stranger_claim_ratio",
+            "max_publish_gap_s",
         ):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.record_ttl_s <= self.publish_interval_s:
             raise ConfigError("record_ttl_s must exceed publish_interval_s")
+
+    @property
+    def publish_gap_s(self) -> float:
+        """The longest a record that readers still predict goes unpublished, in seconds."""
+        return min(self.max_publish_gap_s, self.record_ttl_s / 2, self.max_extrapolation_s / 2)
 
 
 @dataclass(frozen=True)

@@ -103,15 +103,22 @@ class SampleRead:
 
 
 async def read_sample(
-    node: ValueReader, run_id: str, plan: ReadPlan, max_samples_per_s: float
+    node: ValueReader,
+    run_id: str,
+    plan: ReadPlan,
+    max_samples_per_s: float,
+    replicas: int | None = None,
 ) -> SampleRead:
     """Read the buckets of ``plan`` at once (raises what ``node.get`` raises), each merged
-    from its replicas: one replica's copy (``latest=False``) misses the records of writers
-    whose stores reached other nodes (a stray copy, a lookup cut short on a busy host); at
-    256 peers on 2 cores such reads counted 100 to 150 peers, and the layout they chose
-    held only the peers that counted as few."""
+    from its ``replicas`` closest replicas (None: all ``num_replicas``): one replica's copy
+    (``latest=False``) misses the records of writers whose stores reached other nodes (a stray
+    copy, a lookup cut short on a busy host); at 256 peers on 2 cores such reads counted 100 to
+    150 peers, and the layout they chose held only the peers that counted as few."""
     found = await asyncio.gather(
-        *(read_bucket(node, run_id, plan.level, b, max_samples_per_s) for b in plan.buckets)
+        *(
+            read_bucket(node, run_id, plan.level, b, max_samples_per_s, replicas=replicas)
+            for b in plan.buckets
+        )
     )
     fills = {
         b: len({r.peer_id for r in records}) for b, records in zip(plan.buckets, found, strict=True)

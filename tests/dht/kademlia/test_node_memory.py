@@ -275,6 +275,27 @@ async def test_a_fresh_read_skips_the_read_cache_and_latest_asks_the_replicas(me
     assert replicas <= holding and len(holding) <= writer.config.num_replicas + 1
 
 
+async def test_a_latest_read_of_a_few_replicas_asks_about_that_many_and_merges_every_writer(
+    memory_swarm,
+):
+    swarm = await memory_swarm(40)  # 20 replicas per key (the default) of 40 nodes
+    expiration = get_dht_time() + 60
+    writers = swarm.nodes[:12]
+    for writer in writers:
+        subkey = owner_subkey(writer.peer_id)
+        assert await writer.store("bucket", {"epoch": 1}, expiration, subkey=subkey)
+    reader = farthest(swarm, "bucket")
+    every = await reader.get_outcome("bucket", latest=True)
+    few = await reader.get_outcome("bucket", latest=True, replicas=4)
+    expected = {owner_subkey(w.peer_id) for w in writers}
+    assert set(every.value.value) == expected and set(few.value.value) == expected
+    # each replica merged is a request: the closest 4 (and a node on the way), not all 20
+    assert every.num_queried >= 20 and few.num_queried <= 6, (every, few)
+    # more than num_replicas is num_replicas
+    capped = await reader.get_outcome("bucket", latest=True, replicas=1000)
+    assert capped.num_queried >= 20
+
+
 async def test_client_mode_node_stores_and_gets_through_others(memory_swarm):
     swarm = await memory_swarm(10)
     client = await swarm.add(client_mode=True)

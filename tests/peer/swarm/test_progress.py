@@ -115,7 +115,10 @@ async def test_a_vanished_peer_drops_out_after_its_record_expires():
 
 
 async def test_background_publishing_and_rate_estimate():
-    config = ProgressConfig(target_batch_size=10_000, publish_interval_s=0.1, record_ttl_s=5)
+    # stored every interval (the gap of test_progress_publish.py off): the last report is read
+    config = ProgressConfig(
+        target_batch_size=10_000, publish_interval_s=0.1, record_ttl_s=5, max_publish_gap_s=0.1
+    )
     async with AsyncExitStack() as stack:
         nodes = await start_nodes(stack, 2)
         async with ProgressTracker(dht=nodes[0], prefix="run", config=config) as worker:

@@ -1,0 +1,83 @@
+"""A progress record is stored when readers would learn something from it, not every interval."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+
+import pytest
+
+from dht.config import get_dht_time
+from peer.records.progress import PeerProgress
+from peer.swarm.progress import ProgressConfig, ProgressTracker, publish_due
+from tests.peer.swarm.test_progress import start_nodes
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = ProgressConfig(target_batch_size=10_000, publish_interval_s=2.0, max_publish_gap_s=5.0)
+LEVELS = (2, 3)
+
+
+def line(epoch: int, samples: float, rate: float, time: float) -> PeerProgress:
+    return PeerProgress("ab" * 32, epoch, int(samples), rate, time, None, False)
+
+
+def test_a_steady_peer_is_stored_once_per_gap_and_any_change_at_the_next_interval():
+    stored = line(3, 100, 50.0, time=1000.0)
+    last = (stored, LEVELS, 10.0)
+    steady = line(3, 100 + 50 * 2.0, 50.0, time=1002.0)  # on the stored line, 2 s later
+    assert not publish_due(last, steady, LEVELS, 12.0, CONFIG)
+    assert not publish_due(last, line(3, 100 + 50 * 3.0, 50.0, 1003.0), LEVELS, 13.0, CONFIG)
+    # the next tick (16 s) would be past the 5-s gap: stored at this one
+    assert publish_due(last, line(3, 100 + 50 * 4.0, 50.0, 1004.0), LEVELS, 14.0, CONFIG)
+    # half an interval's samples off the line (50 samples at 50/s): stored
+    assert publish_due(last, line(3, 100 + 50 * 2.0 - 60, 50.0, 1002.0), LEVELS, 12.0, CONFIG)
+    assert not publish_due(last, line(3, 100 + 50 * 2.0 - 40, 50.0, 1002.0), LEVELS, 12.0, CONFIG)
+    # a rate that would drift more than that by the gap's end: stored
+    assert publish_due(last, line(3, 200, 40.0, 1002.0), LEVELS, 12.0, CONFIG)
+    # a new epoch, other levels, nothing stored yet: stored
+    assert publish_due(last, line(4, 0, 50.0, 1002.0), LEVELS, 12.0, CONFIG)
+    assert publish_due(last, steady, (3, 4), 12.0, CONFIG)
+    assert publish_due(None, steady, LEVELS, 12.0, CONFIG)
+
+
+def test_a_gap_no_longer_than_an_interval_stores_every_interval():
+    every = ProgressConfig(target_batch_size=10_000, publish_interval_s=2.0, max_publish_gap_s=2.0)
+    last = (line(3, 100, 50.0, 1000.0), LEVELS, 10.0)
+    assert publish_due(last, line(3, 150, 50.0, 1001.0), LEVELS, 11.0, every)
+    # the gap is bounded by the record's lifetime: a short-lived record is stored in time
+    short = ProgressConfig(target_batch_size=10, publish_interval_s=0.1, record_ttl_s=0.5)
+    assert short.publish_gap_s == 0.25
+
+
+async def test_readers_follow_a_steady_peer_stored_every_few_intervals_and_see_its_epoch_at_once():
+    config = ProgressConfig(
+        target_batch_size=1_000_000, publish_interval_s=0.1, record_ttl_s=5, max_publish_gap_s=1.0
+    )
+    async with AsyncExitStack() as stack:
+        nodes = await start_nodes(stack, 2)
+        worker = await stack.enter_async_context(
+            ProgressTracker(dht=nodes[0], prefix="run", config=config)
+        )
+        reader = ProgressTracker(dht=nodes[1], prefix="run", config=config)
+        rate_per_s, start = 1000.0, get_dht_time()
+        errors = []
+        for step in range(1, 31):  # 3 s of steady training, a report every 0.1 s
+            await asyncio.sleep(0.1)
+            worker.report_local_progress(0, int(rate_per_s * (get_dht_time() - start)))
+            if step >= 10 and step % 5 == 0:
+                view = await reader.refresh()
+                truth = rate_per_s * (get_dht_time() - start)
+                seen = view.samples_accumulated  # the reader's own count is 0
+                errors.append(abs(seen - truth) / truth)
+        num_stored = next(iter(worker._owned.values())).num_published
+        worker.report_local_progress(1, 0)
+        await asyncio.sleep(0.5)  # a few intervals (on a loaded host, ticks run late)
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await reader.refresh()).epoch != 1:
+            assert asyncio.get_running_loop().time() < deadline
+    # about one store per 1-s gap, not one per 0.1-s interval (30 ticks)
+    assert num_stored <= 12, num_stored
+    # readers extrapolate the stored line: within half an interval's samples of the truth,
+    # plus the rate's smoothing at the start
+    assert max(errors) < 0.1, errors
