@@ -38,6 +38,7 @@ from dht.kademlia.config import DHTConfig
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
 from peer.records.progress_read import newest_per_peer
+from peer.swarm.progress import publish_due
 from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
 from peer.swarm.progress_sample import SampleRead, SizeEstimate, plan_read
 
@@ -79,6 +80,7 @@ class _Peer:
     sample: object = None
     mm_key: str = ""
     ready_s: float = 0.0
+    published: tuple | None = None  # what the tracker last stored (progress.publish_due)
 
     def samples_at(self, now: float) -> float:
         return self.samples + (self.rate * (now - self.anchor_s) if self.training else 0.0)
@@ -151,9 +153,11 @@ class _Swarm:
         samples = int(peer.samples_at(now))
         return PeerProgress(peer.peer_id, peer.epoch, samples, peer.rate, now, None, False)
 
-    def _read_bucket(self, peer: _Peer, level: int, bucket: int, now: float) -> list:
+    def _read_bucket(
+        self, peer: _Peer, level: int, bucket: int, now: float, replicas: int | None = None
+    ) -> list:
         # every writer here is honest and writes its own bucket: no record to filter out
-        return self.dht.get(peer.slot, bucket_key(PREFIX, level, bucket), now)
+        return self.dht.get(peer.slot, bucket_key(PREFIX, level, bucket), now, replicas)
 
     def _probe(self, peer: _Peer, now: float) -> None:
         sizes = [
@@ -169,14 +173,18 @@ class _Swarm:
         if peer.size.value is None:
             self._probe(peer, now)
         own = self._own(peer, now)
-        for level in write_levels(peer.size.value, self.config.records_per_bucket):
-            key = bucket_key(PREFIX, level, bucket_of(peer.peer_id, level))
-            self.dht.store(peer.slot, key, peer.peer_id, own, now + self.config.record_ttl_s)
+        levels = tuple(write_levels(peer.size.value, self.config.records_per_bucket))
+        if publish_due(peer.published, own, levels, now, self.config):
+            for level in levels:
+                key = bucket_key(PREFIX, level, bucket_of(peer.peer_id, level))
+                self.dht.store(peer.slot, key, peer.peer_id, own, now + self.config.record_ttl_s)
+            peer.published = (own, levels, now)
         partners = peer.recent_partners()
         level = peer.size.level(self.config.records_per_bucket)
         plan = plan_read(level, peer.peer_id, partners, self.config, self.rng, peer.num_reads)
         peer.num_reads += 1
-        found = {b: self._read_bucket(peer, level, b, now) for b in plan.buckets}
+        replicas = self.config.read_replicas
+        found = {b: self._read_bucket(peer, level, b, now, replicas) for b in plan.buckets}
         fills = {b: len({r.peer_id for r in records}) for b, records in found.items()}
         records = newest_per_peer(r for bucket in found.values() for r in bucket)
         read = SampleRead(plan, records, fills)

@@ -116,20 +116,24 @@ class SimDHT:
             distance = self._ids[alive] ^ np.uint64(key_id)
             k = min(self.cost.k, len(alive))
             nearest = np.argpartition(distance, k - 1)[:k] if k else np.arange(0)
+            nearest = nearest[np.argsort(distance[nearest])]  # closest first
             kth = int(distance[nearest].max()) if k else 2**64
             found = (alive[nearest], kth, key_id)
             self._replicas[key] = found
         return found[0]
 
-    def _route(self, client: int, key: str, rpc_bytes: float) -> np.ndarray:
-        """Bill a lookup's hops (random nodes) and return the replicas it reaches."""
+    def _route(
+        self, client: int, key: str, rpc_bytes: float, num_replicas: int | None = None
+    ) -> np.ndarray:
+        """Bill a lookup's hops (random nodes) and return the replicas it reaches (the
+        ``num_replicas`` closest; None: every one)."""
         hops = self.cost.hop_rpcs(self.num_alive)
         if self._alive_array is None:
             self._alive_array = np.array(self._alive_slots)
         drawn = self._alive_array[self._np_rng.integers(0, len(self._alive_array), hops)]
         self.node_bytes[drawn] += self.cost.find_rpc_bytes  # (a node drawn twice: billed once)
         self.node_bytes[client] += hops * self.cost.find_rpc_bytes
-        replicas = self.replicas(key)
+        replicas = self.replicas(key)[:num_replicas]
         self.node_bytes[replicas] += rpc_bytes
         self.node_bytes[client] += len(replicas) * rpc_bytes
         return replicas
@@ -141,13 +145,14 @@ class SimDHT:
         held[owner] = (value, expiration)
         self.max_key_records = max(self.max_key_records, len(held))
 
-    def get(self, client: int, key: str, now: float) -> list:
-        """Every unexpired record under ``key``, each replica answering with all of them."""
+    def get(self, client: int, key: str, now: float, replicas: int | None = None) -> list:
+        """Every unexpired record under ``key``, each of the ``replicas`` closest replicas (None:
+        every one) answering with all of them."""
         held = self.records.get(key, {})
         for owner in [o for o, (_, expiration) in held.items() if expiration <= now]:
             del held[owner]
         value_bytes = len(held) * self.cost.record_bytes
-        self._route(client, key, self.cost.find_rpc_bytes + value_bytes)
+        self._route(client, key, self.cost.find_rpc_bytes + value_bytes, replicas)
         return [value for value, _ in held.values()]
 
     def bytes_of(self, peer_ids) -> list[float]:

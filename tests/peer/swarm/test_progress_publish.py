@@ -33,8 +33,9 @@ def test_a_steady_peer_is_stored_once_per_gap_and_any_change_at_the_next_interva
     # half an interval's samples off the line (50 samples at 50/s): stored
     assert publish_due(last, line(3, 100 + 50 * 2.0 - 60, 50.0, 1002.0), LEVELS, 12.0, CONFIG)
     assert not publish_due(last, line(3, 100 + 50 * 2.0 - 40, 50.0, 1002.0), LEVELS, 12.0, CONFIG)
-    # a rate that would drift more than that by the gap's end: stored
-    assert publish_due(last, line(3, 200, 40.0, 1002.0), LEVELS, 12.0, CONFIG)
+    # a rate half again off: stored at once; a smaller change once the line is off
+    assert publish_due(last, line(3, 200, 20.0, 1002.0), LEVELS, 12.0, CONFIG)
+    assert not publish_due(last, line(3, 200, 40.0, 1002.0), LEVELS, 12.0, CONFIG)
     # a new epoch, other levels, nothing stored yet: stored
     assert publish_due(last, line(4, 0, 50.0, 1002.0), LEVELS, 12.0, CONFIG)
     assert publish_due(last, steady, (3, 4), 12.0, CONFIG)
