@@ -54,7 +54,10 @@ async def test_exact_weighted_mean(make_peers, num_peers, shapes):
     tensor_lists = [mixed_tensors(rng, shapes) for _ in range(num_peers)]
     weights = rng.uniform(0.1, 10.0, num_peers).round(3).tolist()
     expected = exact_mean([flat_of(ts) for ts in tensor_lists], weights)
-    peers = await make_peers(tensor_lists, config=fast_config())
+    # the exact mean is under test, not the waits: 8 peers on one loop of a crowded host took
+    # over the fast config's 2 s to connect their 56 streams (every sender dropped, CI)
+    config = fast_config(sender_timeout_s=10.0, reducer_timeout_s=20.0, group_wait_s=10.0)
+    peers = await make_peers(tensor_lists, config=config)
 
     results = await run_group(peers, make_group(peers, weights, chunk_numel=1024))
 
