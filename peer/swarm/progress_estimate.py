@@ -83,13 +83,17 @@ class ProgressConfig:
         max_publish_gap_s: a record that readers' extrapolation still predicts (the same
             epoch, samples and rate within half an interval's samples) is republished only
             after this long, in seconds (at most half of ``record_ttl_s`` and of
-            ``max_extrapolation_s``; ``publish_interval_s`` or less: every interval). A peer
-            training at a steady rate stores its record every few intervals, not every one.
+            ``max_extrapolation_s``; None, or ``publish_interval_s`` or less: every interval,
+            the default). A peer training at a steady rate then stores its record every few
+            intervals, not every one. Opt-in: at 64 light peers on 2 cores it cut CPU per round
+            by 14-22% together with ``read_replicas=8``, but at 256 the pair was not shown safe
+            (docs/BENCHMARKS.md, "Progress that costs less per interval").
         read_replicas: each bucket read merges the records of this many of the bucket key's
-            closest replicas (None: all of the DHT's ``num_replicas``, 20 by default). Every
-            store goes to all of them, so the closest few already hold every record a store
-            placed; each one more is one more request and one more copy of the bucket per
-            read, and the reads were half of a 64-peer swarm's DHT requests at 20.
+            closest replicas (None, the default: all of the DHT's ``num_replicas``, 20 by
+            default). Every store goes to all of them, so the closest few hold every record a
+            store placed, unless the store's lookup was cut short on a busy host; each one more
+            is one more request and one more copy of the bucket per read (the reads were half
+            of a 64-peer swarm's DHT requests at 20). Opt-in, see ``max_publish_gap_s``.
     """
 
     target_batch_size: int
@@ -106,8 +110,8 @@ class ProgressConfig:
     max_partner_buckets: int = 3
     size_window_s: float = 20.0
     max_stranger_claim_ratio: float = 4.0
-    max_publish_gap_s: float = 5.0
-    read_replicas: int | None = 8
+    max_publish_gap_s: float | None = None
+    read_replicas: int | None = None
 
     def __post_init__(self) -> None:
         if self.read_replicas is not None and (
@@ -139,16 +143,21 @@ class ProgressConfig:
             "epoch_skew_s",
             "size_window_s",
             "max_stranger_claim_ratio",
-            "max_publish_gap_s",
         ):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_publish_gap_s is not None and not 0 < self.max_publish_gap_s < math.inf:
+            raise ConfigError(
+                f"max_publish_gap_s must be None or positive, got {self.max_publish_gap_s}"
+            )
         if self.record_ttl_s <= self.publish_interval_s:
             raise ConfigError("record_ttl_s must exceed publish_interval_s")
 
     @property
     def publish_gap_s(self) -> float:
         """The longest a record that readers still predict goes unpublished, in seconds."""
+        if self.max_publish_gap_s is None:
+            return self.publish_interval_s
         return min(self.max_publish_gap_s, self.record_ttl_s / 2, self.max_extrapolation_s / 2)
 
 

@@ -47,8 +47,14 @@ def test_a_gap_no_longer_than_an_interval_stores_every_interval():
     last = (line(3, 100, 50.0, 1000.0), LEVELS, 10.0)
     assert publish_due(last, line(3, 150, 50.0, 1001.0), LEVELS, 11.0, every)
     # the gap is bounded by the record's lifetime: a short-lived record is stored in time
-    short = ProgressConfig(target_batch_size=10, publish_interval_s=0.1, record_ttl_s=0.5)
+    short = ProgressConfig(
+        target_batch_size=10, publish_interval_s=0.1, record_ttl_s=0.5, max_publish_gap_s=5.0
+    )
     assert short.publish_gap_s == 0.25
+    # off by default: every interval
+    assert ProgressConfig(target_batch_size=10).publish_gap_s == 2.0
+    assert publish_due(last, line(3, 150, 50.0, 1001.0), LEVELS, 11.0, ProgressConfig(
+        target_batch_size=10_000))  # fmt: skip
 
 
 async def test_readers_follow_a_steady_peer_stored_every_few_intervals_and_see_its_epoch_at_once():
