@@ -86,7 +86,7 @@ class ProgressConfig:
             ``max_extrapolation_s``; None, or ``publish_interval_s`` or less: every interval,
             the default). A peer training at a steady rate then stores its record every few
             intervals, not every one. Opt-in: at 64 light peers on 2 cores it cut CPU per round
-            by 14-22% together with ``read_replicas=8``, but at 256 the pair was not shown safe
+            by 14-22% together with ``read_replicas=8``; at 256 it is not measured apart yet
             (docs/BENCHMARKS.md, "Progress that costs less per interval").
         read_replicas: each bucket read merges the records of this many of the bucket key's
             closest replicas (None, the default: all of the DHT's ``num_replicas``, 20 by
