@@ -358,9 +358,8 @@ class DHTNode:
                 current value (this node's own, or the first found by a lookup), for a
                 value that changes every few seconds and is read as a sample (one copy
                 moves, not one per replica).
-            replicas: with ``latest``, merge only the this many closest replicas (at most
-                ``num_replicas``; None: all of them). For a value read often whose every store
-                goes to all ``num_replicas``: each replica merged is one more copy moved.
+            replicas: with ``latest``, merge only this many closest replicas (at most
+                ``num_replicas``; None: all of them): each one merged is one more copy moved.
         """
         outcome = await self.get_outcome(key, latest=latest, fresh=fresh, replicas=replicas)
         return outcome.value

@@ -60,10 +60,8 @@ async def read_bucket(
     None: every one; else one replica's, never a cached read: records change every publishing
     interval)."""
     key = bucket_key(run_id, level, bucket)
-    if not latest:
-        return parse_bucket(await node.get(key, fresh=True), level, bucket, max_samples_per_s)
-    merged = {} if replicas is None else {"replicas": replicas}
-    found = await node.get(key, latest=True, **merged)
+    extra = {} if replicas is None else {"replicas": replicas}  # readers that lack the option
+    found = await node.get(key, latest=latest, fresh=not latest, **extra)
     return parse_bucket(found, level, bucket, max_samples_per_s)
 
 

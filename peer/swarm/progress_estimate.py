@@ -91,9 +91,8 @@ class ProgressConfig:
         read_replicas: each bucket read merges the records of this many of the bucket key's
             closest replicas (None, the default: all of the DHT's ``num_replicas``, 20 by
             default). Every store goes to all of them, so the closest few hold every record a
-            store placed, unless the store's lookup was cut short on a busy host; each one more
-            is one more request and one more copy of the bucket per read (the reads were half
-            of a 64-peer swarm's DHT requests at 20). Opt-in, see ``max_publish_gap_s``.
+            store placed, unless its lookup was cut short on a busy host; each one more is one
+            more request and bucket copy per read. Opt-in, see ``max_publish_gap_s``.
     """
 
     target_batch_size: int

@@ -53,8 +53,8 @@ def test_a_gap_no_longer_than_an_interval_stores_every_interval():
     assert short.publish_gap_s == 0.25
     # off by default: every interval
     assert ProgressConfig(target_batch_size=10).publish_gap_s == 2.0
-    assert publish_due(last, line(3, 150, 50.0, 1001.0), LEVELS, 11.0, ProgressConfig(
-        target_batch_size=10_000))  # fmt: skip
+    default = ProgressConfig(target_batch_size=10_000)
+    assert publish_due(last, line(3, 150, 50.0, 1001.0), LEVELS, 11.0, default)
 
 
 async def test_readers_follow_a_steady_peer_stored_every_few_intervals_and_see_its_epoch_at_once():
