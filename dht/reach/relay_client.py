@@ -189,6 +189,7 @@ class RelayTunnel:
     # ---- serving what the relay forwards -----------------------------------------------------
 
     async def _serve(self, stream: MuxStream) -> None:
+        cfg = self._config
         try:
             method, path, headers = _opening(await stream.read_message())
             if method == "GET" and await stream.read() is not None:
@@ -196,14 +197,23 @@ class RelayTunnel:
             headers[TUNNEL_HEADER] = self._tunnel_token
             body = _body(stream) if method == "POST" else None
             url = self._local_url + path
-            async with asyncio.timeout(max(self._config.request_timeout_s,
-                                           self._config.stream_idle_timeout_s)):  # fmt: skip
-                # expect100: the headers go out at once (aiohttp would hold them back until the
-                # body's first byte), so the server refuses or times out a body that never
-                # comes itself, and answers
-                response = await self._http.request(
-                    method, url, data=body, headers=headers, ssl=False, expect100=body is not None
-                )
+            # The own server answers a body that never comes with 408 after its
+            # request_timeout_s: waiting half of that again lets its answer (a reason the
+            # caller can read) win the race against this wait on a loaded machine.
+            forward_timeout_s = max(1.5 * cfg.request_timeout_s, cfg.stream_idle_timeout_s)
+            try:
+                async with asyncio.timeout(forward_timeout_s):
+                    # expect100: the headers go out at once (aiohttp would hold them back until
+                    # the body's first byte), so the server refuses or times out a body that
+                    # never comes itself, and answers
+                    response = await self._http.request(
+                        method, url, data=body, headers=headers, ssl=False,
+                        expect100=body is not None,
+                    )  # fmt: skip
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"its own server did not answer within {forward_timeout_s} s"
+                ) from None
             async with response:
                 head = {"s": response.status, "h": forwarded_headers(response.headers)}
                 await stream.write_message(HEAD, head)

@@ -56,8 +56,9 @@ CONFIG = TransportConfig(
 ANSWER_WITHIN_S = CONFIG.request_timeout_s + 2.0  # the route's timeout, and a loaded machine's
 # The relay waits for the relayed peer's answer up to its stream idle timeout, then answers 502:
 # at 2 s a loaded machine's late (but immediate) answer of the relayed peer became a 502 in a
-# full run. The relay waits as long as the caller would; the nodes keep the short timeouts.
-RELAY_CONFIG = dataclasses.replace(CONFIG, stream_idle_timeout_s=ANSWER_WITHIN_S)
+# full run. The relay outlasts the relayed peer's own wait for its server (1.5 times the
+# request timeout), so a late answer arrives with its reason; the nodes keep the short timeouts.
+RELAY_CONFIG = dataclasses.replace(CONFIG, stream_idle_timeout_s=2 * ANSWER_WITHIN_S)
 SETTINGS = settings(
     max_examples=150,
     deadline=None,
