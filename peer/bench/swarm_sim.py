@@ -19,7 +19,8 @@ makes or answers, the mean node), ``max_node_dht_bytes_per_s`` and ``median_node
 ``max_key_bytes`` against ``key_cap_bytes``, ``in_group_fraction`` (ready peers that met another
 under their key within the matchmaking wait), ``progress_error_p50``/``_p95`` (the relative error
 of a peer's estimated samples at its epoch against the true sum, at every read where the truth is
-past a tenth of the target). Run it: ``python -m peer.bench.swarm_sim --peers 1000``.
+past a tenth of the target), ``size_ratio_p05``/``_p50`` (a peer's estimate of the swarm's size
+over the true size, at every read). Run it: ``python -m peer.bench.swarm_sim --peers 1000``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dht.kademlia.config import DHTConfig
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
 from peer.records.progress_read import newest_per_peer
-from peer.swarm.progress import publish_due
+from peer.swarm.progress import publish_due, record_lifetime_s
 from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
 from peer.swarm.progress_sample import SampleRead, SizeEstimate, plan_read
 
@@ -81,6 +82,8 @@ class _Peer:
     mm_key: str = ""
     ready_s: float = 0.0
     published: tuple | None = None  # what the tracker last stored (progress.publish_due)
+    cycles_s: deque = field(default_factory=lambda: deque(maxlen=4))  # its refresh cycles
+    last_tick_s: float | None = None
 
     def samples_at(self, now: float) -> float:
         return self.samples + (self.rate * (now - self.anchor_s) if self.training else 0.0)
@@ -90,9 +93,12 @@ class _Peer:
 
 
 class _Swarm:
-    def __init__(self, num_peers: int, seconds: float, churn_per_s: float, seed: int, g: int):
+    def __init__(
+        self, num_peers: int, seconds: float, churn_per_s: float, seed: int, g: int, busy_s: float
+    ):
         self.rng = random.Random(seed)
         self.group_size = g
+        self.busy_s = busy_s
         self.config = ProgressConfig(
             target_batch_size=max(1, round(num_peers * MEAN_RATE * EPOCH_S)),
             publish_interval_s=2.0,
@@ -107,6 +113,7 @@ class _Swarm:
         self.truth: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
         self.window_start_s = RAMP_S + SETTLE_S
         self.errors: list[float] = []
+        self.size_ratios: list[float] = []
         self.num_ready = self.num_met = 0
         self.announced: dict[str, list[tuple[str, float]]] = defaultdict(list)
         self.num_keys_read: list[int] = []
@@ -169,15 +176,21 @@ class _Swarm:
 
     def tick(self, peer: _Peer, now: float) -> None:
         """Publish at the levels written, read the planned buckets, estimate, decide."""
-        self.schedule(now + self.config.publish_interval_s, "tick", peer.peer_id)
+        # a busy host: the next refresh starts up to busy_s late (its DHT requests queue)
+        late_s = self.rng.uniform(0.0, self.busy_s) if self.busy_s else 0.0
+        self.schedule(now + self.config.publish_interval_s + late_s, "tick", peer.peer_id)
+        if peer.last_tick_s is not None:
+            peer.cycles_s.append(now - peer.last_tick_s)
+        peer.last_tick_s = now
         if peer.size.value is None:
             self._probe(peer, now)
         own = self._own(peer, now)
         levels = tuple(write_levels(peer.size.value, self.config.records_per_bucket))
         if publish_due(peer.published, own, levels, now, self.config):
+            expiration = now + record_lifetime_s(peer.cycles_s, self.config)
             for level in levels:
                 key = bucket_key(PREFIX, level, bucket_of(peer.peer_id, level))
-                self.dht.store(peer.slot, key, peer.peer_id, own, now + self.config.record_ttl_s)
+                self.dht.store(peer.slot, key, peer.peer_id, own, expiration)
             peer.published = (own, levels, now)
         partners = peer.recent_partners()
         level = peer.size.level(self.config.records_per_bucket)
@@ -201,6 +214,7 @@ class _Swarm:
         )
         if now >= self.window_start_s:
             self.num_keys_read.append(len(plan.buckets))
+            self.size_ratios.append(size / len(self.alive))
         self._decide(peer, view, now)
 
     def _decide(self, peer: _Peer, view: GlobalProgress, now: float) -> None:
@@ -323,6 +337,8 @@ class _Swarm:
             "in_group_fraction": _fraction(self.num_met, self.num_ready),
             "progress_error_p50": _percentile(self.errors, 0.5),
             "progress_error_p95": _percentile(self.errors, 0.95),
+            "size_ratio_p05": _percentile(self.size_ratios, 0.05),
+            "size_ratio_p50": _percentile(self.size_ratios, 0.5),
             "keys_read_per_interval_max": max(self.num_keys_read, default=0),
             "rounds": self.num_ready,
             "epoch_max": max((self.peers[p].epoch for p in self.alive), default=0),
@@ -347,6 +363,7 @@ def simulate(
     churn_per_s: float = 0.0,
     seed: int = 0,
     target_group_size: int = 16,
+    busy_s: float = 0.0,
 ) -> dict:
     """Simulate ``num_peers`` peers for ``seconds`` of virtual time (after a ramp and a settling
     time); returns the figures of the module docstring, with ``wall_s`` (the run's own time).
@@ -358,11 +375,14 @@ def simulate(
             leaves, and a newcomer joins, every second), from the end of the ramp on.
         seed: seeds every random choice (the same seed, the same figures).
         target_group_size: ``g`` of matchmaking (its key has ``N // (2 g)`` shards).
+        busy_s: a busy host: each refresh cycle runs up to this many seconds late (uniform).
     """
-    if num_peers < 1 or seconds <= 0 or churn_per_s < 0 or target_group_size < 2:
-        raise ValueError("num_peers >= 1, seconds > 0, churn_per_s >= 0, target_group_size >= 2")
+    if num_peers < 1 or seconds <= 0 or churn_per_s < 0 or target_group_size < 2 or busy_s < 0:
+        raise ValueError(
+            "num_peers >= 1, seconds > 0, churn_per_s >= 0, target_group_size >= 2, busy_s >= 0"
+        )
     started_s = time.perf_counter()
-    swarm = _Swarm(num_peers, seconds, churn_per_s, seed, target_group_size)
+    swarm = _Swarm(num_peers, seconds, churn_per_s, seed, target_group_size, busy_s)
     swarm.run(num_peers, seconds, churn_per_s)
     return {
         **swarm.report(seconds),
@@ -378,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--churn", type=float, default=0.0, help="fraction replaced per second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--group-size", type=int, default=16)
+    parser.add_argument("--busy-s", type=float, default=0.0, help="refresh cycles run this late")
     args = parser.parse_args(argv)
     report = simulate(
         args.peers,
@@ -385,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         churn_per_s=args.churn,
         seed=args.seed,
         target_group_size=args.group_size,
+        busy_s=args.busy_s,
     )
     print(json.dumps(report))
 
