@@ -9,7 +9,7 @@ import pytest
 
 from dht.config import get_dht_time
 from peer.records.progress import PeerProgress
-from peer.swarm.progress import ProgressConfig, ProgressTracker, publish_due
+from peer.swarm.progress import ProgressConfig, ProgressTracker, publish_due, record_lifetime_s
 from tests.peer.swarm.test_progress import start_nodes
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,3 +88,37 @@ async def test_readers_follow_a_steady_peer_stored_every_few_intervals_and_see_i
     # readers extrapolate the stored line: within half an interval's samples of the truth,
     # plus the rate's smoothing at the start
     assert max(errors) < 0.1, errors
+
+
+def test_a_record_outlives_three_refresh_cycles_of_a_busy_publisher_within_a_bound():
+    config = ProgressConfig(target_batch_size=10, publish_interval_s=2.0, record_ttl_s=20.0)
+    assert record_lifetime_s([], config) == 20.0
+    assert record_lifetime_s([2.5, 3.0], config) == 20.0  # a quiet host: the configured lifetime
+    assert record_lifetime_s([9.0, 21.0, 15.0], config) == 63.0  # the longest of the cycles
+    assert record_lifetime_s([500.0], config) == 200.0  # a vanished peer still drops out
+
+
+async def test_a_publisher_whose_refresh_cycle_outlasts_the_record_ttl_stays_seen():
+    # the publisher's reads take 1.5 s (a busy host's DHT): a cycle of ~1.7 s, past the 1-s TTL
+    config = ProgressConfig(target_batch_size=1_000_000, publish_interval_s=0.2, record_ttl_s=1.0)
+    async with AsyncExitStack() as stack:
+        nodes = await start_nodes(stack, 2)
+        busy = ProgressTracker(dht=nodes[0], prefix="run", config=config)
+        read_records = busy._read_records
+
+        async def slow_read():
+            await asyncio.sleep(1.5)
+            return await read_records()
+
+        busy._read_records = slow_read
+        busy.report_local_progress(0, 0)
+        await stack.enter_async_context(busy)
+        reader = ProgressTracker(dht=nodes[1], prefix="run", config=config)
+        await asyncio.sleep(2.0)  # its first cycle is measured from the second publish on
+        counts = []
+        for _ in range(12):  # 3.6 s: about two of its cycles, reads at every phase of them
+            counts.append((await reader.refresh()).num_peers)
+            await asyncio.sleep(0.3)
+    # with the configured 1-s lifetime, a third of the reads fell between its record's
+    # expiry and its refresh and counted a swarm of one
+    assert counts == [2] * len(counts), counts
