@@ -39,9 +39,16 @@ from dht.kademlia.config import DHTConfig
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
 from peer.records.progress_read import newest_per_peer
-from peer.swarm.progress import publish_due, record_lifetime_s
+from peer.swarm.progress import REPROBE_INTERVAL_S, publish_due, record_lifetime_s
 from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
-from peer.swarm.progress_sample import SampleRead, SizeEstimate, plan_read
+from peer.swarm.progress_sample import (
+    SampleRead,
+    SizeEstimate,
+    levels_beside,
+    plan_read,
+    probe_count,
+    reprobe_needed,
+)
 
 PREFIX = "sim"
 MEAN_RATE = 100.0  # samples/s of the mean peer
@@ -84,6 +91,7 @@ class _Peer:
     published: tuple | None = None  # what the tracker last stored (progress.publish_due)
     cycles_s: deque = field(default_factory=lambda: deque(maxlen=4))  # its refresh cycles
     last_tick_s: float | None = None
+    probed_s: float = 0.0
 
     def samples_at(self, now: float) -> float:
         return self.samples + (self.rate * (now - self.anchor_s) if self.training else 0.0)
@@ -166,13 +174,21 @@ class _Swarm:
         # every writer here is honest and writes its own bucket: no record to filter out
         return self.dht.get(peer.slot, bucket_key(PREFIX, level, bucket), now, replicas)
 
-    def _probe(self, peer: _Peer, now: float) -> None:
-        sizes = [
-            len({r.peer_id for r in self._read_bucket(peer, lv, bucket_of(peer.peer_id, lv), now)}
-                - {peer.peer_id}) * 2**lv + 1
-            for lv in PROBE_LEVELS
-        ]  # fmt: skip
-        peer.size.update(float(max(sizes)), now, exact=True)
+    def _probe_size(self, peer: _Peer, now: float) -> float:
+        """:func:`peer.swarm.progress_sample.probe_size`, on the simulated DHT."""
+
+        def count(levels) -> dict[int, float]:
+            return {
+                lv: probe_count(
+                    self._read_bucket(peer, lv, bucket_of(peer.peer_id, lv), now), peer.peer_id, lv
+                )
+                for lv in levels
+            }
+
+        peer.probed_s = now
+        sizes = count(PROBE_LEVELS)
+        sizes |= count(levels_beside(max(sizes, key=sizes.__getitem__)))
+        return max(sizes.values())
 
     def tick(self, peer: _Peer, now: float) -> None:
         """Publish at the levels written, read the planned buckets, estimate, decide."""
@@ -183,7 +199,7 @@ class _Swarm:
             peer.cycles_s.append(now - peer.last_tick_s)
         peer.last_tick_s = now
         if peer.size.value is None:
-            self._probe(peer, now)
+            peer.size.update(self._probe_size(peer, now), now, exact=True)
         own = self._own(peer, now)
         levels = tuple(write_levels(peer.size.value, self.config.records_per_bucket))
         if publish_due(peer.published, own, levels, now, self.config):
@@ -201,7 +217,14 @@ class _Swarm:
         fills = {b: len({r.peer_id for r in records}) for b, records in found.items()}
         records = newest_per_peer(r for bucket in found.values() for r in bucket)
         read = SampleRead(plan, records, fills)
-        size = peer.size.update(read.raw_size(peer.peer_id), now, exact=plan.complete)
+        raw, exact = read.raw_size(peer.peer_id), plan.complete
+        if now - peer.probed_s >= REPROBE_INTERVAL_S or reprobe_needed(
+            level, raw, self.config.records_per_bucket
+        ):
+            probed = self._probe_size(peer, now)
+            if probed >= 2 * raw:
+                raw, exact = probed, True
+        size = peer.size.update(raw, now, exact=exact)
         peer.records, peer.sample = records, read.sample(partners, size)
         view = estimate(
             records,

@@ -37,6 +37,7 @@ from peer.swarm.progress_sample import (
     plan_read,
     probe_size,
     read_sample,
+    reprobe_needed,
 )
 
 __all__ = [
@@ -110,6 +111,9 @@ def publish_due(
 RECORD_CYCLES = 3
 # ... but at most this many times ``record_ttl_s``: a peer that vanished still drops out.
 MAX_LIFETIME_RATIO = 10
+# A peer probes every level again this often (about 10 keys, against 8 per interval): peers
+# that settled in a layout of their own find the swarm (progress_sample.reprobe_needed).
+REPROBE_INTERVAL_S = 60.0
 
 
 def record_lifetime_s(cycles_s: Iterable[float], config: ProgressConfig) -> float:
@@ -169,6 +173,7 @@ class ProgressTracker:
         # the last few refresh cycles (between the starts of two publishes), in s
         self._cycles_s: deque[float] = deque(maxlen=4)
         self._cycle_start_s: float | None = None
+        self._probed_s = time.monotonic()  # when the own bucket was last probed at every level
 
     @property
     def size(self) -> float | None:
@@ -255,14 +260,20 @@ class ProgressTracker:
             return all(stored)
 
     async def _probe(self) -> None:
+        raw = await self._probe_size()
+        # a failed probe: a swarm of one until the next read says otherwise
+        self._size.update(raw or 1.0, time.monotonic(), exact=True)
+
+    async def _probe_size(self) -> float | None:
+        """The size the own bucket at every level says (None: the probe failed)."""
+        self._probed_s = time.monotonic()
         try:
-            raw = await probe_size(
+            return await probe_size(
                 self.dht, self.prefix, self.dht.peer_id, self.config.max_samples_per_s
             )
-        except DHTError as e:  # a swarm of one until the next read says otherwise
+        except DHTError as e:
             logger.warning("progress layout probe failed: %s", str(e) or type(e).__name__)
-            raw = 1.0
-        self._size.update(raw, time.monotonic(), exact=True)
+            return None
 
     def _owned_at(self, level: int) -> OwnedRecord:
         if level not in self._owned:
@@ -312,9 +323,15 @@ class ProgressTracker:
             self.dht, self.prefix, plan, self.config.max_samples_per_s, self.config.read_replicas
         )
         self.num_keys_read = len(plan.buckets)
-        size = self._size.update(
-            found.raw_size(self.dht.peer_id), time.monotonic(), exact=plan.complete
-        )
+        raw, exact = found.raw_size(self.dht.peer_id), plan.complete
+        now_s = time.monotonic()
+        if now_s - self._probed_s >= REPROBE_INTERVAL_S or reprobe_needed(
+            level, raw, self.config.records_per_bucket
+        ):
+            probed = await self._probe_size()
+            if probed is not None and probed >= 2 * raw:  # another layout holds more peers
+                raw, exact = probed, True
+        size = self._size.update(raw, now_s, exact=exact)
         self._records = found.records
         self._sample = found.sample(partners, size)
         self.version += 1
