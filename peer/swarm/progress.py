@@ -111,9 +111,11 @@ def publish_due(
 RECORD_CYCLES = 3
 # ... but at most this many times ``record_ttl_s``: a peer that vanished still drops out.
 MAX_LIFETIME_RATIO = 10
-# A peer probes every level again this often (about 10 keys, against 8 per interval): peers
-# that settled in a layout of their own find the swarm (progress_sample.reprobe_needed).
-REPROBE_INTERVAL_S = 60.0
+# A peer probes every level again after this many reads (a probe reads about 10 keys, a read
+# up to 8): peers that settled in a layout of their own find the swarm. Counted in reads, not
+# seconds: at 256 peers on 2 cores a probe every 60 s, with reads 35 s apart, doubled the keys
+# read and the reads took 70-90 s.
+REPROBE_EVERY_READS = 30
 
 
 def record_lifetime_s(cycles_s: Iterable[float], config: ProgressConfig) -> float:
@@ -173,7 +175,7 @@ class ProgressTracker:
         # the last few refresh cycles (between the starts of two publishes), in s
         self._cycles_s: deque[float] = deque(maxlen=4)
         self._cycle_start_s: float | None = None
-        self._probed_s = time.monotonic()  # when the own bucket was last probed at every level
+        self._probed_at_read = 0  # the read at which every level was last probed
 
     @property
     def size(self) -> float | None:
@@ -266,7 +268,7 @@ class ProgressTracker:
 
     async def _probe_size(self) -> float | None:
         """The size the own bucket at every level says (None: the probe failed)."""
-        self._probed_s = time.monotonic()
+        self._probed_at_read = self._num_reads
         try:
             return await probe_size(
                 self.dht, self.prefix, self.dht.peer_id, self.config.max_samples_per_s
@@ -324,14 +326,13 @@ class ProgressTracker:
         )
         self.num_keys_read = len(plan.buckets)
         raw, exact = found.raw_size(self.dht.peer_id), plan.complete
-        now_s = time.monotonic()
-        if now_s - self._probed_s >= REPROBE_INTERVAL_S or reprobe_needed(
+        if self._num_reads - self._probed_at_read >= REPROBE_EVERY_READS or reprobe_needed(
             level, raw, self.config.records_per_bucket
         ):
             probed = await self._probe_size()
             if probed is not None and probed >= 2 * raw:  # another layout holds more peers
                 raw, exact = probed, True
-        size = self._size.update(raw, now_s, exact=exact)
+        size = self._size.update(raw, time.monotonic(), exact=exact)
         self._records = found.records
         self._sample = found.sample(partners, size)
         self.version += 1

@@ -58,7 +58,7 @@ def _identities() -> list[PeerIdentity]:
 
 
 async def test_a_peer_stuck_in_a_layout_of_its_own_finds_the_swarm(monkeypatch):
-    monkeypatch.setattr(progress_module, "REPROBE_INTERVAL_S", 1.0)
+    monkeypatch.setattr(progress_module, "REPROBE_EVERY_READS", 3)
     identities = _identities()
     async with AsyncExitStack() as stack:
         nodes = []
