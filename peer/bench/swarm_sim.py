@@ -219,7 +219,7 @@ class _Swarm:
         read = SampleRead(plan, records, fills)
         raw, exact = read.raw_size(peer.peer_id), plan.complete
         if peer.num_reads - peer.probed_at_read >= REPROBE_EVERY_READS or reprobe_needed(
-            level, raw, self.config.records_per_bucket
+            level, raw, self.config.records_per_bucket, peer.size.value
         ):
             probed = self._probe_size(peer, now)
             if probed >= 2 * raw:

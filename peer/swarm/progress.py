@@ -327,7 +327,7 @@ class ProgressTracker:
         self.num_keys_read = len(plan.buckets)
         raw, exact = found.raw_size(self.dht.peer_id), plan.complete
         if self._num_reads - self._probed_at_read >= REPROBE_EVERY_READS or reprobe_needed(
-            level, raw, self.config.records_per_bucket
+            level, raw, self.config.records_per_bucket, self._size.value
         ):
             probed = await self._probe_size()
             if probed is not None and probed >= 2 * raw:  # another layout holds more peers

@@ -145,12 +145,16 @@ def levels_beside(level: int) -> tuple[int, ...]:
     return tuple(lv for lv in (level - 1, level + 1) if 0 <= lv <= MAX_LEVEL)
 
 
-def reprobe_needed(level: int, raw: float, records_per_bucket: int) -> bool:
-    """Whether a read of layout ``level`` that counted ``raw`` peers says that layout is not
-    in use (its writers would have filled it twice as much, at least): a newcomer whose probe
-    counted few, then read a layout nobody wrote, would shrink its estimate and settle in a
-    smaller layout still, among the few peers stuck as it is (at 256 peers on 2 cores, 15 of
-    them counted each other as the swarm for minutes)."""
+def reprobe_needed(level: int, raw: float, records_per_bucket: int, current: float | None) -> bool:
+    """Whether a read of layout ``level`` that counted ``raw`` peers may have lost the swarm,
+    not seen it shrink: it counted less than half the ``current`` estimate, or less than half
+    of what the layout's writers would fill. Peers see each other within a factor of about
+    sqrt(2) of their estimates; a cohort whose estimate lags the swarm's (its reads slower than
+    the others') loses sight of it as the others move to the next layout, then counts ever
+    fewer, one layout down at a time, and at last only the few that fell with it (at 256 peers
+    on 2 cores, 13 of them counted each other as the swarm for the rest of the run)."""
+    if current is not None and raw < current / 2:
+        return True
     return read_level(raw, records_per_bucket) <= level - 2
 
 

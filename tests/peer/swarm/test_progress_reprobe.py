@@ -35,9 +35,12 @@ def test_a_probe_level_with_one_record_says_nothing_and_an_empty_layout_calls_fo
     assert probe_count(others[:1], "me", 8) == 1.0  # not 257: one stray record
     assert probe_count(others, "me", 4) == 3 * 16 + 1
     # a read of level 4 that counts what level 2 holds: that layout is not in use
-    assert reprobe_needed(4, 40.0, 16)
-    assert not reprobe_needed(4, 150.0, 16)
-    assert not reprobe_needed(1, 1.0, 16)
+    assert reprobe_needed(4, 40.0, 16, None)
+    assert not reprobe_needed(4, 150.0, 16, None)
+    assert not reprobe_needed(1, 1.0, 16, None)
+    # a read that counts half the estimate or less: the swarm may have moved on
+    assert reprobe_needed(3, 76.0, 16, 175.0)
+    assert not reprobe_needed(3, 150.0, 16, 175.0)
 
 
 def _identities() -> list[PeerIdentity]:
