@@ -39,7 +39,12 @@ from dht.kademlia.config import DHTConfig
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
 from peer.records.progress_read import newest_per_peer
-from peer.swarm.progress import REPROBE_EVERY_READS, publish_due, record_lifetime_s
+from peer.swarm.progress import (
+    REPROBE_EVERY_READS,
+    REPROBE_GAP_INTERVALS,
+    publish_due,
+    record_lifetime_s,
+)
 from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
 from peer.swarm.progress_sample import (
     SampleRead,
@@ -92,6 +97,7 @@ class _Peer:
     cycles_s: deque = field(default_factory=lambda: deque(maxlen=4))  # its refresh cycles
     last_tick_s: float | None = None
     probed_at_read: int = 0
+    probed_s: float = 0.0
 
     def samples_at(self, now: float) -> float:
         return self.samples + (self.rate * (now - self.anchor_s) if self.training else 0.0)
@@ -185,7 +191,7 @@ class _Swarm:
                 for lv in levels
             }
 
-        peer.probed_at_read = peer.num_reads
+        peer.probed_at_read, peer.probed_s = peer.num_reads, now
         sizes = count(PROBE_LEVELS)
         sizes |= count(levels_beside(max(sizes, key=sizes.__getitem__)))
         return max(sizes.values())
@@ -218,9 +224,10 @@ class _Swarm:
         records = newest_per_peer(r for bucket in found.values() for r in bucket)
         read = SampleRead(plan, records, fills)
         raw, exact = read.raw_size(peer.peer_id), plan.complete
-        if peer.num_reads - peer.probed_at_read >= REPROBE_EVERY_READS or reprobe_needed(
+        due = peer.num_reads - peer.probed_at_read >= REPROBE_EVERY_READS or reprobe_needed(
             level, raw, self.config.records_per_bucket, peer.size.value
-        ):
+        )
+        if due and now - peer.probed_s >= REPROBE_GAP_INTERVALS * self.config.publish_interval_s:
             probed = self._probe_size(peer, now)
             if probed >= 2 * raw:
                 raw, exact = probed, True
