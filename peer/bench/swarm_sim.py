@@ -39,20 +39,15 @@ from dht.kademlia.config import DHTConfig
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
 from peer.records.progress_read import newest_per_peer
-from peer.swarm.progress import (
-    REPROBE_EVERY_READS,
-    REPROBE_GAP_INTERVALS,
-    publish_due,
-    record_lifetime_s,
-)
+from peer.swarm.progress import publish_due, record_lifetime_s
 from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
 from peer.swarm.progress_sample import (
+    Reprobe,
     SampleRead,
     SizeEstimate,
     levels_beside,
     plan_read,
     probe_count,
-    reprobe_needed,
 )
 
 PREFIX = "sim"
@@ -96,8 +91,7 @@ class _Peer:
     published: tuple | None = None  # what the tracker last stored (progress.publish_due)
     cycles_s: deque = field(default_factory=lambda: deque(maxlen=4))  # its refresh cycles
     last_tick_s: float | None = None
-    probed_at_read: int = 0
-    probed_s: float = 0.0
+    reprobe: Reprobe | None = None  # set at join (the config's interval)
 
     def samples_at(self, now: float) -> float:
         return self.samples + (self.rate * (now - self.anchor_s) if self.training else 0.0)
@@ -157,6 +151,7 @@ class _Swarm:
         rate = MEAN_RATE * self.rng.lognormvariate(-(RATE_SIGMA**2) / 2, RATE_SIGMA)
         peer = _Peer(peer_id, self.dht.join(peer_id), rate, epoch, 0.0, now)
         peer.size = SizeEstimate(self.config.size_window_s)
+        peer.reprobe = Reprobe(self.config.publish_interval_s, self.config.records_per_bucket, 0.0)
         self.peers[peer_id] = peer
         self.alive.append(peer_id)
         self._count(peer, 1)
@@ -191,7 +186,7 @@ class _Swarm:
                 for lv in levels
             }
 
-        peer.probed_at_read, peer.probed_s = peer.num_reads, now
+        peer.reprobe.mark(peer.num_reads, now)
         sizes = count(PROBE_LEVELS)
         sizes |= count(levels_beside(max(sizes, key=sizes.__getitem__)))
         return max(sizes.values())
@@ -224,13 +219,8 @@ class _Swarm:
         records = newest_per_peer(r for bucket in found.values() for r in bucket)
         read = SampleRead(plan, records, fills)
         raw, exact = read.raw_size(peer.peer_id), plan.complete
-        due = peer.num_reads - peer.probed_at_read >= REPROBE_EVERY_READS or reprobe_needed(
-            level, raw, self.config.records_per_bucket, peer.size.value
-        )
-        if due and now - peer.probed_s >= REPROBE_GAP_INTERVALS * self.config.publish_interval_s:
-            probed = self._probe_size(peer, now)
-            if probed >= 2 * raw:
-                raw, exact = probed, True
+        if peer.reprobe.due(peer.num_reads, now, level, raw, peer.size.value):
+            raw, exact = Reprobe.adopt(raw, exact, self._probe_size(peer, now))
         size = peer.size.update(raw, now, exact=exact)
         peer.records, peer.sample = records, read.sample(partners, size)
         view = estimate(

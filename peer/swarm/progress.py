@@ -32,12 +32,12 @@ from peer.swarm.progress_estimate import (
     estimate,
 )
 from peer.swarm.progress_sample import (
+    Reprobe,
     SampleRead,
     SizeEstimate,
     plan_read,
     probe_size,
     read_sample,
-    reprobe_needed,
 )
 
 __all__ = [
@@ -111,14 +111,6 @@ def publish_due(
 RECORD_CYCLES = 3
 # ... but at most this many times ``record_ttl_s``: a peer that vanished still drops out.
 MAX_LIFETIME_RATIO = 10
-# A peer probes every level again after this many reads (a probe reads about 10 keys, a read
-# up to 8): peers that settled in a layout of their own find the swarm. Counted in reads, not
-# seconds: at 256 peers on 2 cores a probe every 60 s, with reads 35 s apart, doubled the keys
-# read and the reads took 70-90 s.
-REPROBE_EVERY_READS = 30
-# ... and any probe at most once per this many publishing intervals: a peer of 20-ms epochs
-# reads at every epoch, and 30 reads went by in a second.
-REPROBE_GAP_INTERVALS = 10
 
 
 def record_lifetime_s(cycles_s: Iterable[float], config: ProgressConfig) -> float:
@@ -178,8 +170,9 @@ class ProgressTracker:
         # the last few refresh cycles (between the starts of two publishes), in s
         self._cycles_s: deque[float] = deque(maxlen=4)
         self._cycle_start_s: float | None = None
-        self._probed_at_read = 0  # the read at which every level was last probed
-        self._probed_s = time.monotonic()  # and when
+        self._reprobe = Reprobe(
+            config.publish_interval_s, config.records_per_bucket, time.monotonic()
+        )
 
     @property
     def size(self) -> float | None:
@@ -272,7 +265,7 @@ class ProgressTracker:
 
     async def _probe_size(self) -> float | None:
         """The size the own bucket at every level says (None: the probe failed)."""
-        self._probed_at_read, self._probed_s = self._num_reads, time.monotonic()
+        self._reprobe.mark(self._num_reads, time.monotonic())
         try:
             return await probe_size(
                 self.dht, self.prefix, self.dht.peer_id, self.config.max_samples_per_s
@@ -330,14 +323,8 @@ class ProgressTracker:
         )
         self.num_keys_read = len(plan.buckets)
         raw, exact = found.raw_size(self.dht.peer_id), plan.complete
-        due = self._num_reads - self._probed_at_read >= REPROBE_EVERY_READS or reprobe_needed(
-            level, raw, self.config.records_per_bucket, self._size.value
-        )
-        gap_s = REPROBE_GAP_INTERVALS * self.config.publish_interval_s
-        if due and time.monotonic() - self._probed_s >= gap_s:
-            probed = await self._probe_size()
-            if probed is not None and probed >= 2 * raw:  # another layout holds more peers
-                raw, exact = probed, True
+        if self._reprobe.due(self._num_reads, time.monotonic(), level, raw, self._size.value):
+            raw, exact = Reprobe.adopt(raw, exact, await self._probe_size())
         size = self._size.update(raw, time.monotonic(), exact=exact)
         self._records = found.records
         self._sample = found.sample(partners, size)

@@ -158,6 +158,46 @@ def reprobe_needed(level: int, raw: float, records_per_bucket: int, current: flo
     return read_level(raw, records_per_bucket) <= level - 2
 
 
+# A peer probes every level again after this many reads (a probe reads about 10 keys, a read
+# up to 8): peers that settled in a layout of their own find the swarm. Counted in reads, not
+# seconds: at 256 peers on 2 cores a probe every 60 s, with reads 35 s apart, doubled the keys
+# read and the reads took 70-90 s.
+REPROBE_EVERY_READS = 30
+# ... and any probe at most once per this many publishing intervals: a peer of 20-ms epochs
+# reads at every epoch, and 30 reads went by in a second.
+REPROBE_GAP_INTERVALS = 10
+
+
+class Reprobe:
+    """When a peer probes every level again (:func:`reprobe_needed`, or every
+    ``REPROBE_EVERY_READS`` reads; at most once per ``REPROBE_GAP_INTERVALS`` intervals), and
+    what a probe's count does to a read's: replaces it when it is twice as many or more."""
+
+    def __init__(self, publish_interval_s: float, records_per_bucket: int, now_s: float):
+        self.gap_s = REPROBE_GAP_INTERVALS * publish_interval_s
+        self.records_per_bucket = records_per_bucket
+        self.at_read, self.at_s = 0, now_s
+
+    def mark(self, num_reads: int, now_s: float) -> None:
+        """A probe starts now."""
+        self.at_read, self.at_s = num_reads, now_s
+
+    def due(
+        self, num_reads: int, now_s: float, level: int, raw: float, current: float | None
+    ) -> bool:
+        wanted = num_reads - self.at_read >= REPROBE_EVERY_READS or reprobe_needed(
+            level, raw, self.records_per_bucket, current
+        )
+        return wanted and now_s - self.at_s >= self.gap_s
+
+    @staticmethod
+    def adopt(raw: float, exact: bool, probed: float | None) -> tuple[float, bool]:
+        """The read's count and exactness after a probe (None: it failed)."""
+        if probed is not None and probed >= 2 * raw:  # another layout holds more peers
+            return probed, True
+        return raw, exact
+
+
 async def probe_size(
     node: ValueReader, run_id: str, own_id: str, max_samples_per_s: float
 ) -> float:

@@ -9,7 +9,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-import peer.swarm.progress as progress_module
+import peer.swarm.progress_sample as sample_module
 from dht.config import DHTConfig
 from dht.identity import PeerIdentity
 from dht.launch import open_node
@@ -61,7 +61,7 @@ def _identities() -> list[PeerIdentity]:
 
 
 async def test_a_peer_stuck_in_a_layout_of_its_own_finds_the_swarm(monkeypatch):
-    monkeypatch.setattr(progress_module, "REPROBE_EVERY_READS", 3)
+    monkeypatch.setattr(sample_module, "REPROBE_EVERY_READS", 3)
     identities = _identities()
     async with AsyncExitStack() as stack:
         nodes = []
