@@ -248,10 +248,12 @@ async def test_a_newcomer_joins_the_settled_peers_whatever_its_rank(make_swarm):
     assert all(r.status == "ok" for r in first)
     key = peers[0].averager.matchmaking_key(1)
     best = min(rank_of(key, p.peer_id) for p in peers)
-    while True:  # a newcomer whose id alone would make it the leader
-        (newcomer,) = await make_swarm([[vectors[2].copy()]], config=config)
-        if rank_of(key, newcomer.peer_id) < best:
-            break
+    # A newcomer whose id alone would make it the leader. Only identities are drawn until one
+    # does: a started peer per draw loaded the host for as many draws as the best rank needed.
+    identity = PeerIdentity.generate()
+    while rank_of(key, identity.peer_id) >= best:
+        identity = PeerIdentity.generate()
+    (newcomer,) = await make_swarm([[vectors[2].copy()]], config=config, identities=[identity])
     everyone = [*peers, newcomer]
     mirrored = [p.tensors[0].copy() for p in everyone]
     second = await asyncio.gather(*(p.averager.step(weight=1.0, epoch=1) for p in everyone))

@@ -125,13 +125,16 @@ async def make_peers():
 
 @pytest.fixture
 async def make_swarm():
-    """Factory: ``await make_swarm(tensor_lists, config=..., client_mode=set_of_indices)``."""
+    """Factory: ``await make_swarm(tensor_lists, config=..., client_mode=set_of_indices)``;
+    ``identities=`` gives the peers' identities (generated where left out)."""
     started = _Started()
 
-    async def make(tensor_lists, *, config=None, client_mode=(), prefix="t") -> list[Peer]:
+    async def make(
+        tensor_lists, *, config=None, client_mode=(), prefix="t", identities=()
+    ) -> list[Peer]:
         peers = []
         for index, tensors in enumerate(tensor_lists):
-            identity = PeerIdentity.generate()
+            identity = identities[index] if index < len(identities) else PeerIdentity.generate()
             transport = HttpTransport(identity, TransportConfig(client_mode=index in client_mode))
             bootstrap = [p.address for p in started.peers[:2] if p.address]
             node = DHTNode(
