@@ -38,16 +38,14 @@ from averaging.matchmaking import rows
 from dht.kademlia.config import DHTConfig
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
-from peer.records.progress_read import newest_per_peer
+from peer.records.progress_read import levels_beside, newest_per_peer, probe_count
 from peer.swarm.progress import publish_due, record_lifetime_s
 from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
 from peer.swarm.progress_sample import (
     Reprobe,
     SampleRead,
     SizeEstimate,
-    levels_beside,
     plan_read,
-    probe_count,
 )
 
 PREFIX = "sim"

@@ -1,4 +1,5 @@
-"""Reading progress buckets: one bucket (for a peer's sample) or every one (for the dashboard).
+"""Reading progress buckets: one bucket (for a peer's sample), the own bucket at every level (a
+probe of the swarm's size, :func:`probe_size`), or every bucket (for the dashboard).
 
 A peer reads a bounded sample of buckets (:mod:`peer.swarm.progress_sample`); the dashboard is no
 peer and shows every peer, so it reads every bucket of the layout in use
@@ -10,11 +11,12 @@ stranger, or left behind by a peer that changed level) counts nowhere else.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from peer.records.buckets import levels_around
 from peer.records.progress import (
+    MAX_LEVEL,
     PROBE_LEVELS,
     RECORDS_PER_BUCKET,
     PeerProgress,
@@ -74,16 +76,56 @@ def newest_per_peer(records: Iterable[PeerProgress]) -> list[PeerProgress]:
     return list(newest.values())
 
 
+def probe_count(records: Iterable[PeerProgress], own_id: str, level: int) -> float:
+    """The swarm's size by the own bucket at ``level`` alone: the others found there, scaled
+    up to the layout (a lone record above level 0 says nothing: one stray record at level 8
+    would make a swarm of 257)."""
+    num_others = len({r.peer_id for r in records} - {own_id})
+    if level and num_others < 2:
+        return 1.0
+    return float(num_others * 2**level + 1)
+
+
+def levels_beside(level: int) -> tuple[int, ...]:
+    """The levels next to ``level`` (the odd ones beside an even level a probe found fullest)."""
+    return tuple(lv for lv in (level - 1, level + 1) if 0 <= lv <= MAX_LEVEL)
+
+
+async def probe_size(
+    node: ValueReader, run_id: str, own_id: str, max_samples_per_s: float
+) -> float:
+    """The swarm's size as a newcomer first sees it: the own bucket at every other level (each
+    peer writes two neighbouring levels, so one of them holds it), then at the two levels
+    beside the fullest, at the level where that counts most (:func:`probe_count`). The odd
+    levels matter while the swarm moves to a new layout: its peers then share an odd level,
+    and their even ones are split between the old layout and the new (probing the even ones
+    only, a newcomer counted 65 of about 180)."""
+
+    async def count(levels: Sequence[int]) -> dict[int, float]:
+        found = await asyncio.gather(
+            *(
+                read_bucket(node, run_id, level, bucket_of(own_id, level), max_samples_per_s)
+                for level in levels
+            )
+        )
+        return {lv: probe_count(rs, own_id, lv) for lv, rs in zip(levels, found, strict=True)}
+
+    sizes = await count(PROBE_LEVELS)
+    sizes |= await count(levels_beside(max(sizes, key=sizes.__getitem__)))
+    return max(sizes.values())
+
+
 class ProgressSweep:
     """Reads every peer's record, bucket by bucket, for a reader that must show all of them.
 
-    A sweep that has no count to go by (the first, or the last found nobody) finds the layout
-    by probing bucket 0 of every other level (a filled one says ``fill * 2**level`` peers); the
-    next ones read at the level the last count calls for, and at the levels on either side of
-    it, keeping each peer's newest record. Peers write the two levels their own estimate of the
-    swarm calls for, which need not be the sweep's: reading one level, the dashboard of 32
-    peers on a loaded host showed records tens of seconds old from a level the peers had left,
-    and at other times none at all. A sweep costs 3.5 times the keys of one level.
+    A sweep that has no count to go by (the first, or the last found nobody) finds the layout as
+    a newcomer peer does (:func:`probe_size`: one bucket at every other level, then the odd
+    levels beside the fullest, a filled one saying ``fill * 2**level`` peers); the next ones
+    read at the level the last count calls for, and at the levels on either side of it, keeping
+    each peer's newest record. Peers write the two levels their own estimate of the swarm calls
+    for, which need not be the sweep's: reading one level, the dashboard of 32 peers on a loaded
+    host showed records tens of seconds old from a level the peers had left, and at other times
+    none at all. A sweep costs 3.5 times the keys of one level.
 
     Args:
         run_id: the run whose records to read.
@@ -114,11 +156,10 @@ class ProgressSweep:
         self.level = 0
 
     async def _find_level(self, node: ValueReader) -> int:
-        found = await asyncio.gather(
-            *(read_bucket(node, self.run_id, lv, 0, self.max_samples_per_s) for lv in PROBE_LEVELS)
-        )
-        sizes = [len(records) * 2**lv for lv, records in zip(PROBE_LEVELS, found, strict=True)]
-        return read_level(max(sizes), self.records_per_bucket)
+        # probed as a newcomer peer probes (the odd levels too, while the swarm moves between
+        # layouts); the sweep writes no record, so no own id is left out of the counts
+        size = await probe_size(node, self.run_id, "", self.max_samples_per_s)
+        return read_level(size, self.records_per_bucket)
 
     async def read(self, node: ValueReader) -> list[PeerProgress]:
         """Every peer's newest record (raises what ``node.get`` raises)."""

@@ -25,6 +25,7 @@ from dht.kademlia.node import DHTNode
 from dht.owned_record import OwnedRecord
 from dht.periodic import Periodic
 from peer.records.progress import PeerProgress, bucket_key, bucket_of, write_levels
+from peer.records.progress_read import probe_size
 from peer.swarm.progress_estimate import (
     GlobalProgress,
     ProgressConfig,
@@ -36,7 +37,6 @@ from peer.swarm.progress_sample import (
     SampleRead,
     SizeEstimate,
     plan_read,
-    probe_size,
     read_sample,
 )
 

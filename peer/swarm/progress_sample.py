@@ -6,12 +6,12 @@ when there are at most ``max_whole_buckets``, the records count as every peer's,
 sample: the trust rules of a small swarm), else its own bucket, the buckets of up to
 ``max_partner_buckets`` partners (the most recent first, rotating when there are more) and
 random ones for the rest. The random buckets are a uniform draw, so ``2**level`` times their
-mean fill is an unbiased count of the swarm; :class:`SizeEstimate` averages it over the
-last ``size_window_s`` (each interval draws new buckets). A peer with no estimate yet probes its own
-bucket at every other level (:func:`probe_size`); every peer probes again now and then, and at
-once when a read says its layout is not in use (:func:`reprobe_needed`), and a probe that
-counts twice the estimate or more replaces it: peers that settled in a layout of their own
-(they count only each other) find the swarm again.
+mean fill is an unbiased count of the swarm; :class:`SizeEstimate` averages it over the last
+``size_window_s`` (each interval draws new buckets). A peer with no estimate yet probes its own
+bucket at every level (:func:`peer.records.progress_read.probe_size`); every peer probes again
+now and then, and at once when a read says its layout is not in use (:func:`reprobe_needed`),
+and a probe that counts twice the estimate or more replaces it: peers that settled in a layout
+of their own (they count only each other) find the swarm again.
 
 Reads are bounded whatever the swarm's size: ``max_buckets_read`` keys of about
 ``records_per_bucket`` records each (a key holds 16 to 32 records, about 6 KiB at most in a
@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from peer.records.progress import MAX_LEVEL, PROBE_LEVELS, PeerProgress, bucket_of, read_level
+from peer.records.progress import PeerProgress, bucket_of, read_level
 from peer.records.progress_read import ValueReader, newest_per_peer, read_bucket
 from peer.swarm.progress_estimate import ProgressConfig, Sample
 
@@ -130,21 +130,6 @@ async def read_sample(
     return SampleRead(plan, records, fills)
 
 
-def probe_count(records: Iterable[PeerProgress], own_id: str, level: int) -> float:
-    """The swarm's size by the own bucket at ``level`` alone: the others found there, scaled
-    up to the layout (a lone record above level 0 says nothing: one stray record at level 8
-    would make a swarm of 257)."""
-    num_others = len({r.peer_id for r in records} - {own_id})
-    if level and num_others < 2:
-        return 1.0
-    return float(num_others * 2**level + 1)
-
-
-def levels_beside(level: int) -> tuple[int, ...]:
-    """The levels next to ``level`` (the odd ones beside an even level a probe found fullest)."""
-    return tuple(lv for lv in (level - 1, level + 1) if 0 <= lv <= MAX_LEVEL)
-
-
 def reprobe_needed(level: int, raw: float, records_per_bucket: int, current: float | None) -> bool:
     """Whether a read of layout ``level`` that counted ``raw`` peers may have lost the swarm,
     not seen it shrink: it counted less than half the ``current`` estimate, or less than half
@@ -196,30 +181,6 @@ class Reprobe:
         if probed is not None and probed >= 2 * raw:  # another layout holds more peers
             return probed, True
         return raw, exact
-
-
-async def probe_size(
-    node: ValueReader, run_id: str, own_id: str, max_samples_per_s: float
-) -> float:
-    """The swarm's size as a newcomer first sees it: the own bucket at every other level (each
-    peer writes two neighbouring levels, so one of them holds it), then at the two levels
-    beside the fullest, at the level where that counts most (:func:`probe_count`). The odd
-    levels matter while the swarm moves to a new layout: its peers then share an odd level,
-    and their even ones are split between the old layout and the new (probing the even ones
-    only, a newcomer counted 65 of about 180)."""
-
-    async def count(levels: Sequence[int]) -> dict[int, float]:
-        found = await asyncio.gather(
-            *(
-                read_bucket(node, run_id, level, bucket_of(own_id, level), max_samples_per_s)
-                for level in levels
-            )
-        )
-        return {lv: probe_count(rs, own_id, lv) for lv, rs in zip(levels, found, strict=True)}
-
-    sizes = await count(PROBE_LEVELS)
-    sizes |= await count(levels_beside(max(sizes, key=sizes.__getitem__)))
-    return max(sizes.values())
 
 
 class SizeEstimate:

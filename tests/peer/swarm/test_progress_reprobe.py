@@ -15,8 +15,9 @@ from dht.identity import PeerIdentity
 from dht.launch import open_node
 from dht.net.config import TransportConfig
 from peer.records.progress import bucket_of
+from peer.records.progress_read import probe_count
 from peer.swarm.progress import ProgressConfig, ProgressTracker
-from peer.swarm.progress_sample import probe_count, reprobe_needed
+from peer.swarm.progress_sample import reprobe_needed
 
 pytestmark = pytest.mark.timeout(90)
 
