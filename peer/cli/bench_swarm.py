@@ -126,6 +126,13 @@ def add_bench_swarm_command(bench_sub) -> None:
         default=0.0,
         help="with --simulate: peers leaving and joining per second (default: 0)",
     )
+    parser.add_argument(
+        "--busy-s",
+        type=float,
+        default=0.0,
+        help="with --simulate: a busy host, each peer's refresh cycle up to this many seconds "
+        "late (default: 0)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(run=run_bench_swarm)
 
@@ -138,12 +145,17 @@ def _simulate(args: argparse.Namespace) -> dict | None:
             f"peer bench swarm --simulate: the simulation is not available ({e})", file=sys.stderr
         )
         return None
-    return simulate(
-        args.peers,
-        seconds=args.seconds if args.seconds is not None else 60.0,
-        churn_per_s=args.churn_per_s,
-        seed=args.seed,
-    )
+    try:
+        return simulate(
+            args.peers,
+            seconds=args.seconds if args.seconds is not None else 60.0,
+            churn_per_s=args.churn_per_s,
+            seed=args.seed,
+            target_group_size=args.target_group_size,
+            busy_s=args.busy_s,
+        )
+    except ValueError as e:
+        raise ConfigError(f"peer bench swarm --simulate: {e}") from None
 
 
 def run_bench_swarm(args: argparse.Namespace) -> int:

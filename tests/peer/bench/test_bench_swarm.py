@@ -114,7 +114,10 @@ def test_a_peer_alone_keeps_its_own_vector_and_counts_ready_not_in_group():
 
 def test_simulate_without_the_simulation_says_so_and_exits_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "peer.bench.swarm_sim", None)  # import raises ImportError
-    args = argparse.Namespace(simulate=True, peers=10, seconds=None, churn_per_s=0.0, seed=0)
+    args = argparse.Namespace(
+        simulate=True, peers=10, seconds=None, churn_per_s=0.0, seed=0, target_group_size=16,
+        busy_s=0.0,
+    )  # fmt: skip
     assert run_bench_swarm(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--simulate" in err[0]
@@ -146,3 +149,30 @@ def test_a_step_of_a_swarm_larger_than_a_group_has_time_for_the_second_level():
     two = SwarmBenchConfig(num_peers=64, target_group_size=16)
     assert two.step_timeout_s == two.matchmaking_s + 2 * two.allreduce_timeout_s + top_s
     assert two.child_spec()["step_timeout_s"] == two.step_timeout_s
+
+
+@pytest.mark.timeout(120)
+def test_the_simulation_takes_a_busy_host_from_the_command_line():
+    def simulate(*extra: str) -> dict:
+        result = _run(
+            [sys.executable, "-m", "peer", "bench", "swarm", "--simulate", "--peers", "64",
+             "--seconds", "30", "--json", *extra],
+            timeout_s=100,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    quiet, busy = simulate(), simulate("--busy-s", "40")
+    assert quiet["peers"] == busy["peers"] == 64
+    # refresh cycles up to 40 s late leave some reads counting fewer peers than there are
+    assert busy["size_ratio_p05"] < quiet["size_ratio_p05"]
+
+
+def test_a_bad_simulation_setting_is_one_error_line_and_a_nonzero_exit():
+    result = _run(
+        [sys.executable, "-m", "peer", "bench", "swarm", "--simulate", "--busy-s", "-1"],
+        timeout_s=60,
+    )
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "busy_s" in lines[0], result.stderr
