@@ -52,6 +52,10 @@ class SwarmBenchConfig:
         epoch_s: the epoch length the default target batch size aims at, in seconds.
         step_s: one local step, in seconds (the peer reads the swarm's estimate after each).
         publish_interval_s: how often a peer publishes and reads progress, in seconds.
+        read_replicas: the progress saving ``ProgressConfig.read_replicas`` (None: off, every
+            replica merged).
+        max_publish_gap_s: the progress saving ``ProgressConfig.max_publish_gap_s`` (None:
+            off, a record stored every interval).
         matchmaking_time_s: the averager's bound on looking for a group, in seconds (None: 5,
             and num_peers / 5 above 25 peers: on one host every DHT request of the swarm
             shares its cores; at 64 peers on 2 cores the announce and the first read of the
@@ -80,6 +84,8 @@ class SwarmBenchConfig:
     epoch_s: float = 8.0
     step_s: float = 0.5
     publish_interval_s: float = 2.0
+    read_replicas: int | None = None
+    max_publish_gap_s: float | None = None
     matchmaking_time_s: float | None = None
     allreduce_timeout_s: float = 30.0
     min_deadline_s: float | None = None
@@ -103,10 +109,12 @@ class SwarmBenchConfig:
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
         for name in ("seconds", "matchmaking_time_s", "min_deadline_s", "rpc_timeout_s",
-                     "timeout_s"):  # fmt: skip
+                     "timeout_s", "max_publish_gap_s"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {value}")
+        if self.read_replicas is not None and self.read_replicas < 1:
+            raise ValueError(f"read_replicas must be >= 1, got {self.read_replicas}")
         if self.target_batch_size is not None and self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
 
@@ -177,6 +185,8 @@ class SwarmBenchConfig:
                 "target_batch_size": self.batch_size,
                 "publish_interval_s": self.publish_interval_s,
                 "record_ttl_s": max(10 * self.publish_interval_s, 20.0),
+                "read_replicas": self.read_replicas,
+                "max_publish_gap_s": self.max_publish_gap_s,
             },
             "averager": {
                 "target_group_size": self.target_group_size,

@@ -185,4 +185,7 @@ def _settings(config: dict[str, Any], num_processes: int) -> dict[str, Any]:
         "matchmaking_time_s": config["matchmaking_s"],
         "rpc_timeout_s": config["rpc_s"],
         "min_deadline_s": config.get("min_deadline"),
+        "publish_interval_s": config.get("publish_interval_s"),
+        "read_replicas": config.get("read_replicas"),
+        "max_publish_gap_s": config.get("max_publish_gap_s"),
     }

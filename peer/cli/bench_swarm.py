@@ -90,6 +90,19 @@ def add_bench_swarm_command(bench_sub) -> None:
         help="progress publishing interval, s (default: 2)",
     )
     parser.add_argument(
+        "--read-replicas",
+        type=positive_int,
+        default=None,
+        help="progress reads merge this many replicas of a bucket (default: all; opt-in saving)",
+    )
+    parser.add_argument(
+        "--max-publish-gap-s",
+        type=positive_float,
+        default=None,
+        help="store a progress record only when readers would learn something, at least every "
+        "this many s (default: every interval; opt-in saving)",
+    )
+    parser.add_argument(
         "--matchmaking-time-s",
         type=positive_float,
         default=None,
@@ -180,6 +193,8 @@ def run_bench_swarm(args: argparse.Namespace) -> int:
                 epoch_s=args.epoch_s,
                 step_s=args.step_s,
                 publish_interval_s=args.publish_interval_s,
+                read_replicas=args.read_replicas,
+                max_publish_gap_s=args.max_publish_gap_s,
                 matchmaking_time_s=args.matchmaking_time_s,
                 min_deadline_s=args.min_deadline_s,
                 rpc_timeout_s=args.rpc_timeout_s,
