@@ -106,7 +106,9 @@ async def test_a_newcomer_refuses_a_poisoned_donor_and_joins_with_the_honest_sta
     # digest for the same epoch while a newcomer downloads (a loaded host digests slowly)
     slow = ("--target-batch-size", str(16 * TARGET))
     with Swarm(tmp_path, (*COMMON, *slow)) as swarm:
-        honest = [swarm.add_peer("--max-time", "70", "--wait-for-peers", "2") for _ in range(2)]
+        # the honest peers serve until stopped: with a 70-s bound, a loaded host took most of it
+        # to reach epoch 2, and they had left when the newcomer came to download from them
+        honest = [swarm.add_peer("--max-time", "240", "--wait-for-peers", "2") for _ in range(2)]
         await swarm.wait_until(
             lambda: min(p.epoch() for p in honest) >= 2, "the swarm did not reach epoch 2"
         )
