@@ -395,10 +395,15 @@ def simulate(
         target_group_size: ``g`` of matchmaking (its key has ``N // (2 g)`` shards).
         busy_s: a busy host: each refresh cycle runs up to this many seconds late (uniform).
     """
-    if num_peers < 1 or seconds <= 0 or churn_per_s < 0 or target_group_size < 2 or busy_s < 0:
-        raise ValueError(
-            "num_peers >= 1, seconds > 0, churn_per_s >= 0, target_group_size >= 2, busy_s >= 0"
-        )
+    for name, value, bad, wanted in (
+        ("num_peers", num_peers, num_peers < 1, ">= 1"),
+        ("seconds", seconds, not seconds > 0, "> 0"),
+        ("churn_per_s", churn_per_s, not churn_per_s >= 0, ">= 0"),
+        ("target_group_size", target_group_size, target_group_size < 2, ">= 2"),
+        ("busy_s", busy_s, not busy_s >= 0, ">= 0"),
+    ):
+        if bad:
+            raise ValueError(f"{name} must be {wanted}, got {value}")
     started_s = time.perf_counter()
     swarm = _Swarm(num_peers, seconds, churn_per_s, seed, target_group_size, busy_s)
     swarm.run(num_peers, seconds, churn_per_s)
