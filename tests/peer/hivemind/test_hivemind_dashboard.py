@@ -190,8 +190,10 @@ def test_the_dashboard_shows_a_hivemind_swarm(tmp_path):
         assert peer.address.startswith("/ip4/127.0.0.1/tcp/") and not peer.stale
         # hivemind's own rate: an EMA of seconds per sample over its steps, which one stalled
         # step pulls far below the run's mean (CI saw 16 against 714 samples/s right after a
-        # round that found no group); a unit or field mix-up would put it far above
-        assert 0 < peer.samples_per_s < 10 * rate_of[peer.short_id], (peer, summaries)
+        # round that found no group); the run's mean counts the seconds a loaded host left the
+        # peer waiting for a CPU, which the EMA of its steps does not (a full run saw 1,308
+        # against a mean of 130); a unit mix-up (per ms, per step) would put it 1000x above
+        assert 0 < peer.samples_per_s < 30 * rate_of[peer.short_id], (peer, summaries)
         fractions = peer.profile.fractions
         # the profile record's phases: every second of the window in one phase
         assert math.isclose(sum(fractions.values()), 1.0, abs_tol=0.02), fractions

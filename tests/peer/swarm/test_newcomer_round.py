@@ -11,10 +11,11 @@ from peer.swarm.state_sync import StateSnapshot
 from tests.peer.run.test_join import config, start_swarm, stop, train_in_thread, wait_for
 
 pytestmark = pytest.mark.timeout(120)
-# epochs of about a second or more (longer than a download and a start): with epochs of 0.4 s
+# epochs of about two seconds or more (longer than a download and a start): with epochs of 0.4 s
 # the newcomer enters a round at an epoch the swarm just left (the records lag) and waits out
-# the whole matchmaking time there, on main as here (see the report of issue 24, item 4)
-SLOW = {"target_batch_size": 32768, "publish_interval": 0.1}
+# the whole matchmaking time there, on main as here (see the report of issue 24, item 4); with
+# epochs of a second, a loaded host's download and start outlasted one ("the swarm moved on")
+SLOW = {"target_batch_size": 65536, "publish_interval": 0.1}
 
 
 def test_a_newcomer_downloads_from_three_donors_and_averages_in_its_first_round():
