@@ -8,10 +8,11 @@ sample: the trust rules of a small swarm), else its own bucket, the buckets of u
 random ones for the rest. The random buckets are a uniform draw, so ``2**level`` times their
 mean fill is an unbiased count of the swarm; :class:`SizeEstimate` averages it over the last
 ``size_window_s`` (each interval draws new buckets). A peer with no estimate yet probes its own
-bucket at every level (:func:`peer.records.progress_read.probe_size`); every peer probes again
-now and then, and at once when a read says its layout is not in use (:func:`reprobe_needed`),
-and a probe that counts twice the estimate or more replaces it: peers that settled in a layout
-of their own (they count only each other) find the swarm again.
+bucket at every other level, then beside the fullest
+(:func:`peer.records.progress_read.probe_size`); every peer probes again now and then, and at
+once when a read says its layout is not in use (:func:`reprobe_needed`), and a probe that counts
+twice the estimate or more replaces it: peers that settled in a layout of their own (they count
+only each other) find the swarm again.
 
 Reads are bounded whatever the swarm's size: ``max_buckets_read`` keys of about
 ``records_per_bucket`` records each (a key holds 16 to 32 records, about 6 KiB at most in a
