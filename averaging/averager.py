@@ -38,7 +38,7 @@ from averaging.matchmaking.group import GroupInfo
 from averaging.matchmaking.matchmaker import Matchmaker, MatchmakingDHT
 from averaging.matchmaking.search import MatchResult, SearchOptions
 from averaging.result import RoundResult
-from averaging.rounds import result_of, round_plan, row_search
+from averaging.rounds import LayoutMemory, result_of, round_plan, row_search
 from averaging.rules.compression import Compression, get_codec
 from averaging.tensors import FlatTensors
 from dht.errors import DHTError
@@ -107,6 +107,8 @@ class DecentralizedAverager:
                 self.config,
             )
         self._compression = self.config.compression  # of the step in progress
+        self._epoch: int | None = None  # of the step in progress
+        self._layout = LayoutMemory()
         self._waits: Mapping[str, float] = {}  # the step in progress's (Deadlines.snapshot)
         self._lock = asyncio.Lock()
         self._closed = False
@@ -190,7 +192,8 @@ class DecentralizedAverager:
             ConfigError: a bad weight, timeout, compression or expected_peers.
             AveragingError: the averager is closed or has no DHT.
         """
-        plan = round_plan(self.config, expected_peers, target_group_size)
+        layout_peers = self._layout.layout_peers(epoch, expected_peers)
+        plan = round_plan(self.config, expected_peers, target_group_size, layout_peers)
         if timeout_s is None and plan is not None and not plan.single:
             timeout_s = self._default_timeout_s(two_levels=True)
         weight, timeout_s = self._check_step(weight, timeout_s)
@@ -207,7 +210,7 @@ class DecentralizedAverager:
             deadline = loop.time() + timeout_s
             phase_s: dict[str, float] = {}
             weight = await self._gather(weight, compression, phase_s)
-            self._compression = compression
+            self._compression, self._epoch = compression, epoch
             base = self.matchmaking_key(epoch)
             key, options = row_search(self.config, self.peer_id, base, plan)
             if stop_when is not None:
@@ -255,6 +258,7 @@ class DecentralizedAverager:
                 raise AveragingError("local tensors are not finite: cannot join a fixed group")
             phase_s["matchmaking"] = 0.0
             waits = self.deadlines.snapshot()
+            self._epoch = None
             return await self._average(group.group_id, group, phase_s, timeout_s, waits)
 
     def step_blocking(
@@ -460,6 +464,7 @@ class DecentralizedAverager:
         result = dataclasses.replace(result, matchmaking_s=matchmaking_s)
         if not result.levels and result.averaged:
             result = dataclasses.replace(result, num_reached=max(1, len(result.averaged_with)))
+        self._layout.note(self._epoch, result)
         if self._matchmaker is not None and result.status in ("ok", "partial"):
             # a member dropped from the round (bad data, a stall) is nobody's partner
             self._matchmaker.note_round(set(result.members) - set(result.dropped_peers))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import dataclass
 
 from averaging.allreduce.butterfly import AllReduceOutcome
 from averaging.config import AveragerConfig
@@ -16,9 +17,13 @@ from averaging.rules.robust import Aggregation
 
 
 def round_plan(
-    config: AveragerConfig, expected_peers: int | None, target_group_size: int | None
+    config: AveragerConfig,
+    expected_peers: int | None,
+    target_group_size: int | None,
+    layout_peers: int | None = None,
 ) -> RoundPlan | None:
-    """How a round of ``expected_peers`` goes (None: unknown, groups as the config says)."""
+    """How a round of ``expected_peers`` goes (None: unknown, groups as the config says), its
+    matchmaking keys laid out for ``layout_peers`` when given (:class:`LayoutMemory`)."""
     if expected_peers is None:
         return None
     try:
@@ -30,7 +35,39 @@ def round_plan(
     if expected_peers < 1:
         raise ConfigError(f"expected_peers must be >= 1, got {expected_peers}")
     group_size = min(target_group_size or config.target_group_size, MAX_GROUP_SIZE)
-    return RoundPlan.of(expected_peers, group_size, config.row_grace_s)
+    return RoundPlan.of(expected_peers, group_size, config.row_grace_s, layout_peers)
+
+
+@dataclass
+class LayoutMemory:
+    """How many peers this peer's last whole round reached, for the next round's key layout.
+
+    A peer sizes its matchmaking key's buckets from a count of the swarm
+    (:func:`averaging.matchmaking.rows.num_buckets`). Its own estimate of ``N`` differs from
+    its neighbours', most on a busy host, and estimates on both sides of an edge of the layout
+    put peers under different keys: more, smaller rows (the simulation at 64 busy peers: 1
+    bucket in 45 searches, 2 in 142). Every member of a round that averaged the whole swarm
+    holds the same count (the top round's word, or the one group's size), so the next epoch's
+    round lays its keys out for that count, while the estimate still sizes the rows; a round
+    that was not whole, a skipped epoch, or a count off the estimate by more than 2x (the swarm
+    changed) leaves the estimate to choose.
+    """
+
+    epoch: int | None = None
+    num_reached: int = 0
+
+    def layout_peers(self, epoch: int | None, expected_peers: int | None) -> int | None:
+        """The count to lay out the round at ``epoch`` for (None: the estimate's)."""
+        if epoch is None or expected_peers is None or self.epoch != epoch - 1:
+            return None
+        if not expected_peers <= 2 * self.num_reached <= 4 * expected_peers:
+            return None
+        return self.num_reached
+
+    def note(self, epoch: int | None, result: RoundResult) -> None:
+        """Remember ``result`` of the round at ``epoch``, when it averaged the whole swarm."""
+        whole = result.status == "ok" and result.num_reached > 1
+        self.epoch, self.num_reached = (epoch, result.num_reached) if whole else (None, 0)
 
 
 def row_search(

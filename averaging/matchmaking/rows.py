@@ -20,8 +20,10 @@ key. Peers whose estimates straddle an edge of the layout (``N / (2 g) = 2**(j +
 on different keys, so the edges sit as far as a power-of-two layout allows from where a swarm
 of ``2**j`` groups' worth of peers estimates itself (``N // (2 g)``, with its first edge at
 ``4 g``, put 64 peers at ``g`` 16 on the edge, and 4 in 10 of 10,000 simulated peers on a layout
-nobody else used). In a bucket, a peer sizes its row from the peers it saw there (at least the
-``N / B`` it expects).
+nobody else used). So the members of a whole round lay the next epoch's keys out for the count
+that round reached, which they all hold, not for their own estimates
+(:class:`averaging.rounds.LayoutMemory`). In a bucket, a peer sizes its row from the peers it
+saw there (at least the ``N / B`` it expects).
 
 The rows' means are then combined by the delegates of the rows (:mod:`averaging.levels`), whose
 own search uses :class:`SizePlan` too (:meth:`RoundPlan.top_sizes`): one group that closes once
@@ -169,8 +171,13 @@ class RoundPlan:
     grace_s: float
 
     @classmethod
-    def of(cls, num_peers: int, group_size: int, grace_s: float) -> RoundPlan:
-        return cls(num_peers, group_size, num_buckets(num_peers, group_size), grace_s)
+    def of(
+        cls, num_peers: int, group_size: int, grace_s: float, layout_peers: int | None = None
+    ) -> RoundPlan:
+        """The plan for ``num_peers``, its keys laid out for ``layout_peers`` when given (a
+        count the round's peers share, where their own estimates differ)."""
+        buckets = num_buckets(layout_peers or num_peers, group_size)
+        return cls(num_peers, group_size, buckets, grace_s)
 
     @property
     def single(self) -> bool:

@@ -1,0 +1,77 @@
+"""The matchmaking keys' layout: peers of a whole round lay their next round out alike, whatever
+their own estimates of the swarm (averaging.rounds.LayoutMemory)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from averaging.matchmaking.rows import RoundPlan, bucket_of
+from averaging.result import RoundResult
+from averaging.rounds import LayoutMemory
+from tests.averaging.conftest import exact_mean, fast_config
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def test_the_last_whole_round_lays_out_the_next_epoch_only():
+    memory = LayoutMemory()
+    assert memory.layout_peers(3, 40) is None  # no round yet: the estimate
+    memory.note(3, RoundResult("ok", num_reached=64))
+    assert memory.layout_peers(4, 40) == 64  # a count both sides of an edge agree on
+    assert RoundPlan.of(40, 16, 1.0, memory.layout_peers(4, 40)).buckets == 2
+    assert RoundPlan.of(40, 16, 1.0).buckets == 1  # what 40's own estimate would choose
+    assert RoundPlan.of(40, 16, 1.0, 64).num_peers == 40  # the rows still follow the estimate
+    assert memory.layout_peers(5, 40) is None  # an epoch skipped: not the same swarm's round
+    assert memory.layout_peers(4, 200) is None and memory.layout_peers(4, 20) is None  # > 2x
+    memory.note(4, RoundResult("partial", num_reached=30))  # not everyone holds the same count
+    assert memory.layout_peers(5, 40) is None
+    memory.note(5, RoundResult("ok", num_reached=1))
+    assert memory.layout_peers(6, 1) is None
+    memory.note(6, RoundResult("ok", num_reached=50))
+    assert memory.layout_peers(None, 40) is None and memory.layout_peers(7, None) is None
+
+
+async def test_peers_whose_estimates_straddle_an_edge_meet_under_one_layout(make_swarm):
+    """Ten peers, rows of 3: a whole round at epoch 0 reached all ten. At epoch 1 half of them
+    estimate 8 (one key, by their own count) and half 12 (two buckets): every one lays its keys
+    out for the ten its last round reached, so each row holds peers of one bucket of two, and
+    the round still ends with the exact weighted mean everywhere."""
+    num_peers, group_size = 10, 3
+    assert RoundPlan.of(8, group_size, 1.0).buckets == 1
+    assert RoundPlan.of(10, group_size, 1.0).buckets == RoundPlan.of(12, group_size, 1.0).buckets
+    rng = np.random.default_rng(5)
+    vectors = [rng.standard_normal(2_000).astype(np.float32) for _ in range(num_peers)]
+    weights = [float(1 + i % 3) for i in range(num_peers)]
+    config = fast_config(  # waits for ten DHT nodes on one loaded event loop (test_levels.py)
+        target_group_size=group_size,
+        row_grace_s=1.0,
+        matchmaking_time_s=12.0,
+        request_timeout_s=6.0,
+        adaptive_deadlines=False,
+        sender_timeout_s=5.0,
+        reducer_timeout_s=10.0,
+        group_wait_s=4.0,
+    )
+    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+    estimates = {0: [num_peers] * num_peers, 1: [8, 12] * (num_peers // 2)}
+    for epoch, expected in estimates.items():
+        for peer, vector in zip(peers, vectors, strict=True):
+            peer.tensors[0][:] = vector
+        results = await asyncio.gather(
+            *(
+                p.averager.step(weight=w, epoch=epoch, expected_peers=n)
+                for p, w, n in zip(peers, weights, expected, strict=True)
+            )
+        )
+        assert [r.status for r in results] == ["ok"] * num_peers, [r.reason for r in results]
+        assert [r.num_reached for r in results] == [num_peers] * num_peers
+        base = peers[0].averager.matchmaking_key(epoch)
+        for result in results:
+            if result.levels.get("row") == "ok":  # a row: its members share a bucket
+                assert len({bucket_of(base, p, 2) for p in result.members}) == 1, epoch
+        expected_mean = exact_mean(vectors, weights)
+        for peer in peers:
+            np.testing.assert_allclose(peer.tensors[0], expected_mean, rtol=1e-5, atol=1e-6)
