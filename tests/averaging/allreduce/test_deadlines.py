@@ -264,10 +264,11 @@ async def test_a_stalled_peer_costs_a_measured_wait_not_the_fixed_bound(
 
 async def test_a_follower_that_never_comes_costs_a_measured_matchmaking_window(make_swarm):
     """Three peers average a few rounds; then one does not come. The other two wait for it
-    only as long as partners took to arrive (times the safety factor), not 5 s."""
+    only as long as partners took to arrive (times the safety factor), not the 30 s field:
+    a second or two here, 5 s on a loaded CI host, where arrivals took over a second."""
     rng = np.random.default_rng(7)
     vectors = [rng.standard_normal(4_000).astype(np.float32) for _ in range(3)]
-    config = AveragerConfig(target_group_size=3, min_group_size=2)
+    config = AveragerConfig(target_group_size=3, min_group_size=2, matchmaking_time_s=30.0)
     peers = await make_swarm([[v.copy()] for v in vectors], config=config)
     for epoch in range(NUM_WARM_ROUNDS):
         for peer, vector in zip(peers, vectors, strict=True):
@@ -284,4 +285,4 @@ async def test_a_follower_that_never_comes_costs_a_measured_matchmaking_window(m
         assert len(result.members) == 2
         np.testing.assert_allclose(peer.tensors[0], exact_mean(vectors[:2], [1, 1]), rtol=1e-6)
         window_s = result.deadlines_s["matchmaking_s"]
-        assert config.min_deadline_s <= window_s <= 2.0 < config.matchmaking_time_s, window_s
+        assert config.min_deadline_s <= window_s <= 10.0 < config.matchmaking_time_s, window_s
