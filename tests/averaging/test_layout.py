@@ -11,7 +11,7 @@ import pytest
 from averaging.matchmaking.rows import RoundPlan, bucket_of
 from averaging.result import RoundResult
 from averaging.rounds import LayoutMemory
-from tests.averaging.conftest import exact_mean, fast_config
+from tests.averaging.conftest import exact_mean, sharded_round_config
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -45,16 +45,7 @@ async def test_peers_whose_estimates_straddle_an_edge_meet_under_one_layout(make
     rng = np.random.default_rng(5)
     vectors = [rng.standard_normal(2_000).astype(np.float32) for _ in range(num_peers)]
     weights = [float(1 + i % 3) for i in range(num_peers)]
-    config = fast_config(  # waits for ten DHT nodes on one loaded event loop (test_levels.py)
-        target_group_size=group_size,
-        row_grace_s=1.0,
-        matchmaking_time_s=12.0,
-        request_timeout_s=6.0,
-        adaptive_deadlines=False,
-        sender_timeout_s=5.0,
-        reducer_timeout_s=10.0,
-        group_wait_s=4.0,
-    )
+    config = sharded_round_config(group_size)
     peers = await make_swarm([[v.copy()] for v in vectors], config=config)
     estimates = {0: [num_peers] * num_peers, 1: [8, 12] * (num_peers // 2)}
     for epoch, expected in estimates.items():

@@ -21,7 +21,7 @@ from averaging.matchmaking.rows import (
     surely_in_bucket,
 )
 from averaging.matchmaking.search import MatchResult
-from tests.averaging.conftest import exact_mean, fast_config, make_group
+from tests.averaging.conftest import exact_mean, fast_config, make_group, sharded_round_config
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -176,19 +176,7 @@ async def test_a_sharded_round_ends_with_one_model(make_swarm, num_peers, group_
     assert plan.buckets == 2
     vectors = vectors_for(num_peers, 5_000, num_peers)
     weights = [float(1 + i % 4) for i in range(num_peers)]  # within the weight bound of any row
-    # generous waits: a loaded machine must not make a fault here (16-20 DHT nodes on one event
-    # loop: announcing and reading a bucket took over 4 s under the full suite, and every peer
-    # then found nobody)
-    config = fast_config(
-        target_group_size=group_size,
-        row_grace_s=1.0,
-        matchmaking_time_s=12.0,
-        request_timeout_s=6.0,
-        adaptive_deadlines=False,
-        sender_timeout_s=5.0,
-        reducer_timeout_s=10.0,
-        group_wait_s=4.0,
-    )
+    config = sharded_round_config(group_size)
     peers = await make_swarm([[v.copy()] for v in vectors], config=config)
     expected = exact_mean(vectors, weights)
 
