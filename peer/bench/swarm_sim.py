@@ -4,10 +4,12 @@ What runs is the real logic of a peer's progress (:mod:`peer.swarm.progress_samp
 layout, the buckets read, the smoothed size; :func:`peer.swarm.progress_estimate.estimate`, with
 partners from the rounds) and of matchmaking discovery (an announcement under the sharded
 matchmaking key, :func:`averaging.matchmaking.rows.num_buckets` from the peer's own estimate of
-``N`` at its epoch,
-then reads of that key), over the DHT of :mod:`peer.bench.swarm_sim_dht` (an explicit, measured
-simplification of the real one). Training is a stand-in: each peer accumulates samples at its own
-rate (log-normal around ``MEAN_RATE``); a peer whose estimate says the target is reached
+``N`` at its epoch, or from the count its last round reached
+(:class:`averaging.rounds.LayoutMemory`, modelled as every peer of the epoch that met another:
+the top round joins their rows), then reads of that key), over the DHT of
+:mod:`peer.bench.swarm_sim_dht` (an explicit, measured simplification of the real one).
+Training is a stand-in: each peer accumulates samples at its own rate (log-normal around
+``MEAN_RATE``); a peer whose estimate says the target is reached
 announces itself, waits out matchmaking and the round, and starts the next epoch with the peers
 it met as partners. Churn replaces random peers with newcomers (who probe the layout, and start
 at the swarm's epoch, as after a state download).
@@ -20,7 +22,9 @@ makes or answers, the mean node), ``max_node_dht_bytes_per_s`` and ``median_node
 under their key within the matchmaking wait), ``progress_error_p50``/``_p95`` (the relative error
 of a peer's estimated samples at its epoch against the true sum, at every read where the truth is
 past a tenth of the target), ``size_ratio_p05``/``_p50`` (a peer's estimate of the swarm's size
-over the true size, at every read). Run it: ``python -m peer.bench.swarm_sim --peers 1000``.
+over the true size, at every read), ``layout_split_fraction`` (searches under a key layout other
+than the one most searches of their epoch used).
+Run it: ``python -m peer.bench.swarm_sim --peers 1000``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 from averaging.matchmaking import rows
+from averaging.rounds import LayoutMemory
 from dht.kademlia.config import DHTConfig
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
@@ -90,6 +95,7 @@ class _Peer:
     cycles_s: deque = field(default_factory=lambda: deque(maxlen=4))  # its refresh cycles
     last_tick_s: float | None = None
     reprobe: Reprobe | None = None  # set at join (the config's interval)
+    met_epoch: int | None = None  # the last epoch at which it met another peer
 
     def samples_at(self, now: float) -> float:
         return self.samples + (self.rate * (now - self.anchor_s) if self.training else 0.0)
@@ -100,11 +106,22 @@ class _Peer:
 
 class _Swarm:
     def __init__(
-        self, num_peers: int, seconds: float, churn_per_s: float, seed: int, g: int, busy_s: float
+        self,
+        num_peers: int,
+        seconds: float,
+        churn_per_s: float,
+        seed: int,
+        g: int,
+        busy_s: float,
+        layout_memory: bool,
     ):
         self.rng = random.Random(seed)
         self.group_size = g
         self.busy_s = busy_s
+        self.layout_memory = layout_memory
+        self.num_met_at: Counter = Counter()  # peers that met another, by epoch
+        self.words: dict[int, int] = {}  # the count each epoch's members hold, by epoch
+        self.layouts: dict[int, Counter] = defaultdict(Counter)  # searches by epoch, layout
         self.config = ProgressConfig(
             target_batch_size=max(1, round(num_peers * MEAN_RATE * EPOCH_S)),
             publish_interval_s=2.0,
@@ -271,7 +288,15 @@ class _Swarm:
         peer.samples, peer.anchor_s, peer.training = peer.samples_at(now), now, False
         self._count(peer, 1)
         num_at = max(1, view.num_at(peer.epoch))
-        buckets = rows.num_buckets(num_at, self.group_size)
+        layout = None
+        if self.layout_memory and peer.met_epoch is not None:
+            # the top round's word: one count for every member, fixed when the first is read
+            word = self.words.setdefault(peer.met_epoch, self.num_met_at[peer.met_epoch])
+            memory = LayoutMemory(peer.met_epoch, word)
+            layout = memory.layout_peers(peer.epoch, num_at)
+        buckets = rows.num_buckets(layout or num_at, self.group_size)
+        if now >= self.window_start_s:
+            self.layouts[peer.epoch][buckets] += 1
         peer.mm_key = matchmaking_key(peer.epoch, peer.peer_id, buckets)
         peer.ready_s = now
         self.dht.store(peer.slot, peer.mm_key, peer.peer_id, peer.peer_id, now + ANNOUNCE_TTL_S)
@@ -295,6 +320,9 @@ class _Swarm:
         if peer.ready_s >= self.window_start_s:
             self.num_ready += 1
             self.num_met += bool(met)
+        if met:
+            self.num_met_at[peer.epoch] += 1
+            peer.met_epoch = peer.epoch
         group = sorted(met, key=lambda p: abs(self.peers[p].ready_s - peer.ready_s))
         group = frozenset(group[: self.group_size - 1])
         self._count(peer, -1)
@@ -358,6 +386,10 @@ class _Swarm:
             "size_ratio_p05": _percentile(self.size_ratios, 0.05),
             "size_ratio_p50": _percentile(self.size_ratios, 0.5),
             "keys_read_per_interval_max": max(self.num_keys_read, default=0),
+            "layout_split_fraction": _fraction(
+                sum(sum(c.values()) - max(c.values()) for c in self.layouts.values()),
+                sum(sum(c.values()) for c in self.layouts.values()),
+            ),
             "rounds": self.num_ready,
             "epoch_max": max((self.peers[p].epoch for p in self.alive), default=0),
         }
@@ -382,6 +414,7 @@ def simulate(
     seed: int = 0,
     target_group_size: int = 16,
     busy_s: float = 0.0,
+    layout_memory: bool = True,
 ) -> dict:
     """Simulate ``num_peers`` peers for ``seconds`` of virtual time (after a ramp and a settling
     time); returns the figures of the module docstring, with ``wall_s`` (the run's own time).
@@ -394,6 +427,8 @@ def simulate(
         seed: seeds every random choice (the same seed, the same figures).
         target_group_size: ``g`` of matchmaking (its key has ``N // (2 g)`` shards).
         busy_s: a busy host: each refresh cycle runs up to this many seconds late (uniform).
+        layout_memory: lay the keys out for the count of the last round (as peers do); False:
+            from each peer's own estimate, for comparison.
     """
     for name, value, bad, wanted in (
         ("num_peers", num_peers, num_peers < 1, ">= 1"),
@@ -405,7 +440,7 @@ def simulate(
         if bad:
             raise ValueError(f"{name} must be {wanted}, got {value}")
     started_s = time.perf_counter()
-    swarm = _Swarm(num_peers, seconds, churn_per_s, seed, target_group_size, busy_s)
+    swarm = _Swarm(num_peers, seconds, churn_per_s, seed, target_group_size, busy_s, layout_memory)
     swarm.run(num_peers, seconds, churn_per_s)
     return {
         **swarm.report(seconds),
@@ -422,6 +457,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--busy-s", type=float, default=0.0, help="refresh cycles run this late")
+    parser.add_argument(
+        "--no-layout-memory", action="store_true", help="keys laid out from own estimates"
+    )
     args = parser.parse_args(argv)
     report = simulate(
         args.peers,
@@ -430,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         target_group_size=args.group_size,
         busy_s=args.busy_s,
+        layout_memory=not args.no_layout_memory,
     )
     print(json.dumps(report))
 

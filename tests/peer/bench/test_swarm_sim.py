@@ -53,3 +53,14 @@ def test_on_a_busy_host_the_swarm_is_still_counted():
     report = simulate(256, seconds=120.0, busy_s=40.0, seed=0)
     assert report["size_ratio_p50"] >= 0.85, report
     assert report["size_ratio_p05"] >= 0.5, report
+
+
+def test_on_a_busy_host_a_round_lays_its_keys_out_as_its_last_round_reached():
+    # estimates that straddle an edge of the key layout (64 peers, g 16: 1 bucket below 45,
+    # 2 above) split the searches of an epoch over two layouts; the count the last round
+    # reached is one number for all its members
+    own = simulate(64, seconds=120.0, busy_s=40.0, seed=0, layout_memory=False)
+    shared = simulate(64, seconds=120.0, busy_s=40.0, seed=0)
+    assert own["layout_split_fraction"] >= 0.15, own  # 0.20 with seed 0
+    assert shared["layout_split_fraction"] <= 0.6 * own["layout_split_fraction"], shared
+    assert shared["in_group_fraction"] >= 0.9, shared
