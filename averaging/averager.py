@@ -108,6 +108,7 @@ class DecentralizedAverager:
             )
         self._compression = self.config.compression  # of the step in progress
         self._epoch: int | None = None  # of the step in progress
+        self._search_key = ""  # of the step in progress
         self._layout = LayoutMemory()
         self._waits: Mapping[str, float] = {}  # the step in progress's (Deadlines.snapshot)
         self._lock = asyncio.Lock()
@@ -213,6 +214,7 @@ class DecentralizedAverager:
             self._compression, self._epoch = compression, epoch
             base = self.matchmaking_key(epoch)
             key, options = row_search(self.config, self.peer_id, base, plan)
+            self._search_key = key
             if stop_when is not None:
                 options = dataclasses.replace(options or SearchOptions(), stop_when=stop_when)
             waits = self.deadlines.snapshot()
@@ -258,7 +260,7 @@ class DecentralizedAverager:
                 raise AveragingError("local tensors are not finite: cannot join a fixed group")
             phase_s["matchmaking"] = 0.0
             waits = self.deadlines.snapshot()
-            self._epoch = None
+            self._epoch, self._search_key = None, ""
             return await self._average(group.group_id, group, phase_s, timeout_s, waits)
 
     def step_blocking(
@@ -461,7 +463,9 @@ class DecentralizedAverager:
         return result
 
     def _finish(self, key: str, result: RoundResult, matchmaking_s: float) -> RoundResult:
-        result = dataclasses.replace(result, matchmaking_s=matchmaking_s)
+        result = dataclasses.replace(
+            result, matchmaking_s=matchmaking_s, search_key=self._search_key
+        )
         if not result.levels and result.averaged:
             result = dataclasses.replace(result, num_reached=max(1, len(result.averaged_with)))
         self._layout.note(self._epoch, result)

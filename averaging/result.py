@@ -48,6 +48,9 @@ class RoundResult:
             one group; with a second level also ``"top"`` (the delegates' round, as the
             delegate reported it, or why there was no word: "unknown", "unreachable",
             "refused") and ``"spread"`` when the delegate's values were taken.
+        search_key: the DHT key this peer's (first-level) search looked under: the round's
+            matchmaking key, with its bucket when the key is sharded
+            (:func:`averaging.matchmaking.rows.bucket_key`); "" for a group given by the caller.
     """
 
     status: RoundStatus
@@ -68,6 +71,7 @@ class RoundResult:
     num_streams: int = 0
     num_reached: int = 1
     levels: Mapping[str, str] = field(default_factory=dict)
+    search_key: str = ""
 
     @property
     def ok(self) -> bool:

@@ -66,6 +66,7 @@ def relative_error(estimate: float, truth: float) -> float:
     return abs(estimate - truth) / truth
 
 
+@pytest.mark.timeout(180)  # 69 s in a loaded CI run with four reads at 40
 async def test_forty_peers_estimate_the_swarm_from_a_bounded_sample():
     """The swarm grows from 10 to 40 peers (one bucket read whole, then a sample of 8 buckets
     and more): the keys and records read per refresh stay bounded, and the estimate at 40 is
@@ -78,7 +79,9 @@ async def test_forty_peers_estimate_the_swarm_from_a_bounded_sample():
         ]
         samples = [100 + 10 * i for i in range(NUM_PEERS)]  # one report each: rate 0, no drift
         seen = {}
-        for size, rounds in ((10, 1), (20, 2), (40, 4)):
+        # six reads at 40: the size is a mean over its window, which still holds the reads at
+        # 20 (a CI run's four left a peer's mean under the 8-bucket layout's 32)
+        for size, rounds in ((10, 1), (20, 2), (40, 6)):
             for tracker, count in zip(trackers[:size], samples, strict=False):
                 tracker.report_local_progress(EPOCH, count)
             await refresh_all(trackers[:size], rounds)
