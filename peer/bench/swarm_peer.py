@@ -225,6 +225,7 @@ class SwarmPeer:
             "status": result.status,
             "reason": result.reason,
             "group_id": result.group_id,
+            "search_key": result.search_key,
             "members": list(result.members),
             "averaged_with": list(result.averaged_with),
             "round_s": round_s,

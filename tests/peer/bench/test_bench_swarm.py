@@ -60,6 +60,7 @@ def test_six_peers_average_to_the_exact_weighted_mean():
             assert detail["exact_rel_err_max"] < 1e-5
     # six peers on loopback that wait for each other form one group (a split would show here)
     assert whole, report["round_details"]
+    assert report["layout_split_fraction"] == 0.0  # all under the one key of a small swarm
     assert report["bytes_sent_per_peer_per_round"] > 0
     assert report["dht_bytes_per_peer_per_s"] > 0
     assert report["max_node_dht_bytes_per_s"] >= report["median_node_dht_bytes_per_s"] > 0
@@ -82,8 +83,11 @@ def test_six_peers_with_both_progress_savings_still_meet_and_the_report_says_so(
     assert all(d["exact_rel_err_max"] < 1e-5 for d in whole)
 
 
-def _fact(rank: int, weight: float, replica: np.ndarray, group: str | None) -> dict:
+def _fact(
+    rank: int, weight: float, replica: np.ndarray, group: str | None, key: str = "r.mm.3"
+) -> dict:
     return {
+        "search_key": key,
         "rank": rank,
         "epoch": 3,
         "weight": weight,
@@ -106,8 +110,8 @@ def test_two_groups_spread_apart_and_miss_the_exact_mean():
     facts = [
         _fact(0, 1.0, pair_01, "g1"),
         _fact(1, 3.0, pair_01, "g1"),
-        _fact(2, 2.0, pair_23, "g2"),
-        _fact(3, 2.0, pair_23, "g2"),
+        _fact(2, 2.0, pair_23, "g2", key="r.mm.3.b2.0"),
+        _fact(3, 2.0, pair_23, "g2", key="r.mm.3.b2.0"),
     ]
     detail = epoch_detail(facts, seed=7, size=size)
     exact = sum(w * vectors[r] for r, w in weights.items()) / 8
@@ -118,6 +122,7 @@ def test_two_groups_spread_apart_and_miss_the_exact_mean():
     err = max(np.linalg.norm(p - exact) for p in (pair_01, pair_23)) / np.linalg.norm(exact)
     assert detail["exact_rel_err_max"] == pytest.approx(err, rel=1e-5)
     assert detail["group_sizes"] == [2, 2] and detail["in_group"] == 4
+    assert detail["layouts"] == {1: 2, 2: 2}  # the two pairs searched under two key layouts
 
 
 def test_a_peer_alone_keeps_its_own_vector_and_counts_ready_not_in_group():
