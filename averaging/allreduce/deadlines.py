@@ -108,8 +108,7 @@ class Deadlines:
         self._samples[MATCHMAKING].add(offset_s)
 
     def search_ran_out(self) -> None:
-        """A search formed no group in its window (whether it saw others looking or nobody, who
-        may have started later): the next window is
+        """A search saw others looking and formed no group in its window: the next window is
         twice as long (up to ``matchmaking_time_s``), and stays so until a group forms. The
         arrivals measured are the ones that came in time (Karn's rule, as for the chunk
         waits): peers that could not, on a busy host, taught the window nothing."""

@@ -356,12 +356,9 @@ class Matchmaker:
         group = self._leader.close(search)
         if group is not None:
             return MatchResult(group)
-        # Nobody seen is no proof that nobody came: the window is measured from the partners
-        # that arrived in time, so peers that start their rounds seconds apart (a busy host)
-        # can miss each other round after round. Either way the next window is twice as long.
-        self._deadlines.search_ran_out()
         if not search.seen:
             return MatchResult(None, "no other peer was looking for a group")
+        self._deadlines.search_ran_out()  # others looked, and the window closed on them
         return MatchResult(
             None,
             f"saw {len(search.seen)} other peer(s) but no group of "
