@@ -35,10 +35,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 BUCKET_PEERS_PER_GROUP = 2  # a bucket holds about this many groups' worth of peers
 MAX_ROWS = 256  # the most delegates in one group (averaging.matchmaking.group.MAX_GROUP_SIZE)
+_BUCKETED = re.compile(r"\.b(\d+)\.\d+$")  # what bucket_key appends
 
 
 def num_rows(num_peers: int, group_size: int) -> int:
@@ -82,6 +85,23 @@ def bucket_key(key: str, peer_id: str, buckets: int) -> str:
     if buckets <= 1:
         return key
     return f"{key}.b{buckets}.{bucket_of(key, peer_id, buckets)}"
+
+
+def key_buckets(key: str) -> int:
+    """The buckets of the layout that ``key``, made by :func:`bucket_key`, belongs to."""
+    found = _BUCKETED.search(key)
+    return int(found.group(1)) if found else 1
+
+
+def layout_split_fraction(layouts: Iterable[Mapping[int, int]]) -> float | None:
+    """Of the searches counted per round (searches by their layout's buckets), those under a
+    layout other than their round's most common one (None: no search)."""
+    split = total = 0
+    for counts in layouts:
+        searches = sum(counts.values())
+        split += searches - max(counts.values(), default=0)
+        total += searches
+    return round(split / total, 4) if total else None
 
 
 @dataclass(frozen=True)

@@ -386,10 +386,7 @@ class _Swarm:
             "size_ratio_p05": _percentile(self.size_ratios, 0.05),
             "size_ratio_p50": _percentile(self.size_ratios, 0.5),
             "keys_read_per_interval_max": max(self.num_keys_read, default=0),
-            "layout_split_fraction": _fraction(
-                sum(sum(c.values()) - max(c.values()) for c in self.layouts.values()),
-                sum(sum(c.values()) for c in self.layouts.values()),
-            ),
+            "layout_split_fraction": rows.layout_split_fraction(self.layouts.values()),
             "rounds": self.num_ready,
             "epoch_max": max((self.peers[p].epoch for p in self.alive), default=0),
         }

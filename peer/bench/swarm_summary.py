@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from averaging.matchmaking.rows import key_buckets, layout_split_fraction
 from peer.bench.swarm_peer import STEP_TAKES_EXPECTED_PEERS
 from peer.bench.swarm_vectors import exact_weighted_mean
 
@@ -25,7 +26,6 @@ def _percentile(values: list[float], fraction: float) -> float | None:
 
 
 _MAX_REASON_CHARS = 100  # a reason's first clause, cut here
-_LAYOUT = re.compile(r"\.b(\d+)\.\d+$")  # averaging.matchmaking.rows.bucket_key
 _REASON_NUMBERS = re.compile(r"[0-9a-f]{8,}|\d+(\.\d+)?")
 
 
@@ -36,24 +36,6 @@ def _significant(value: float) -> float:
 def _largest(values: Iterable[float]) -> float | None:
     values = list(values)
     return _significant(max(values)) if values else None
-
-
-def _layout(fact: dict[str, Any]) -> int:
-    """The buckets of the key layout the fact's search used (1: the whole key)."""
-    found = _LAYOUT.search(fact.get("search_key") or "")
-    return int(found.group(1)) if found else 1
-
-
-def _split(counts: Counter) -> tuple[int, int]:
-    """Searches under a layout other than the most common one, and all searches."""
-    total = sum(counts.values())
-    return total - max(counts.values(), default=0), total
-
-
-def _fraction_of(parts: Iterable[tuple[int, int]]) -> float | None:
-    pairs = list(parts)
-    whole = sum(w for _, w in pairs)
-    return round(sum(p for p, _ in pairs) / whole, 4) if whole else None
 
 
 def _in_group(fact: dict[str, Any]) -> bool:
@@ -92,7 +74,7 @@ def epoch_detail(facts: list[dict[str, Any]], seed: int, size: int) -> dict[str,
             ).most_common(3)
         ),
         "group_sizes": sorted(groups.values(), reverse=True),
-        "layouts": dict(sorted(Counter(_layout(f) for f in facts).items())),
+        "layouts": dict(sorted(Counter(key_buckets(f["search_key"]) for f in facts).items())),
         "expected_peers_p50": statistics.median(f["expected_peers"] for f in facts),
         "replica_spread": float(spread),
         "exact_rel_err_max": float(errors.max()),
@@ -176,7 +158,7 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
         "epoch_s_p50": _percentile([b - a for a, b in itertools.pairwise(ends)], 0.5),
         "groups_per_round": [d["group_sizes"] for d in details],
         # searches under a key layout other than their epoch's most common one
-        "layout_split_fraction": _fraction_of(_split(Counter(d["layouts"])) for d in details),
+        "layout_split_fraction": layout_split_fraction(d["layouts"] for d in details),
         "num_alone": sum(f["status"] == "alone" for f in measured),
         "num_failed": sum(f["status"] == "failed" for f in measured),
         "num_caught_up": len(collected["caught_up"]),

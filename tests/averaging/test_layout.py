@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from averaging.matchmaking.rows import RoundPlan
+from averaging.matchmaking.rows import RoundPlan, bucket_key, key_buckets, layout_split_fraction
 from averaging.result import RoundResult
 from averaging.rounds import LayoutMemory
 from tests.averaging.conftest import exact_mean, sharded_round_config
@@ -32,6 +32,14 @@ def test_the_last_whole_round_lays_out_the_next_epoch_only():
     assert memory.layout_peers(6, 1) is None
     memory.note(6, RoundResult("ok", num_reached=50))
     assert memory.layout_peers(None, 40) is None and memory.layout_peers(7, None) is None
+
+
+def test_a_key_names_its_layout_and_split_searches_are_counted():
+    peer = "cd" * 16
+    assert [key_buckets(bucket_key("run.mm.4", peer, b)) for b in (1, 2, 8)] == [1, 2, 8]
+    # two rounds: 3 of 4 searches on the common layout, then all 4
+    assert layout_split_fraction([{1: 1, 2: 3}, {4: 4}]) == 0.125
+    assert layout_split_fraction([]) is None
 
 
 async def test_peers_whose_estimates_straddle_an_edge_meet_under_one_layout(make_swarm):
