@@ -140,6 +140,16 @@ class PeerConfig(BaseModel):
     state_compression: Literal["none", "bf16"] = Field(
         "none", description="state downloads: float32 tensors as bfloat16 (half the bytes)"
     )
+    max_digest_stride: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="digest the served state every epoch (1), or, when hashing it is costly "
+        "next to an epoch, only epochs that are multiples of a power of two up to this",
+    )
+    max_digest_gap: float = Field(
+        1.0, gt=0, description="with --max-digest-stride: most seconds between digested epochs"
+    )
     # outputs
     checkpoint_dir: Path | None = Field(None, description="periodic atomic checkpoints; resume")
     checkpoint_interval: float = Field(60.0, gt=0, description="seconds between checkpoints")
@@ -210,6 +220,13 @@ class PeerConfig(BaseModel):
     def _relay_urls(cls, urls: list[str]) -> list[str]:
         return [peer_url(url) for url in urls]
 
+    @field_validator("max_digest_stride")
+    @classmethod
+    def _power_of_two(cls, stride: int) -> int:
+        if stride & (stride - 1):
+            raise ValueError(f"must be a power of two, got {stride}")
+        return stride
+
     @field_validator("task_option")
     @classmethod
     def _options(cls, options: list[str]) -> list[str]:
@@ -251,7 +268,11 @@ class PeerConfig(BaseModel):
     def state_sync_config(self) -> StateSyncConfig:
         from peer.swarm.state_sync import StateSyncConfig
 
-        return StateSyncConfig(compression=self.state_compression)
+        return StateSyncConfig(
+            compression=self.state_compression,
+            max_digest_stride=self.max_digest_stride,
+            max_digest_gap_s=self.max_digest_gap,
+        )
 
     def averager_config(self) -> AveragerConfig:
         return AveragerConfig(

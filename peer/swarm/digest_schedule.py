@@ -1,7 +1,7 @@
 """Which of a donor's epochs get a digest: each one while hashing is cheap next to an epoch, a
-deterministic subset when it is not (opt-in: ``StateSyncConfig.max_digest_stride``, default 1,
-digests every epoch; the subset leaves re-sync and newcomers fewer epochs to agree on, and its
-gain on a whole run was not measured on a quiet machine yet).
+deterministic subset when it is not (opt-in: ``StateSyncConfig.max_digest_stride``, ``peer join
+--max-digest-stride``; the default, 1, digests every epoch: the subset leaves re-sync and
+newcomers fewer epochs to agree on; its gain is in docs/BENCHMARKS.md).
 
 Both digests of a snapshot (:mod:`peer.swarm.state_digest`) hash the state twice: about 10 ms of
 CPU for the 8 MB state of ``peer bench train``'s model and Adam, whose epochs last about 90 ms
@@ -10,12 +10,13 @@ whose cores all train, the largest part of what a lone peer lost to the plain lo
 
 So a donor digests the snapshot of epoch ``E`` at once only when ``E`` is a multiple of its
 ``stride``: the smallest power of two that keeps hashing within ``DIGEST_CPU_BUDGET`` of the
-wall time, as long as two digested epochs stay at most ``MAX_DIGEST_GAP_S`` apart (a
-newcomer's state is that much older at most). The stride is each peer's own (its costs, its
-epochs), but powers of two nest: the epochs a peer of stride 8 digests include every epoch a
-peer of stride 16 digests, so peers agree on the coarser grid, which is what a download's
-agreement and the replica check (:mod:`peer.swarm.state_resync`) compare. With small states or
-slow epochs the stride is 1: every epoch is digested, as before.
+wall time, as long as two digested epochs stay at most ``MAX_DIGEST_GAP_S`` apart
+(``StateSyncConfig.max_digest_gap_s``; a newcomer's state is that much older at most). The
+stride is each peer's own (its costs, its epochs), but powers of two nest: the epochs a peer of
+stride 8 digests include every epoch a peer of stride 16 digests, so peers agree on the coarser
+grid, which is what a download's agreement and the replica check
+(:mod:`peer.swarm.state_resync`) compare. With small states or slow epochs the stride is 1:
+every epoch is digested, as before.
 
 Always digested besides: a snapshot that does not follow the previous one by one epoch (the
 first, a download, a re-sync: what this peer now vouches for) and, by the server, the newest
@@ -67,8 +68,11 @@ class DigestSchedule:
     """Decides, snapshot by snapshot, whether a donor digests it at once (one per server; call
     from its event loop only)."""
 
-    def __init__(self, *, max_stride: int = MAX_STRIDE) -> None:
+    def __init__(
+        self, *, max_stride: int = MAX_STRIDE, max_gap_s: float = MAX_DIGEST_GAP_S
+    ) -> None:
         self.max_stride = max_stride
+        self.max_gap_s = max_gap_s
         self.stride = 1
         self._cost_s = 0.0
         self._last: tuple[int, float] | None = None  # the previous snapshot's epoch and time
@@ -91,4 +95,5 @@ class DigestSchedule:
 
     def _restride(self) -> None:
         epoch_s = statistics.median(self._epoch_times) if self._epoch_times else 0.0
-        self.stride = min(self.max_stride, choose_stride(cost_s=self._cost_s, epoch_s=epoch_s))
+        stride = choose_stride(cost_s=self._cost_s, epoch_s=epoch_s, max_gap_s=self.max_gap_s)
+        self.stride = min(self.max_stride, stride)

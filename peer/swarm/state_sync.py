@@ -41,7 +41,7 @@ from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, announcement_key
-from peer.swarm.digest_schedule import LINGER_S, MAX_STRIDE, DigestSchedule
+from peer.swarm.digest_schedule import LINGER_S, MAX_DIGEST_GAP_S, MAX_STRIDE, DigestSchedule
 from peer.swarm.state_digest import state_digest
 from peer.swarm.state_serve import (
     COMPRESSIONS,
@@ -121,6 +121,8 @@ class StateSyncConfig:
             this (:mod:`peer.swarm.digest_schedule`): less CPU, but replica checks and
             newcomers see fewer epochs to agree on, and an idle donor serves its newest state
             only after ``LINGER_S``. A power of two.
+        max_digest_gap_s: with a stride, the most seconds of epochs between two digested
+            epochs (a replica check and a newcomer's agreed state lag by that much at most).
     """
 
     announce_interval_s: float = 5.0
@@ -141,6 +143,7 @@ class StateSyncConfig:
     resync_max_epochs: int = 64
     resync_check_s: float = 1.0
     max_digest_stride: int = 1
+    max_digest_gap_s: float = MAX_DIGEST_GAP_S
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
@@ -154,6 +157,7 @@ class StateSyncConfig:
             "backoff_s",
             "serve_timeout_s",
             "resync_check_s",
+            "max_digest_gap_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -250,7 +254,9 @@ class StateServer:
         self._digest_task: asyncio.Task | None = None
         self._handed = asyncio.Event()  # set when a snapshot is queued for its digest
         self._digesting: StateSnapshot | None = None
-        self._schedule = DigestSchedule(max_stride=config.max_digest_stride)
+        self._schedule = DigestSchedule(
+            max_stride=config.max_digest_stride, max_gap_s=config.max_digest_gap_s
+        )
         self._linger: asyncio.TimerHandle | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._last_announce = -math.inf

@@ -66,6 +66,9 @@ def test_precedence_flags_over_toml_over_env(tmp_path, monkeypatch):
         (["--port", "99999"], "--port"),
         (["--min-deadline", "0"], "--min-deadline"),
         (["--min-deadline", "61"], "--min-deadline"),
+        (["--max-digest-stride", "3"], "--max-digest-stride: must be a power of two"),
+        (["--max-digest-stride", "128"], "--max-digest-stride"),
+        (["--max-digest-gap", "0"], "--max-digest-gap"),
     ],
 )
 def test_invalid_values_name_the_field(argv, message):
@@ -108,6 +111,12 @@ def test_join_command_is_the_inverse_of_the_flags():
 def test_min_deadline_floors_the_averagers_adaptive_waits():
     assert parse().averager_config().min_deadline_s == 1.0
     assert parse("--min-deadline", "3.5").averager_config().min_deadline_s == 3.5
+
+
+def test_the_digest_schedule_is_opt_in_and_reaches_the_state_server():
+    assert parse().state_sync_config().max_digest_stride == 1
+    config = parse("--max-digest-stride", "64", "--max-digest-gap", "4").state_sync_config()
+    assert (config.max_digest_stride, config.max_digest_gap_s) == (64, 4.0)
 
 
 def test_the_train_benchs_peers_wait_out_its_longest_pause():

@@ -43,6 +43,18 @@ def test_the_stride_is_the_smallest_power_of_two_within_the_budget():
     assert MAX_DIGEST_GAP_S >= 0.5
 
 
+def test_a_longer_gap_lets_a_schedule_stride_further():
+    # 20 ms of hashing per 230-ms epoch (an 8-MB state on a slow host): the 1% budget needs a
+    # stride of 16; 1 s of epochs allows 4 (0.92 s between digests), 4 s allows 16
+    one, four = DigestSchedule(max_gap_s=1.0), DigestSchedule(max_gap_s=4.0)
+    _digested(one, range(1, 40), epoch_s=0.23, cost_s=0.02)
+    _digested(four, range(1, 40), epoch_s=0.23, cost_s=0.02)
+    assert (one.stride, four.stride) == (4, 16)
+    capped = DigestSchedule(max_stride=8, max_gap_s=4.0)
+    _digested(capped, range(1, 40), epoch_s=0.23, cost_s=0.02)
+    assert capped.stride == 8
+
+
 def _digested(schedule: DigestSchedule, epochs, epoch_s: float, cost_s: float) -> set[int]:
     out, now = set(), 0.0
     for epoch in epochs:
