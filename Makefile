@@ -24,7 +24,7 @@ demo: $(BIN)/.installed
 # PYTEST_WORKERS=0 runs the first part in one process too. -rs names every skipped test and why.
 PYTEST_WORKERS ?= 3
 test: $(BIN)/.installed lint
-	$(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadgroup -m "not serial" --durations=15
+	$(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadgroup -m "not serial" --durations=40
 	$(BIN)/python -m pytest -q -rs -m serial
 
 lint: $(BIN)/.installed
