@@ -28,6 +28,7 @@ from dht.errors import ConfigError
 from dht.net.config import ReachabilityConfig, TransportConfig
 from dht.options import NETWORK_OPTIONS as NET
 from dht.options import peer_url, read_swarm_key
+from peer.swarm.digest_schedule import MAX_DIGEST_GAP_S, max_stride_problem
 from peer.swarm.progress import ProgressConfig
 from peer.train.schedules import LRSchedule, make_lr_schedule
 
@@ -142,13 +143,13 @@ class PeerConfig(BaseModel):
     )
     max_digest_stride: int = Field(
         1,
-        ge=1,
-        le=64,
         description="digest the served state every epoch (1), or, when hashing it is costly "
         "next to an epoch, only epochs that are multiples of a power of two up to this",
     )
     max_digest_gap: float = Field(
-        1.0, gt=0, description="with --max-digest-stride: most seconds between digested epochs"
+        MAX_DIGEST_GAP_S,
+        gt=0,
+        description="with --max-digest-stride: most seconds between digested epochs",
     )
     # outputs
     checkpoint_dir: Path | None = Field(None, description="periodic atomic checkpoints; resume")
@@ -222,9 +223,10 @@ class PeerConfig(BaseModel):
 
     @field_validator("max_digest_stride")
     @classmethod
-    def _power_of_two(cls, stride: int) -> int:
-        if stride & (stride - 1):
-            raise ValueError(f"must be a power of two, got {stride}")
+    def _stride(cls, stride: int) -> int:
+        problem = max_stride_problem(stride)
+        if problem is not None:
+            raise ValueError(problem)
         return stride
 
     @field_validator("task_option")

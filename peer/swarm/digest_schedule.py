@@ -42,6 +42,13 @@ NUM_EPOCH_TIMES = 16
 LINGER_S = 0.5
 
 
+def max_stride_problem(stride: int) -> str | None:
+    """Why ``stride`` cannot be a donor's largest stride (None: it can)."""
+    if 1 <= stride <= MAX_STRIDE and stride & (stride - 1) == 0:
+        return None
+    return f"must be a power of two in [1, {MAX_STRIDE}], got {stride}"
+
+
 def choose_stride(
     *,
     cost_s: float,

@@ -41,7 +41,12 @@ from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
 from dht.periodic import Periodic
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, announcement_key
-from peer.swarm.digest_schedule import LINGER_S, MAX_DIGEST_GAP_S, MAX_STRIDE, DigestSchedule
+from peer.swarm.digest_schedule import (
+    LINGER_S,
+    MAX_DIGEST_GAP_S,
+    DigestSchedule,
+    max_stride_problem,
+)
 from peer.swarm.state_digest import state_digest
 from peer.swarm.state_serve import (
     COMPRESSIONS,
@@ -182,11 +187,9 @@ class StateSyncConfig:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.min_agreement < 1:
             raise ConfigError(f"min_agreement must be >= 1, got {self.min_agreement}")
-        stride = self.max_digest_stride
-        if not (1 <= stride <= MAX_STRIDE and stride & (stride - 1) == 0):
-            raise ConfigError(
-                f"max_digest_stride must be a power of two in [1, {MAX_STRIDE}], got {stride}"
-            )
+        problem = max_stride_problem(self.max_digest_stride)
+        if problem is not None:
+            raise ConfigError(f"max_digest_stride {problem}")
 
 
 @dataclass(frozen=True)

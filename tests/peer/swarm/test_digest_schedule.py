@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack
 import pytest
 import torch
 
+from dht.errors import ConfigError
 from peer.swarm.digest_schedule import (
     DIGEST_CPU_BUDGET,
     MAX_DIGEST_GAP_S,
@@ -53,6 +54,14 @@ def test_a_longer_gap_lets_a_schedule_stride_further():
     capped = DigestSchedule(max_stride=8, max_gap_s=4.0)
     _digested(capped, range(1, 40), epoch_s=0.23, cost_s=0.02)
     assert capped.stride == 8
+
+
+def test_the_config_refuses_a_stride_or_gap_it_cannot_keep():
+    for bad in (0, 3, 2 * MAX_STRIDE):
+        with pytest.raises(ConfigError, match=f"max_digest_stride must be a power of two.*{bad}"):
+            dataclasses.replace(CONFIG, max_digest_stride=bad)
+    with pytest.raises(ConfigError, match="max_digest_gap_s must be positive"):
+        dataclasses.replace(CONFIG, max_digest_gap_s=0.0)
 
 
 def _digested(schedule: DigestSchedule, epochs, epoch_s: float, cost_s: float) -> set[int]:
