@@ -30,7 +30,8 @@ peer saw in its recent rounds:
 Each is ``safety`` times the 90th percentile of the last samples (at least ``safety`` times a
 few RTTs), clamped to ``[min_deadline_s, max_deadline_s]`` (the matchmaking window to
 ``[min_deadline_s, matchmaking_time_s]``: that field stays the user's bound on looking for a
-group). Before enough samples exist, the configured field is the estimate (the cold start). A
+group). Before enough samples exist, the configured field is the estimate (the cold start; for
+the connect wait, until two rounds measured it). A
 sender or reducer wait that ran out doubles for the next round (up to the ceiling), and that
 round's measurements are not learned (Karn's rule: they are the fast survivors); a link slower
 than the cold-start guess costs the first round or two, not every round.
@@ -52,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 NUM_SAMPLES = 64  # recent samples kept per kind: a few rounds' worth
 MIN_SAMPLES = 4  # below this, the configured field is the estimate
+# Rounds whose connections a connect wait is learned from, at least: one round's connections
+# are one draw of the host's load (all its members learned of the group at once), and a wait
+# learned from a warm round dropped a sender of the next, cold one (16 peers of a bench on a
+# loaded host: a quarter of that round's members, replicas apart until the next re-sync).
+MIN_CONNECT_ROUNDS = 2
 QUANTILE = 0.9
 
 SENDER, CONNECT, REDUCER, MATCHMAKING = "sender", "connect", "reducer", "matchmaking"
@@ -96,6 +102,7 @@ class Deadlines:
         # at least this after a wait ran out
         self._backed_off_s = {SENDER: 0.0, CONNECT: 0.0, REDUCER: 0.0, MATCHMAKING: 0.0}
         self._ran_out: set[str] = set()
+        self._num_rounds = {SENDER: 0, CONNECT: 0, REDUCER: 0}  # that taught each kind
 
     @property
     def adaptive(self) -> bool:
@@ -151,7 +158,8 @@ class Deadlines:
             else:
                 for wait_s in pending:
                     self._samples[kind].add(wait_s)
-                if pending and len(self._samples[kind]) >= MIN_SAMPLES:
+                self._num_rounds[kind] += bool(pending)
+                if pending and self._learned(kind):
                     self._backed_off_s[kind] = 0.0
             pending.clear()
         self._ran_out.clear()
@@ -169,12 +177,18 @@ class Deadlines:
 
     # ---- deadlines ---------------------------------------------------------------------------
 
+    def _learned(self, kind: str) -> bool:
+        """Whether enough was measured of ``kind`` to trust the estimate over the field."""
+        if len(self._samples[kind]) < MIN_SAMPLES:
+            return False
+        return kind != CONNECT or self._num_rounds[CONNECT] >= MIN_CONNECT_ROUNDS
+
     def _estimate(self, kind: str, cold_s: float, min_rtts: float, high_s: float) -> float:
         """``safety`` times the recent 90th percentile (at least ``safety * min_rtts`` RTTs),
         clamped to ``[min_deadline_s, high_s]``; ``cold_s`` as configured before enough
         samples."""
         samples, config = self._samples[kind], self._config
-        if len(samples) < MIN_SAMPLES:
+        if not self._learned(kind):
             return min(cold_s, high_s)
         estimate = config.deadline_safety * samples.quantile(QUANTILE)
         rtt_s = self._rtt_s()

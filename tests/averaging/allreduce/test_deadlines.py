@@ -9,7 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from averaging.allreduce.deadlines import MIN_SAMPLES, Deadlines, SampleWindow
+from averaging.allreduce.deadlines import (
+    MIN_CONNECT_ROUNDS,
+    MIN_SAMPLES,
+    Deadlines,
+    SampleWindow,
+)
 from averaging.config import AveragerConfig
 from averaging.errors import ConfigError
 from tests.averaging.conftest import exact_mean, make_group, peer_values
@@ -48,9 +53,10 @@ def test_cold_start_uses_the_fields_then_measurements_within_bounds():
     deadlines.end_round()  # a round's waits are learned at its end
     # connections not measured yet: their wait is still the configured one
     assert deadlines.connect_s == 5.0 and deadlines.reducer_s == pytest.approx(5.05)
-    for _ in range(MIN_SAMPLES):
-        deadlines.observe_connection(0.004)
-    deadlines.end_round()
+    for _ in range(MIN_CONNECT_ROUNDS):
+        for _ in range(MIN_SAMPLES):
+            deadlines.observe_connection(0.004)
+        deadlines.end_round()
     waits = deadlines.snapshot()
     assert waits["sender_s"] == pytest.approx(0.05)  # 4 x 2 ms is below the floor
     assert waits["connect_s"] == pytest.approx(0.05)
@@ -107,11 +113,12 @@ def test_connections_are_waited_for_as_long_as_they_took():
     # a sender's stream comes when its process learned of the group and got a CPU: on a busy
     # host that is slower than any chunk, so it has its own wait, the sender wait at least
     deadlines = Deadlines(AveragerConfig())
-    for _ in range(MIN_SAMPLES):
-        deadlines.observe_sender_wait(0.002)
-        deadlines.observe_reducer_wait(0.003)
-        deadlines.observe_connection(0.01)
-    deadlines.end_round()
+    for _ in range(MIN_CONNECT_ROUNDS):
+        for _ in range(MIN_SAMPLES):
+            deadlines.observe_sender_wait(0.002)
+            deadlines.observe_reducer_wait(0.003)
+            deadlines.observe_connection(0.01)
+        deadlines.end_round()
     assert deadlines.connect_s == deadlines.sender_s == 1.0  # both at the floor
     for _ in range(MIN_SAMPLES):
         deadlines.observe_connection(0.6)
@@ -125,6 +132,25 @@ def test_connections_are_waited_for_as_long_as_they_took():
     deadlines.ran_out("connect")  # one that ran out: doubled; the chunk wait is not
     deadlines.end_round()
     assert deadlines.connect_s == pytest.approx(4.8) and deadlines.sender_s == 1.0
+
+
+def test_one_rounds_connections_do_not_set_the_connect_wait():
+    # a round's connections all came under one load of the host: a wait learned from a warm
+    # first round dropped the senders of a cold second one
+    deadlines = Deadlines(AveragerConfig())
+    for _ in range(4 * MIN_SAMPLES):
+        deadlines.observe_sender_wait(0.002)
+        deadlines.observe_connection(0.01)
+    deadlines.end_round()
+    assert deadlines.sender_s == 1.0  # chunk waits are learned from one round
+    assert deadlines.connect_s == 5.0  # connections not yet: still the configured sender wait
+    deadlines.end_round()  # a round without connections (alone) teaches nothing
+    assert deadlines.connect_s == 5.0
+    for _ in range(MIN_SAMPLES):
+        deadlines.observe_connection(0.3)
+    deadlines.end_round()
+    assert MIN_CONNECT_ROUNDS == 2
+    assert deadlines.connect_s == pytest.approx(1.2)  # both rounds' p90: 4 x 0.3 s
 
 
 def test_a_search_that_closed_on_others_doubles_the_window_until_a_group_forms():
