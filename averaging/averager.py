@@ -14,6 +14,10 @@ Usage (build it before the transport starts: it adds its handlers to the transpo
 
 A client-mode peer (a transport without an address) sends and receives but reduces no part. A
 training loop in another thread calls :meth:`DecentralizedAverager.step_blocking`.
+
+The averager checks a step, finds its group and keeps what a round leaves behind (partners, the
+key layout, the count of rounds); the values' way through the round (gather, all-reduce, second
+level, scatter) is :class:`averaging.group_rounds.GroupRounds`'s.
 """
 
 from __future__ import annotations
@@ -26,20 +30,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from averaging.allreduce.butterfly import run_allreduce
 from averaging.allreduce.deadlines import Deadlines
-from averaging.allreduce.router import PartRouter
 from averaging.allreduce.streams import StreamChooser
 from averaging.bounds import valid_weight
 from averaging.config import AveragerConfig, check_prefix, reducing_address
-from averaging.errors import AveragingError, ConfigError, ProtocolViolation, translate
+from averaging.errors import AveragingError, ConfigError, translate
+from averaging.group_rounds import GroupRounds
 from averaging.levels import SecondLevel, Spreads, TopRound
 from averaging.matchmaking.group import GroupInfo
 from averaging.matchmaking.matchmaker import Matchmaker, MatchmakingDHT
 from averaging.matchmaking.search import MatchResult, SearchOptions
 from averaging.result import RoundResult
-from averaging.rounds import LayoutMemory, result_of, round_plan, row_search
-from averaging.rules.compression import Compression, get_codec
+from averaging.rounds import LayoutMemory, round_plan, row_search
+from averaging.rules.compression import Compression
 from averaging.tensors import FlatTensors
 from dht.errors import DHTError
 from dht.runtime import EventLoopThread
@@ -78,14 +81,16 @@ class DecentralizedAverager:
         self.peer_id: str = transport.peer_id
         self._transport = transport
         self._tensors = FlatTensors(tensors)
-        self._stream_name = f"averaging.{prefix}.part"
         self.deadlines = Deadlines(self.config, self._measured_rtt_s)
         self.streams = StreamChooser(self.config, self._measured_rtt_s)
-        self._router = PartRouter(
-            transport,
-            self._stream_name,
-            group_wait_s=self.config.group_wait_s,
+        self._group_rounds = GroupRounds(
+            self._tensors,
+            transport=transport,
+            stream_name=f"averaging.{prefix}.part",
+            peer_id=self.peer_id,
+            config=self.config,
             deadlines=self.deadlines,
+            streams=self.streams,
         )
         self._matchmaker = None
         self._second: SecondLevel | None = None
@@ -103,14 +108,13 @@ class DecentralizedAverager:
                 self.peer_id,
                 Spreads(transport, prefix, self.config),
                 self._find_top,
-                self._allreduce,
+                self._group_rounds.allreduce,
                 self.config,
             )
         self._compression = self.config.compression  # of the step in progress
         self._epoch: int | None = None  # of the step in progress
         self._search_key = ""  # of the step in progress
         self._layout = LayoutMemory()
-        self._waits: Mapping[str, float] = {}  # the step in progress's (Deadlines.snapshot)
         self._lock = asyncio.Lock()
         self._closed = False
         self.num_rounds = 0
@@ -210,7 +214,7 @@ class DecentralizedAverager:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
             phase_s: dict[str, float] = {}
-            weight = await self._gather(weight, compression, phase_s)
+            weight = await self._group_rounds.gather(weight, compression, phase_s)
             self._compression, self._epoch = compression, epoch
             base = self.matchmaking_key(epoch)
             key, options = row_search(self.config, self.peer_id, base, plan)
@@ -234,7 +238,9 @@ class DecentralizedAverager:
             rows_end = start + min(self.config.matchmaking_time_s, timeout_s)
             top = TopRound(f"{base}.top", plan, rows_end)
             if match.group is None and not match.stopped and options and options.top_rows:
-                solo = await self._solo(weight, top, options.top_rows, deadline)
+                solo = await self._group_rounds.solo(
+                    self._second, weight, top, options.top_rows, deadline
+                )
                 if solo.status != "alone":
                     return await self._end(key, solo, phase_s, waits)
                 # say why at both levels: the row search's reason alone hid a missed top round
@@ -255,7 +261,7 @@ class DecentralizedAverager:
         own_weight = group.member(self.peer_id).weight
         async with self._lock:
             phase_s: dict[str, float] = {}
-            weight = await self._gather(own_weight, group.compression, phase_s)
+            weight = await self._group_rounds.gather(own_weight, group.compression, phase_s)
             if weight != own_weight:
                 raise AveragingError("local tensors are not finite: cannot join a fixed group")
             phase_s["matchmaking"] = 0.0
@@ -340,23 +346,6 @@ class DecentralizedAverager:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
         return float(weight), float(timeout_s)
 
-    async def _gather(
-        self, weight: float, compression: Compression, phase_s: dict[str, float]
-    ) -> float:
-        """Copy the tensors in; the weight to use (0 if the local values are not finite)."""
-        start = asyncio.get_running_loop().time()
-        finite = await asyncio.to_thread(self._gather_and_check, compression)
-        phase_s["gather"] = asyncio.get_running_loop().time() - start
-        if not finite and weight > 0:
-            logger.warning("local tensors contain NaN or Inf: taking part with weight 0")
-            return 0.0
-        return weight
-
-    def _gather_and_check(self, compression: Compression) -> bool:
-        get_codec(compression).prepare()
-        self._tensors.gather()
-        return self._tensors.all_finite()
-
     async def _average(
         self,
         key: str,
@@ -368,46 +357,9 @@ class DecentralizedAverager:
         top: TopRound | None = None,
     ) -> RoundResult:
         """Average with ``group`` (and, when it is a row, at the second level), then scatter."""
-        self._waits = waits
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
         second = self._second if group.top_rows else None
-        delegate = second is not None and group.delegate == self.peer_id
-        if delegate:
-            # members may ask as soon as their row is averaged, and wait up to our deadline
-            second.spreads.open(group, until=deadline)
-        try:
-            result = await self._allreduce(group, timeout_s)
-            if second is not None:
-                top = top or TopRound("", None, 0.0)
-                result = await second.run(
-                    group,
-                    result,
-                    top_key=top.key,
-                    plan=top.plan,
-                    deadline=deadline,
-                    rows_end=top.rows_end,
-                )
-            else:
-                result = dataclasses.replace(result, levels={"row": result.status})
-        finally:
-            if delegate:
-                second.spreads.close(group.group_id)
+        result = await self._group_rounds.average(group, timeout_s, waits, second=second, top=top)
         return await self._end(key, result, phase_s, waits)
-
-    async def _solo(
-        self, weight: float, top: TopRound, top_rows: int, deadline: float
-    ) -> RoundResult:
-        """No row: join the top round as a row of one (:meth:`SecondLevel.solo`)."""
-        self._waits = self.deadlines.snapshot()
-        return await self._second.solo(
-            weight,
-            top_key=top.key,
-            plan=top.plan,
-            top_rows=top_rows,
-            deadline=deadline,
-            rows_end=top.rows_end,
-        )
 
     async def _end(
         self,
@@ -417,50 +369,8 @@ class DecentralizedAverager:
         waits: Mapping[str, float],
     ) -> RoundResult:
         """Scatter what the levels left in the flat vector; the round's result."""
-        loop = asyncio.get_running_loop()
-        phase_s.update({p: s for p, s in result.phase_s.items() if p != "matchmaking"})
-        phase_s["matchmaking"] += result.phase_s.get("top_matchmaking", 0.0)
-        if result.allreduce_s or result.status != "failed":
-            start = loop.time()
-            await asyncio.to_thread(self._tensors.scatter)
-            phase_s["scatter"] = loop.time() - start
-        result = dataclasses.replace(result, phase_s=dict(phase_s), deadlines_s=dict(waits))
+        result = await self._group_rounds.end(result, phase_s, waits)
         return self._finish(key, result, phase_s["matchmaking"])
-
-    async def _allreduce(self, group: GroupInfo, timeout_s: float) -> RoundResult:
-        """One all-reduce of the flat vector over ``group``, in place (no scatter)."""
-        waits = self._waits
-        loop = asyncio.get_running_loop()
-        config = dataclasses.replace(  # this round's waits (see averaging.allreduce.deadlines)
-            self.config,
-            allreduce_timeout_s=min(self.config.allreduce_timeout_s, timeout_s),
-            sender_timeout_s=waits["sender_s"],
-            reducer_timeout_s=waits["reducer_s"],
-            group_wait_s=waits["group_wait_s"],
-        )
-        self._router.group_wait_s = waits["group_wait_s"]
-        start = loop.time()
-        try:
-            outcome = await run_allreduce(
-                transport=self._transport,
-                router=self._router,
-                stream_name=self._stream_name,
-                group=group,
-                own_peer_id=self.peer_id,
-                flat=self._tensors.flat,
-                config=config,
-                deadlines=self.deadlines,
-            )
-        except ProtocolViolation as e:  # a group no member can use: nothing was averaged
-            return RoundResult("failed", str(e), group_id=group.group_id)
-        finally:
-            self.deadlines.end_round()
-        phase_s = {"allreduce": loop.time() - start, **outcome.stats.cpu_s}
-        result = result_of(group, outcome, phase_s)
-        if result.status == "ok" and group.top_rows == 0:
-            moved_bytes = result.bytes_sent + result.bytes_received
-            self.streams.observe(group.num_streams, moved_bytes, result.allreduce_s)
-        return result
 
     def _finish(self, key: str, result: RoundResult, matchmaking_s: float) -> RoundResult:
         result = dataclasses.replace(
