@@ -42,10 +42,13 @@ def _in_group(fact: dict[str, Any]) -> bool:
     return fact["status"] in ("ok", "partial") and len(fact["averaged_with"]) > 1
 
 
-def epoch_detail(facts: list[dict[str, Any]], seed: int, size: int) -> dict[str, Any]:
+def epoch_detail(
+    facts: list[dict[str, Any]], seed: int, size: int, peers_per_process: int | None = None
+) -> dict[str, Any]:
     """One epoch: peers ready, in a group, the groups' sizes, the replicas' spread (largest
     ||x_i - mean|| / ||mean|| over replicas, mean = their plain mean) and their largest
-    relative error against the exact weighted mean of every ready peer's vector."""
+    relative error against the exact weighted mean of every ready peer's vector; with
+    ``peers_per_process``, when each process's peers started their rounds."""
     epoch = facts[0]["epoch"]
     weights = {fact["rank"]: fact["weight"] for fact in facts}
     exact = exact_weighted_mean(seed, size, epoch, weights)
@@ -59,6 +62,11 @@ def epoch_detail(facts: list[dict[str, Any]], seed: int, size: int) -> dict[str,
     for fact in facts:
         if _in_group(fact):
             groups[fact["group_id"]] = len(fact["members"])
+    starts = {f["rank"]: f["end_time"] - f["round_s"] for f in facts}
+    first_start = min(starts.values())
+    by_process: dict[int, list[float]] = defaultdict(list)
+    for rank, start in starts.items():
+        by_process[rank // peers_per_process if peers_per_process else 0].append(start)
     return {
         "epoch": epoch,
         "ready": len(facts),
@@ -80,8 +88,12 @@ def epoch_detail(facts: list[dict[str, Any]], seed: int, size: int) -> dict[str,
         "exact_rel_err_max": float(errors.max()),
         "end_time": max(f["end_time"] for f in facts),
         # seconds between the first and the last peer of the epoch starting its round
-        "start_spread_s": max(f["end_time"] - f["round_s"] for f in facts)
-        - min(f["end_time"] - f["round_s"] for f in facts),
+        "start_spread_s": max(starts.values()) - first_start,
+        # per process (by index), its peers' median round start after the epoch's first: a
+        # process whose peers all start late is one whose event loop lags, not its peers
+        "process_start_s": [
+            round(statistics.median(by_process[i]) - first_start, 2) for i in sorted(by_process)
+        ],
     }
 
 
@@ -117,7 +129,8 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
     """The benchmark's JSON object (the contract fields are in docs/BENCHMARKS.md)."""
     num_peers, seed, size = config["num_peers"], config["seed"], config["size"]
     epochs = _measured_epochs(collected["round"], config)
-    details = [epoch_detail(facts, seed, size) for facts in epochs.values()]
+    per_process = config["peers_per_process"]
+    details = [epoch_detail(facts, seed, size, per_process) for facts in epochs.values()]
     measured = [fact for facts in epochs.values() for fact in facts]
     averaged = [fact for fact in measured if _in_group(fact)]
     processes = collected["process"]

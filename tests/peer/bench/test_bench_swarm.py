@@ -134,6 +134,20 @@ def test_a_peer_alone_keeps_its_own_vector_and_counts_ready_not_in_group():
     assert detail["replica_spread"] > 0.1
 
 
+def test_each_processs_round_starts_are_its_peers_median_after_the_epochs_first():
+    size, vector = 10, peer_vector(1, 0, 3, 10)
+    # (rank, start): process 0 holds ranks 0-1, process 1 ranks 2-3
+    starts = [(0, 100.0), (1, 101.0), (2, 112.0), (3, 114.0)]
+    facts = []
+    for rank, start in starts:
+        fact = _fact(rank, 1.0, vector, None)
+        facts.append(fact | {"end_time": start + 2.0, "round_s": 2.0})
+    detail = epoch_detail(facts, seed=1, size=size, peers_per_process=2)
+    assert detail["process_start_s"] == [0.5, 13.0]
+    assert detail["start_spread_s"] == pytest.approx(14.0)
+    assert epoch_detail(facts, seed=1, size=size)["process_start_s"] == [6.5]
+
+
 def test_simulate_without_the_simulation_says_so_and_exits_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "peer.bench.swarm_sim", None)  # import raises ImportError
     args = argparse.Namespace(
