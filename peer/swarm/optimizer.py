@@ -49,6 +49,7 @@ from peer.swarm.epoch import Epoch
 from peer.swarm.estimate_gate import EstimateGate
 from peer.swarm.newcomer_hold import NewcomerHold
 from peer.swarm.progress import GlobalProgress
+from peer.swarm.readiness import Readiness, local_step_s, moved_on
 from peer.swarm.round import (
     EpochStats,
     PendingRound,
@@ -112,7 +113,7 @@ class CollaborativeOptimizer:
     """The hook the trainer calls after every backward pass; see the module docstring.
 
     One round reads top to bottom in :meth:`on_step` and :meth:`finish_epoch`: accumulate ->
-    ready? -> average -> apply -> next epoch.
+    ready? (:class:`peer.swarm.readiness.Readiness`) -> average -> apply -> next epoch.
 
     Args:
         model: the model being trained (its parameters are what is averaged).
@@ -163,9 +164,7 @@ class CollaborativeOptimizer:
         self.samples = 0  # this peer's samples in the current epoch
         self.stats = EpochStats()
         self._gate = EstimateGate()
-        self._alone = False
-        self._late_epoch = -1  # the epoch whose round this peer joined late (see _behind)
-        self._num_at_epoch = 1
+        self._readiness = Readiness(overlaps=self._overlaps, newcomer_hold=newcomer_hold)
         self._pending: PendingRound | None = None
         self._pending_epoch = 0
         self._clock = None
@@ -206,60 +205,22 @@ class CollaborativeOptimizer:
             return  # the tracker hears of these samples with the next estimate
         self.progress.report_local_progress(self.epoch, self.samples)
         swarm = self.progress.current()
-        if self.state is not None and self._behind(swarm):
+        readiness = self._readiness
+        if self.state is not None and readiness.behind(swarm, self.epoch):
             self._catch_up(swarm.epoch)
-        elif self._swarm_ready(swarm, context.batch_samples):
+        elif readiness.ready(swarm, self.epoch, self.samples, context.batch_samples):
             self.finish_epoch(context)
-        elif self._alone:  # counted by _swarm_ready: the estimate is this peer's samples
+        elif readiness.alone:  # counted by ready: the estimate is this peer's samples
             missing = swarm.target_batch_size - swarm.samples_accumulated
             self._gate.checked_alone(ready_at_samples=self.samples + missing)
         else:
-            self._gate.checked(eta_s=swarm.eta_next_epoch_s, step_s=_step_s(swarm, context))
+            step_s = local_step_s(swarm, context.batch_samples)
+            self._gate.checked(eta_s=swarm.eta_next_epoch_s, step_s=step_s)
 
     def _step_local(self, context: StepContext) -> None:
         context.amp.step(self.optimizer)
         context.amp.update()
         self.optimizer.zero_grad(set_to_none=True)
-
-    # ---- ready? ------------------------------------------------------------------------------
-
-    def _behind(self, swarm: GlobalProgress) -> bool:
-        """Whether to load the swarm's state: more than one epoch behind, or one behind with
-        nobody left at this epoch (its round is over; stepping alone would leave this peer's
-        parameters apart from everyone's for good in ``grad`` mode). One behind with others
-        here: finish the epoch with them (see ``_swarm_ready``)."""
-        if swarm.epoch <= self.epoch:
-            return False
-        if swarm.epoch > self.epoch + 1:
-            return True
-        self._count_at_epoch(swarm)
-        if self._alone and self._overlaps and self._late_epoch != self.epoch:
-            # rounds run in the background: the peers one epoch ahead entered it as their
-            # round of this one began, and may still be looking for this peer (once per epoch)
-            self._late_epoch = self.epoch
-            return False
-        return self._alone
-
-    def _swarm_ready(self, swarm: GlobalProgress, batch_samples: int = 0) -> bool:
-        """Whether to end the epoch now: the swarm reached its target, or will be nearer to it
-        now than after this peer's next local step (half a step's worth of the swarm's samples
-        is missing at most), so that epochs hold the target on average."""
-        self._count_at_epoch(swarm)
-        if swarm.epoch > self.epoch:
-            return True  # the swarm moved on: average what we have, or fall back and resync
-        if swarm.ready and self._alone and self.newcomer_hold is not None:
-            return not self.newcomer_hold.should_hold(swarm, self.epoch)
-        if swarm.ready or self._alone or self.samples == 0:
-            return swarm.ready
-        own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
-        step_s = batch_samples / own_rate if own_rate > 0 else 0.0
-        return swarm.eta_next_epoch_s <= 0.5 * step_s
-
-    def _count_at_epoch(self, swarm: GlobalProgress) -> None:
-        # nobody else at this epoch: a round would only wait out matchmaking for a group of one
-        # (``num_at`` scales a large swarm's sample of records up to the whole swarm)
-        self._num_at_epoch = swarm.num_at(self.epoch)
-        self._alone = self._num_at_epoch <= 1
 
     # ---- average, apply, next epoch ----------------------------------------------------------
 
@@ -271,30 +232,30 @@ class CollaborativeOptimizer:
         self._clock = context.clock
         if self._pending is not None:  # at most one round in flight: apply the previous first
             self.flush()
-            self._count_at_epoch(self.progress.current())  # who is at this epoch, after it
+            self._readiness.count_at(self.progress.current(), self.epoch)  # who is here now
         tensors = self.contribution.prepare(self.samples)
         round_args = dict(
             weight=float(self.samples),
             epoch=self.epoch,
             timeout_s=self.config.averaging_timeout_s,
-            expected_peers=self._num_at_epoch,
+            expected_peers=self._readiness.num_at_epoch,
         )
-        if self._overlaps and not self._alone:
+        if self._overlaps and not self._readiness.alone:
             self._pending = self.averager.start_average(tensors, **round_args)
             self._pending_epoch = self.epoch
             with self.contribution.replica_in_model():  # what the epoch's listeners read
                 # the state of the next epoch is whole once this round lands (``flush``)
                 self.epoch_counter.advance_to(self.epoch + 1, state_pending=True)
             return None
-        late = self._alone and self._late_epoch == self.epoch  # see _behind
-        looked = not self._alone or late
+        late = self._readiness.joined_late(self.epoch)
+        looked = not self._readiness.alone or late
         if not looked:  # nobody else in the swarm: no matchmaking wait for a group of one
             result = alone(self.epoch)
         elif late:  # the others' records have left this epoch, their rounds maybe not yet
             result = self.averager.average(tensors, **round_args)
         else:
             # nobody comes once the swarm has left this epoch: stop looking, catch up at once
-            round_args["moved_on"] = _moved_on(self.progress, self.epoch)
+            round_args["moved_on"] = moved_on(self.progress, self.epoch)
             result = self.averager.average(tensors, **round_args)
             for _ in range(MAX_EARLY_ROUNDS - 1):
                 if not self._early(result):
@@ -325,8 +286,8 @@ class CollaborativeOptimizer:
         swarm = self._estimate_after_round()
         if swarm.epoch > self.epoch:
             return False
-        self._count_at_epoch(swarm)
-        return self._num_at_epoch > 1
+        self._readiness.count_at(swarm, self.epoch)
+        return self._readiness.num_at_epoch > 1
 
     def _caught_up_after(self, result: RoundResult) -> bool:
         """Whether a round that found no group was late instead, and this peer caught up: the
@@ -335,12 +296,13 @@ class CollaborativeOptimizer:
         swarm's epoch would put this peer there with parameters of its own (in ``grad`` mode,
         apart for good), and just after the lone peer ahead stopped holding for it (its hold
         ran out with this round): then the lone peer steps on alone, its record lags again,
-        and the two never meet. The state download (``_behind``) puts it where the swarm is,
-        the averaged tensors dropped; a download that reached nothing steps alone as before."""
+        and the two never meet. The state download (:meth:`Readiness.behind`) puts it where
+        the swarm is, the averaged tensors dropped; a download that reached nothing steps alone
+        as before."""
         if self.state is None or result.status not in ("alone", "failed"):
             return False  # a failed round, too, averaged nobody's values with this peer's
         swarm = self._estimate_after_round()
-        if not self._behind(swarm):
+        if not self._readiness.behind(swarm, self.epoch):
             return False
         epoch = self.epoch
         self._catch_up(swarm.epoch)
@@ -432,28 +394,3 @@ def make_contribution(
         outer_momentum=config.outer_momentum,
         diloco_overlap=config.diloco_overlap,
     )
-
-
-def has_left(swarm: GlobalProgress, epoch: int) -> bool:
-    """Whether the swarm has left ``epoch`` for good: two or more epochs on, or one on with
-    nobody else's record still at ``epoch`` (as ``CollaborativeOptimizer._behind`` reads it)."""
-    if swarm.epoch <= epoch:
-        return False
-    return swarm.epoch > epoch + 1 or not any(peer.epoch == epoch for peer in swarm.peers[1:])
-
-
-def _moved_on(progress: ProgressSource, epoch: int) -> Callable[[], int | None]:
-    """Asked on the event loop while a round of ``epoch`` looks for a group: the swarm's epoch
-    once it has left ``epoch`` (nobody will come any more), else None."""
-
-    def moved_on() -> int | None:
-        swarm = progress.current()
-        return swarm.epoch if has_left(swarm, epoch) else None
-
-    return moved_on
-
-
-def _step_s(swarm: GlobalProgress, context: StepContext) -> float:
-    """Seconds of one local step at this peer's own rate (0 when unknown)."""
-    own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
-    return context.batch_samples / own_rate if own_rate > 0 else 0.0
