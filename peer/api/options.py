@@ -21,7 +21,7 @@ from peer.api.errors import (
     check_hivemind_options,
 )
 from peer.run.config import PeerConfig
-from peer.swarm.state_sync import StateSyncConfig
+from peer.swarm.state_sync_config import StateSyncConfig
 
 # hivemind compression classes (by name: hivemind need not be installed) -> our wire format
 _GRAD_COMPRESSION = {

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch-importing modules: kept out of `peer dht` and `peer -
     from peer.profiling.profiler import ProfilerConfig
     from peer.swarm.newcomer_hold import NewcomerHoldConfig
     from peer.swarm.optimizer import CollaborativeConfig
-    from peer.swarm.state_sync import StateSyncConfig
+    from peer.swarm.state_sync_config import StateSyncConfig
     from peer.train.trainer import TrainerConfig
 
 
@@ -268,7 +268,7 @@ class PeerConfig(BaseModel):
         )
 
     def state_sync_config(self) -> StateSyncConfig:
-        from peer.swarm.state_sync import StateSyncConfig
+        from peer.swarm.state_sync_config import StateSyncConfig
 
         return StateSyncConfig(
             compression=self.state_compression,

@@ -51,10 +51,10 @@ from peer.swarm.state_sync import (
     DigestFn,
     StateRejected,
     StateSnapshot,
-    StateSyncConfig,
     StateSyncError,
     default_digest,
 )
+from peer.swarm.state_sync_config import StateSyncConfig
 
 logger = logging.getLogger(__name__)
 # Reads of the announcements (0.5, 1 and 2 s apart) before a state's digest counts as unagreed.

@@ -46,7 +46,8 @@ from dht.errors import DHTError
 from dht.kademlia.node import DHTNode
 from peer.records.state import ResyncTarget, resync_target
 from peer.swarm.state_download import Reach, read_announcements
-from peer.swarm.state_sync import REREAD_WINDOW_S, StateServer, StateSyncConfig
+from peer.swarm.state_sync import REREAD_WINDOW_S, StateServer
+from peer.swarm.state_sync_config import StateSyncConfig
 
 logger = logging.getLogger(__name__)
 # Reads of an epoch's announcements while nobody else has announced it, before it is let go.

@@ -15,7 +15,8 @@ import torch
 from dht.config import get_dht_time
 from peer.records.state import EpochDigest, StateAnnouncement, announcement_key
 from peer.swarm.state_digest import digest_scope, optimizer_structure, state_digest
-from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncConfig
+from peer.swarm.state_sync import StateServer, StateSnapshot
+from peer.swarm.state_sync_config import StateSyncConfig
 from peer.train.checkpoint import Progress, pack_state
 from peer.train.tasks import load_task
 from tests.adversarial.harness_swarm import (

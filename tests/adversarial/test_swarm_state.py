@@ -30,9 +30,9 @@ from peer.swarm.state_sync import (
     STREAM_NAME,
     StateServer,
     StateSnapshot,
-    StateSyncConfig,
     StateSyncError,
 )
+from peer.swarm.state_sync_config import StateSyncConfig
 from peer.train.checkpoint import Progress, pack_state, unpack_state
 
 pytestmark = pytest.mark.timeout(90)

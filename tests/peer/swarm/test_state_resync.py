@@ -26,7 +26,7 @@ from peer.records.state import (
 )
 from peer.run.runner import PeerRun
 from peer.swarm.state_resync import ReplicaCheck
-from peer.swarm.state_sync import StateSyncConfig
+from peer.swarm.state_sync_config import StateSyncConfig
 from tests.peer.run.test_join import (
     config,
     start_swarm,

@@ -18,7 +18,8 @@ from dht.net.config import TransportConfig
 from dht.net.shares import OverShare
 from peer.swarm.state_download import download_state, layout_of
 from peer.swarm.state_serve import ServeLimits
-from peer.swarm.state_sync import STREAM_NAME, StateSnapshot, StateSyncConfig
+from peer.swarm.state_sync import STREAM_NAME, StateSnapshot
+from peer.swarm.state_sync_config import StateSyncConfig
 from tests.peer.swarm.test_state_sync import peer, serve
 
 pytestmark = pytest.mark.timeout(90)

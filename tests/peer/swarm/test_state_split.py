@@ -12,7 +12,8 @@ import torch
 from dht.tools.faults import Faults
 from peer.swarm.state_download import download_state, layout_of
 from peer.swarm.state_serve import part_ranges
-from peer.swarm.state_sync import StateSnapshot, StateSyncConfig, default_digest
+from peer.swarm.state_sync import StateSnapshot, default_digest
+from peer.swarm.state_sync_config import StateSyncConfig
 from tests.peer.swarm.test_state_sync import CONFIG, peer, serve, trained_state
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,7 +17,8 @@ from dht.kademlia.node import DHTNode
 from dht.net.config import TransportConfig
 from dht.tools.faults import Faults, FaultyTransport
 from peer.swarm.state_download import download_state, layout_of
-from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncConfig, StateSyncError
+from peer.swarm.state_sync import StateServer, StateSnapshot, StateSyncError
+from peer.swarm.state_sync_config import StateSyncConfig
 
 pytestmark = pytest.mark.timeout(60)
 CONFIG = StateSyncConfig(chunk_bytes=64 * 1024, backoff_s=0.05, announce_interval_s=0.2)
