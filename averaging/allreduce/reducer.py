@@ -7,7 +7,7 @@ delivered and not in the others. The reducer's own contribution is added in-proc
 slot opens. Only ``max_chunks_in_flight`` chunks are accumulated at once; a sender that is further
 ahead waits (and TCP holds it back). Every averaged chunk is encoded once and the same bytes go to
 every sender; the reducer keeps the decoded bytes itself, so the whole group ends with identical
-values.
+values. Each sender's stream is read and answered by :mod:`averaging.allreduce.inbound`.
 """
 
 from __future__ import annotations
@@ -15,41 +15,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from averaging.allreduce.accumulator import checked, make_window
+from averaging.allreduce.accumulator import make_window
 from averaging.allreduce.deadlines import CONNECT, SENDER, Deadlines
-from averaging.allreduce.protocol import CHUNK_HEADER, REPLY_OK, PartHeader, pack_chunk_header
-from averaging.allreduce.protocol import unpack_chunk_header as parse_chunk_header
+from averaging.allreduce.inbound import InboundSender, InboundStreams
+from averaging.allreduce.protocol import REPLY_OK, PartHeader
 from averaging.bounds import value_limit
 from averaging.config import AveragerConfig
-from averaging.errors import BadChunkError, ProtocolViolation, describe_failure
+from averaging.errors import ProtocolViolation, describe_failure
 from averaging.matchmaking.partition import Part
 from averaging.rules.compression import Codec
 from averaging.rules.robust import Aggregation
 from averaging.work import Worker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _Sender:
-    peer_id: str
-    weight: float
-    num_chunks: int  # chunks it owes (0 for weight 0)
-    row: int  # its row in a robust window (this peer's is 0)
-    last_progress: float
-    connected: bool = False
-    delivered: int = 0
-    dropped_reason: str | None = None
-    drop_event: asyncio.Event = field(default_factory=asyncio.Event)
-    done_event: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def dropped(self) -> bool:
-        return self.dropped_reason is not None
 
 
 class PartReducer:
@@ -111,7 +92,9 @@ class PartReducer:
         loop = asyncio.get_running_loop()
         now = self._started_at = loop.time()
         self._senders = {
-            peer: _Sender(peer, w, part.num_chunks if w > 0 else 0, row=row, last_progress=now)
+            peer: InboundSender(
+                peer, w, part.num_chunks if w > 0 else 0, row=row, last_progress=now
+            )
             for row, (peer, w) in enumerate(senders.items(), start=1)
         }
         self._weight_sum = [0.0] * part.num_chunks
@@ -121,6 +104,18 @@ class PartReducer:
         self._averaged = [loop.create_future() for _ in range(part.num_chunks)]
         self._changed = asyncio.Event()
         self._closed = False
+        self._streams = InboundStreams(
+            part=part,
+            codec=codec,
+            worker=worker,
+            timeout_s=self._timeout_s,
+            limit=limit,
+            weighted_decode=self._acc.weighted_decode,
+            opened=self._opened,
+            averaged=self._averaged,
+            deliver=self._deliver,
+            deadlines=self._deadlines,
+        )
         self.averaged_numel = 0  # values whose average includes another peer's contribution
 
     @property
@@ -151,15 +146,15 @@ class PartReducer:
         self._opened_at[chunk] = asyncio.get_running_loop().time()
         self._opened[chunk].set_result(None)
 
-    def _deadline(self, sender: _Sender, chunk: int) -> float:
+    def _deadline(self, sender: InboundSender, chunk: int) -> float:
         if not sender.connected:
             return self._started_at + self._connect_s
         return self._waiting_since(sender, chunk) + self._timeout_s
 
-    def _waiting_since(self, sender: _Sender, chunk: int) -> float:
+    def _waiting_since(self, sender: InboundSender, chunk: int) -> float:
         return max(sender.last_progress, self._opened_at[chunk])
 
-    def _drop_late(self, sender: _Sender) -> None:
+    def _drop_late(self, sender: InboundSender) -> None:
         if sender.connected:
             self._deadlines.ran_out(SENDER)
             self.drop(sender.peer_id, f"no chunk within sender_timeout_s={self._timeout_s}")
@@ -241,7 +236,7 @@ class PartReducer:
             except TimeoutError:
                 pass
 
-    def _progress(self, sender: _Sender, waiting_since: float | None = None) -> None:
+    def _progress(self, sender: InboundSender, waiting_since: float | None = None) -> None:
         """``sender`` connected, or delivered a chunk ``waiting_since`` was its deadline's
         start: measure that wait (a connection's is not a link's: it waits on matchmaking)."""
         now = asyncio.get_running_loop().time()
@@ -249,6 +244,18 @@ class PartReducer:
             self._deadlines.observe_sender_wait(now - waiting_since)
         sender.last_progress = now
         self._changed.set()
+
+    async def _deliver(self, sender: InboundSender, chunk: int, values: np.ndarray) -> bool:
+        """Count ``sender``'s checked ``values`` of ``chunk``; False once it was dropped or the
+        round is over (its stream reads no further)."""
+        if sender.dropped or self._closed:
+            return False
+        await self._worker.run("reduce", 0, self._acc.add, chunk, sender.row, values, sender.weight)
+        self._weight_sum[chunk] += sender.weight
+        self._num_contributors[chunk] += 1
+        sender.delivered = chunk + 1
+        self._progress(sender, self._waiting_since(sender, chunk))
+        return True
 
     # ---- senders -----------------------------------------------------------------------------
 
@@ -262,7 +269,7 @@ class PartReducer:
         self._changed.set()
         logger.info("part %d: dropped sender %s: %s", self.part.index, peer_id[:8], reason)
 
-    def _admit(self, peer_id: str, header: PartHeader) -> _Sender:
+    def _admit(self, peer_id: str, header: PartHeader) -> InboundSender:
         sender = self._senders.get(peer_id)
         if sender is None:
             raise ProtocolViolation("sender is not a member of this group")
@@ -308,7 +315,7 @@ class PartReducer:
         self._progress(sender)
         try:
             await stream.reply(REPLY_OK)
-            await self._serve_admitted(sender, stream)
+            await self._streams.serve(sender, stream)
         except Exception as e:
             if isinstance(e, TimeoutError):  # a read or write of ours ran out
                 self._deadlines.ran_out(SENDER)
@@ -317,96 +324,6 @@ class PartReducer:
         finally:
             sender.done_event.set()
             self._changed.set()
-
-    async def _serve_admitted(self, sender: _Sender, stream) -> None:
-        tasks = {asyncio.create_task(self._write(sender, stream))}
-        if sender.num_chunks:
-            tasks.add(asyncio.create_task(self._read(sender, stream)))
-        dropped = asyncio.create_task(sender.drop_event.wait())
-        try:
-            while tasks:
-                done, _ = await asyncio.wait(tasks | {dropped}, return_when=asyncio.FIRST_COMPLETED)
-                tasks -= done
-                errors = [t.exception() for t in done - {dropped} if not t.cancelled()]
-                for error in errors:
-                    if error is not None:
-                        raise error  # what the reader or writer raised
-                if dropped in done:
-                    raise ProtocolViolation(sender.dropped_reason)
-        finally:
-            for task in (*tasks, dropped):
-                task.cancel()
-            await asyncio.wait({*tasks, dropped})
-
-    async def _recv_into(self, stream, buffer: memoryview) -> int:
-        async with asyncio.timeout(self._timeout_s):
-            num_bytes = await stream.recv_into(buffer)
-        if num_bytes is None:
-            raise BadChunkError("stream ended before the last chunk")
-        self._worker.stats.bytes_received += num_bytes
-        return num_bytes
-
-    async def _read(self, sender: _Sender, stream) -> None:
-        codec, part = self._codec, self.part
-        header = memoryview(bytearray(CHUNK_HEADER.size))
-        max_nbytes = codec.encoded_nbytes(part.chunk_numel)
-        buffer = np.empty(max_nbytes, dtype=np.uint8)
-        decoded = None if codec.is_identity else np.empty(part.chunk_numel, dtype=np.float32)
-        for chunk in range(sender.num_chunks):
-            await asyncio.shield(
-                self._opened[chunk]
-            )  # shared: a cancelled reader must not cancel it
-            nbytes, _ = parse_chunk_header(header[: await self._recv_into(stream, header)], chunk)
-            size = part.chunk_size(chunk)
-            if nbytes != codec.encoded_nbytes(size):
-                raise BadChunkError(f"chunk {chunk} of {nbytes} bytes, expected {size} values")
-            view = memoryview(buffer)[:nbytes]
-            if await self._recv_into(stream, view) != nbytes:
-                raise BadChunkError(f"chunk {chunk} is shorter than its header says")
-            target = None if decoded is None else decoded[:size]
-            values = await self._worker.run(
-                "decode", self._cost(size), self._decode_weighted, view, target, size, sender.weight
-            )
-            if sender.dropped or self._closed:
-                return
-            await self._worker.run(
-                "reduce", 0, self._acc.add, chunk, sender.row, values, sender.weight
-            )
-            self._weight_sum[chunk] += sender.weight
-            self._num_contributors[chunk] += 1
-            sender.delivered = chunk + 1
-            self._progress(sender, self._waiting_since(sender, chunk))
-
-    def _cost(self, numel: int) -> int:
-        """The size that decides whether work leaves the loop: raw float32 is cheap to check."""
-        return 0 if self._codec.is_identity else numel
-
-    def _decode_weighted(self, payload, target, size: int, weight: float) -> np.ndarray:
-        """The sender's values (times its weight, for the mean), checked after weighting: every
-        one finite and within the limit, so that no sum of contributions overflows."""
-        factor = weight if self._acc.weighted_decode else 1.0
-        with np.errstate(over="ignore", invalid="ignore"):  # what overflows is refused below
-            if target is None:  # raw float32: weigh the received bytes in place
-                values = np.frombuffer(payload, dtype="<f4", count=size)
-                if factor != 1.0:
-                    values *= np.float32(factor)
-            else:
-                self._codec.decode_into(payload, target, factor)
-                values = target
-        return checked(values, self._limit)
-
-    async def _write(self, sender: _Sender, stream) -> None:
-        for chunk in range(self.part.num_chunks):
-            payload, num_contributors = await asyncio.shield(self._averaged[chunk])
-            nbytes = 0 if payload is None else len(memoryview(payload).cast("B"))
-            start = asyncio.get_running_loop().time()
-            async with asyncio.timeout(self._timeout_s):
-                await stream.send(pack_chunk_header(chunk, nbytes, num_contributors))
-                if nbytes:
-                    await stream.send(payload)
-            # the sender's link, the other way
-            self._deadlines.observe_sender_wait(asyncio.get_running_loop().time() - start)
-            self._worker.stats.bytes_sent += CHUNK_HEADER.size + nbytes
 
     async def close(self) -> None:
         """End every stream still open (the round is over) and wait for their handlers."""
