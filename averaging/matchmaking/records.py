@@ -17,6 +17,7 @@ from dht.kademlia.validation import owner_subkey
 logger = logging.getLogger(__name__)
 
 _RECORD_SLACK_S = 1.0
+_READ_SLACK_S = 1.0
 
 
 async def announce(dht: MatchmakingDHT, search: Search, config: AveragerConfig) -> None:
@@ -40,12 +41,20 @@ async def announce(dht: MatchmakingDHT, search: Search, config: AveragerConfig) 
 async def read_candidates(
     dht: MatchmakingDHT, search: Search, config: AveragerConfig, remaining_s: float
 ) -> list[Candidate]:
-    """The other peers announced under the search's key (none if the read fails)."""
+    """The other peers announced under the search's key (none if the read fails).
+
+    The read's bound is the lookup's own: at it, the announcements of the replicas that
+    answered count. A bound around the whole read threw them away, and on a busy host (64 light
+    peers on 2 cores, every replica's answer a second late) nearly every read of a row's key
+    ran out, so that peers looking at once under one key each found "no other peer".
+    """
     loop = asyncio.get_running_loop()
     start = loop.time()
+    bound_s = min(config.request_timeout_s, remaining_s)
     try:
-        async with asyncio.timeout(min(config.request_timeout_s, remaining_s)):
-            found = await dht.get(search.key, latest=True)
+        # the slack only guards the merge after the lookup, which waits on nothing
+        async with asyncio.timeout(bound_s + _READ_SLACK_S):
+            found = await dht.get(search.key, latest=True, timeout_s=bound_s)
     except (TimeoutError, DHTError):
         return []
     candidates = parse_candidates(found, search.key, search.me.peer_id)

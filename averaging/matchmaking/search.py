@@ -21,7 +21,8 @@ class MatchmakingDHT(Protocol):
 
     async def store(self, key: str, value: Any, expiration_time: float, subkey=None) -> bool: ...
 
-    async def get(self, key: str, latest: bool = False) -> Any: ...
+    async def get(self, key: str, latest: bool = False, *, timeout_s: float | None = None) -> Any:
+        """``timeout_s`` bounds the lookup; at it, the value is what answered by then."""
 
 
 @dataclass(frozen=True)

@@ -201,10 +201,20 @@ class DHTNode:
     # ---- lookups -----------------------------------------------------------------------------
 
     async def lookup(
-        self, target: int, *, want_value: bool, latest: bool = True, converge_on: int | None = None
+        self,
+        target: int,
+        *,
+        want_value: bool,
+        latest: bool = True,
+        converge_on: int | None = None,
+        timeout_s: float | None = None,
     ) -> LookupResult:
-        """An iterative lookup of ``target`` over the network (the own storage is not read)."""
+        """An iterative lookup of ``target`` over the network (the own storage is not read),
+        bounded by ``timeout_s`` (at most ``lookup_timeout_s``; None: that)."""
         k = self.config.bucket_size
+        bound_s = self.config.lookup_timeout_s
+        if timeout_s is not None:
+            bound_s = min(bound_s, timeout_s)
         if want_value and latest and converge_on is None:
             # the replicas are the num_replicas closest: asking farther nodes for the value
             # moved a copy per node asked (20 with k) for records that live on 5
@@ -218,7 +228,7 @@ class DHTNode:
             alpha=self.config.alpha,
             stop_on_value=want_value and not latest,
             converge_on=converge_on,
-            timeout_s=self.config.lookup_timeout_s,
+            timeout_s=bound_s,
         )
 
     def _is_replica(self, key_id: int, others: list[PeerInfo]) -> bool:
@@ -338,7 +348,13 @@ class DHTNode:
     # ---- get ---------------------------------------------------------------------------------
 
     async def get(
-        self, key: Key, latest: bool = False, *, fresh: bool = False, replicas: int | None = None
+        self,
+        key: Key,
+        latest: bool = False,
+        *,
+        fresh: bool = False,
+        replicas: int | None = None,
+        timeout_s: float | None = None,
     ) -> ValueWithExpiration | None:
         """The value under ``key``, or None if there is none (or the network failed).
 
@@ -360,12 +376,24 @@ class DHTNode:
                 moves, not one per replica).
             replicas: with ``latest``, merge only this many closest replicas (at most
                 ``num_replicas``; None: all of them): each one merged is one more copy moved.
+            timeout_s: bound on the lookup, in seconds (None: ``lookup_timeout_s``); at the
+                bound the value is what the nodes that answered by then hold, merged. For a
+                reader whose wait is shorter than a lookup may take on a busy network: a
+                bound around the call instead loses the answers that did come.
         """
-        outcome = await self.get_outcome(key, latest=latest, fresh=fresh, replicas=replicas)
+        outcome = await self.get_outcome(
+            key, latest=latest, fresh=fresh, replicas=replicas, timeout_s=timeout_s
+        )
         return outcome.value
 
     async def get_outcome(
-        self, key: Key, *, latest: bool = False, fresh: bool = False, replicas: int | None = None
+        self,
+        key: Key,
+        *,
+        latest: bool = False,
+        fresh: bool = False,
+        replicas: int | None = None,
+        timeout_s: float | None = None,
     ) -> GetOutcome:
         """Like :meth:`get`, with where the value came from and the lookup's depth."""
         key_id = DHTID.from_key(key)
@@ -379,7 +407,9 @@ class DHTNode:
         converge_on = None
         if latest and replicas is not None:
             converge_on = max(1, min(int(replicas), self.config.num_replicas))
-        found = await self.lookup(key_id, want_value=True, latest=latest, converge_on=converge_on)
+        found = await self.lookup(
+            key_id, want_value=True, latest=latest, converge_on=converge_on, timeout_s=timeout_s
+        )
         entry = found.entry
         if latest:
             entry = merge_entries(entry, self.storage.get(key_id))

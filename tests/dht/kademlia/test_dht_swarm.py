@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -9,6 +10,7 @@ import pytest
 
 from dht.errors import RemoteError, TransportError
 from dht.kademlia.node import ValueWithExpiration, get_dht_time
+from dht.kademlia.protocol import FIND
 from dht.kademlia.routing import DHTID
 from dht.kademlia.storage import Record
 from dht.kademlia.validation import owner_subkey, signed_bytes
@@ -204,3 +206,30 @@ async def test_swarm_key_keeps_outsiders_out(dht_swarm):
     outsiders = await dht_swarm(0, swarm_key=b"x" * 32)
     with pytest.raises(TransportError, match="initial peers"):
         await outsiders.add(initial_peers=members.urls[:2], bootstrap_timeout_s=1.0)
+
+
+async def test_a_bounded_latest_read_keeps_what_the_replicas_that_answered_hold(dht_swarm):
+    # a matchmaking read must end within its wait; on a busy host every replica answers late
+    # (a lookup of 20 replicas, 3 requests at a time, took longer than that wait), and a
+    # bound around the whole read then threw away the answers that had come
+    swarm = await dht_swarm(24)
+    key, expiration = "run/mm.3", get_dht_time() + 60
+    writers = swarm.nodes[:8]
+    for writer in writers:
+        assert await writer.store(key, {"w": 1}, expiration, subkey=owner_subkey(writer.peer_id))
+    target = DHTID.from_key(key)
+    reader = max(swarm.nodes, key=lambda node: node.node_id ^ target)
+    for node in swarm.nodes:
+        answer = node.transport._rpc_handlers[FIND]
+
+        async def late(context, payload, answer=answer):
+            await asyncio.sleep(0.4)
+            return await answer(context, payload)
+
+        node.transport.add_rpc_handler(FIND, late)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(1.0):
+            await reader.get(key, latest=True)
+    found = await reader.get(key, latest=True, timeout_s=1.0)
+    assert found is not None
+    assert set(found.value) == {owner_subkey(w.peer_id) for w in writers}
