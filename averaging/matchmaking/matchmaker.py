@@ -357,7 +357,10 @@ class Matchmaker:
         if group is not None:
             return MatchResult(group)
         if not search.seen:
-            return MatchResult(None, "no other peer was looking for a group")
+            reason = "no other peer was looking for a group"
+            if search.num_failed_reads:  # not "nobody": this peer could not tell
+                reason += f" ({search.num_failed_reads} of {search.num_reads} reads failed)"
+            return MatchResult(None, reason)
         self._deadlines.search_ran_out()  # others looked, and the window closed on them
         return MatchResult(
             None,

@@ -51,12 +51,17 @@ async def read_candidates(
     loop = asyncio.get_running_loop()
     start = loop.time()
     bound_s = min(config.request_timeout_s, remaining_s)
+    search.num_reads += 1
     try:
         # the slack only guards the merge after the lookup, which waits on nothing
         async with asyncio.timeout(bound_s + _READ_SLACK_S):
-            found = await dht.get(search.key, latest=True, timeout_s=bound_s)
+            outcome = await dht.get_outcome(search.key, latest=True, timeout_s=bound_s)
     except (TimeoutError, DHTError):
+        search.num_failed_reads += 1
         return []
+    found = outcome.value
+    if outcome.num_queried and not outcome.num_answered:  # at most its own replica read
+        search.num_failed_reads += 1
     candidates = parse_candidates(found, search.key, search.me.peer_id)
     logger.debug(
         "read %d candidate(s) under %s in %.1f ms",

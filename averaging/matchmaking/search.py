@@ -21,8 +21,11 @@ class MatchmakingDHT(Protocol):
 
     async def store(self, key: str, value: Any, expiration_time: float, subkey=None) -> bool: ...
 
-    async def get(self, key: str, latest: bool = False, *, timeout_s: float | None = None) -> Any:
-        """``timeout_s`` bounds the lookup; at it, the value is what answered by then."""
+    async def get_outcome(
+        self, key: str, *, latest: bool = False, timeout_s: float | None = None
+    ) -> Any:
+        """The value and whether the read failed (:class:`dht.kademlia.outcomes.GetOutcome`);
+        ``timeout_s`` bounds the lookup: at it, the value is what answered by then."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,8 @@ class Search:
     vouched: set[str] = field(default_factory=set)  # strangers a trusted peer follows
     taken: set[str] = field(default_factory=set)  # in other groups (their leaders said so)
     last_arrival: float = 0.0  # loop time a follower last arrived or a peer was first seen
+    num_reads: int = 0  # of the key's announcements
+    num_failed_reads: int = 0  # of those, the ones that ran out or failed (nothing read)
     stop_when: Callable[[], str | None] | None = None  # see SearchOptions
 
     def stop_reason(self) -> str | None:

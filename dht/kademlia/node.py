@@ -422,9 +422,16 @@ class DHTNode:
                 reason = "no known peers"
             if reason != "not found":
                 logger.warning("get of %r failed: %s", key, reason)
-            return GetOutcome(None, "none", found.hops, found.num_queried, reason)
+            elif found.timed_out and not found.nearest:
+                # the caller's bound, on a busy network: its caller says what it missed
+                reason = "no node answered in time"
+            return GetOutcome(
+                None, "none", found.hops, found.num_queried, reason, len(found.nearest)
+            )
         self.cache.put(key_id, entry)  # type: ignore[arg-type]
-        return GetOutcome(value, "network", found.hops, found.num_queried)
+        return GetOutcome(
+            value, "network", found.hops, found.num_queried, num_answered=len(found.nearest)
+        )
 
     def _decode(self, entry: Entry | None, key: Key) -> ValueWithExpiration | None:
         return decode_entry(entry, self.limits, self.clock.time(), key)

@@ -42,7 +42,8 @@ class GetOutcome:
 
     ``source`` is "cache" (a recent read), "local" (this node is a replica), "network" (a
     lookup; ``hops`` is its depth) or "none" (nothing found; ``reason`` says whether the key
-    holds nothing or the network failed).
+    holds nothing or the network failed). ``num_answered``: the nodes of the lookup that
+    answered (0 of ``num_queried``: the value, if any, is this node's own replica).
     """
 
     value: ValueWithExpiration | None
@@ -50,3 +51,4 @@ class GetOutcome:
     hops: int = 0
     num_queried: int = 0
     reason: str = ""
+    num_answered: int = 0

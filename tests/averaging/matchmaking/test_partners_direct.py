@@ -14,6 +14,7 @@ before, no invitation was ever sent to a peer not invited yet (its last invitati
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -29,15 +30,15 @@ def _count_reads(peer, prefix: str) -> list[str]:
     """The matchmaking keys ``peer`` read from the DHT from now on, as each read returns (its
     real node answers)."""
     reads: list[str] = []
-    get = peer.averager._matchmaker._dht.get
+    get_outcome = peer.averager._matchmaker._dht.get_outcome
 
-    async def counting_get(key, *args, **kwargs):
-        found = await get(key, *args, **kwargs)
+    async def counting_get_outcome(key, *args, **kwargs):
+        found = await get_outcome(key, *args, **kwargs)
         if str(key).startswith(prefix):
             reads.append(key)
         return found
 
-    peer.averager._matchmaker._dht.get = counting_get
+    peer.averager._matchmaker._dht.get_outcome = counting_get_outcome
     return reads
 
 
@@ -137,3 +138,23 @@ async def test_a_leader_invites_a_peer_that_announced_before_it(make_swarm):
 
     assert len(reads) == 1, reads  # before: the invitation never came; it read again, joined
     _assert_exact(peers, _in_order(peers, leader, leading, following), VALUES)
+
+
+async def test_a_search_whose_reads_all_fail_says_so_not_that_nobody_looked(make_swarm):
+    # every read of the key runs out before a replica answers (a busy host): the peer cannot
+    # tell whether anyone looked, and its reason must not say that nobody did
+    peers = await make_swarm([[v.copy()] for v in VALUES], config=fast_config())
+    lone = peers[0]
+    dht = lone.averager._matchmaker._dht
+    real_get_outcome = dht.get_outcome
+
+    async def late_get_outcome(key, *args, **kwargs):
+        return await real_get_outcome(key, *args, **{**kwargs, "timeout_s": 0.0})
+
+    dht.get_outcome = late_get_outcome
+    result = await lone.averager.step(epoch=7, timeout_s=1.0)
+    assert result.status == "alone"
+    failed = re.search(
+        r"no other peer was looking for a group \((\d+) of (\d+) reads failed", result.reason
+    )
+    assert failed and failed[1] == failed[2] != "0", result.reason

@@ -233,3 +233,6 @@ async def test_a_bounded_latest_read_keeps_what_the_replicas_that_answered_hold(
     found = await reader.get(key, latest=True, timeout_s=1.0)
     assert found is not None
     assert set(found.value) == {owner_subkey(w.peer_id) for w in writers}
+    # a bound before any answer: nothing, and the outcome says it was the bound, not the key
+    missed = await reader.get_outcome("run/mm.4", latest=True, timeout_s=0.1)
+    assert missed.value is None and missed.reason == "no node answered in time"
