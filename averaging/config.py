@@ -111,6 +111,11 @@ class AveragerConfig:
             peer (``expected_peers``); short of that, past ``row_grace_s``, only once every
             delegate seen is in and no delegate arrived or appeared for this long, in seconds
             (an estimate of the ready peers too high, or a row that failed, costs this much).
+        read_replicas: each read of the matchmaking key merges this many of the key's closest
+            replicas (None, the default: all of the DHT's ``num_replicas``). Every announcement
+            goes to all of them, so the closest few hold each one a store placed; each one more
+            is one more request per read, and a search reads every half second or so. Opt-in,
+            as ``ProgressConfig.read_replicas`` (docs/BENCHMARKS.md).
     """
 
     target_group_size: int = 16
@@ -143,8 +148,15 @@ class AveragerConfig:
     row_grace_s: float = 1.0
     top_round_timeout_s: float = 30.0
     top_quiet_s: float = 1.0
+    read_replicas: int | None = None
 
     def __post_init__(self) -> None:
+        if self.read_replicas is not None and (
+            isinstance(self.read_replicas, bool)
+            or not isinstance(self.read_replicas, int)
+            or self.read_replicas < 1
+        ):
+            raise ConfigError(f"read_replicas must be None or >= 1, got {self.read_replicas!r}")
         try:
             object.__setattr__(self, "compression", Compression(self.compression))
         except ValueError:

@@ -55,7 +55,9 @@ async def read_candidates(
     try:
         # the slack only guards the merge after the lookup, which waits on nothing
         async with asyncio.timeout(bound_s + _READ_SLACK_S):
-            outcome = await dht.get_outcome(search.key, latest=True, timeout_s=bound_s)
+            outcome = await dht.get_outcome(
+                search.key, latest=True, replicas=config.read_replicas, timeout_s=bound_s
+            )
     except (TimeoutError, DHTError):
         search.num_failed_reads += 1
         return []

@@ -22,10 +22,16 @@ class MatchmakingDHT(Protocol):
     async def store(self, key: str, value: Any, expiration_time: float, subkey=None) -> bool: ...
 
     async def get_outcome(
-        self, key: str, *, latest: bool = False, timeout_s: float | None = None
+        self,
+        key: str,
+        *,
+        latest: bool = False,
+        replicas: int | None = None,
+        timeout_s: float | None = None,
     ) -> Any:
         """The value and whether the read failed (:class:`dht.kademlia.outcomes.GetOutcome`);
-        ``timeout_s`` bounds the lookup: at it, the value is what answered by then."""
+        ``replicas``: merge that many closest replicas (None: all); ``timeout_s`` bounds the
+        lookup: at it, the value is what answered by then."""
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ class SwarmBenchConfig:
         publish_interval_s: how often a peer publishes and reads progress, in seconds.
         read_replicas: the progress saving ``ProgressConfig.read_replicas`` (None: off, every
             replica merged).
+        matchmaking_read_replicas: ``AveragerConfig.read_replicas`` (None: off, every replica
+            merged).
         max_publish_gap_s: the progress saving ``ProgressConfig.max_publish_gap_s`` (None:
             off, a record stored every interval).
         matchmaking_time_s: the averager's bound on looking for a group, in seconds (None: 5,
@@ -85,6 +87,7 @@ class SwarmBenchConfig:
     step_s: float = 0.5
     publish_interval_s: float = 2.0
     read_replicas: int | None = None
+    matchmaking_read_replicas: int | None = None
     max_publish_gap_s: float | None = None
     matchmaking_time_s: float | None = None
     allreduce_timeout_s: float = 30.0
@@ -113,8 +116,9 @@ class SwarmBenchConfig:
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {value}")
-        if self.read_replicas is not None and self.read_replicas < 1:
-            raise ValueError(f"read_replicas must be >= 1, got {self.read_replicas}")
+        for name in ("read_replicas", "matchmaking_read_replicas"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.target_batch_size is not None and self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
 
@@ -195,6 +199,7 @@ class SwarmBenchConfig:
                 "request_timeout_s": self.rpc_s,
                 "min_deadline_s": self.min_deadline,
                 "max_deadline_s": max(120.0, 2 * self.min_deadline),
+                "read_replicas": self.matchmaking_read_replicas,
             },
             "step_timeout_s": self.step_timeout_s,
             "rpc_timeout_s": self.rpc_s,

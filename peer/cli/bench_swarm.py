@@ -96,6 +96,12 @@ def add_bench_swarm_command(bench_sub) -> None:
         help="progress reads merge this many replicas of a bucket (default: all; opt-in saving)",
     )
     parser.add_argument(
+        "--matchmaking-read-replicas",
+        type=positive_int,
+        default=None,
+        help="matchmaking reads merge this many replicas of the key (default: all; opt-in)",
+    )
+    parser.add_argument(
         "--max-publish-gap-s",
         type=positive_float,
         default=None,
@@ -194,6 +200,7 @@ def run_bench_swarm(args: argparse.Namespace) -> int:
                 step_s=args.step_s,
                 publish_interval_s=args.publish_interval_s,
                 read_replicas=args.read_replicas,
+                matchmaking_read_replicas=args.matchmaking_read_replicas,
                 max_publish_gap_s=args.max_publish_gap_s,
                 matchmaking_time_s=args.matchmaking_time_s,
                 min_deadline_s=args.min_deadline_s,

@@ -133,6 +133,8 @@ def test_blocking_facade_from_training_threads():
         ({"compression": "zip"}, "compression"),
         ({"bandwidth": 0}, "bandwidth"),
         ({"group_bits": "012"}, "group_bits"),
+        ({"read_replicas": 0}, "read_replicas"),
+        ({"read_replicas": True}, "read_replicas"),
     ],
 )
 def test_config_errors_name_the_field(changes, field):

@@ -67,16 +67,17 @@ def test_six_peers_average_to_the_exact_weighted_mean():
 
 
 @pytest.mark.timeout(110)
-def test_six_peers_with_both_progress_savings_still_meet_and_the_report_says_so():
+def test_six_peers_with_the_read_savings_still_meet_and_the_report_says_so():
     result = _run(
         [sys.executable, "-m", "peer", "bench", "swarm", "--peers", "6", "--size", "100",
          "--rounds", "2", "--epoch-s", "3", "--peers-per-process", "3", "--read-replicas", "3",
-         "--max-publish-gap-s", "4", "--json"],
+         "--max-publish-gap-s", "4", "--matchmaking-read-replicas", "2", "--json"],
         timeout_s=100,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["read_replicas"] == 3 and report["max_publish_gap_s"] == 4.0
+    assert report["matchmaking_read_replicas"] == 2
     assert not report["timed_out"] and not report["errors"]
     whole = [d for d in report["round_details"] if d["group_sizes"] == [6]]
     assert whole, report["round_details"]  # a round of all six, as without the savings
