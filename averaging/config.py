@@ -18,6 +18,7 @@ from averaging.bounds import (
 from averaging.errors import ConfigError
 from averaging.rules.compression import UINT8_BLOCK, Compression
 from averaging.rules.robust import Aggregation
+from dht.kademlia.config import read_replicas_problem
 
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -151,12 +152,8 @@ class AveragerConfig:
     read_replicas: int | None = None
 
     def __post_init__(self) -> None:
-        if self.read_replicas is not None and (
-            isinstance(self.read_replicas, bool)
-            or not isinstance(self.read_replicas, int)
-            or self.read_replicas < 1
-        ):
-            raise ConfigError(f"read_replicas must be None or >= 1, got {self.read_replicas!r}")
+        if problem := read_replicas_problem(self.read_replicas):
+            raise ConfigError(f"read_replicas {problem}")
         try:
             object.__setattr__(self, "compression", Compression(self.compression))
         except ValueError:

@@ -24,6 +24,14 @@ class SystemClock:
         return time.time()
 
 
+def read_replicas_problem(replicas: object) -> str | None:
+    """Why ``replicas`` cannot be a reader's count of replicas to merge (``DHTNode.get(...,
+    replicas=)``), None when it can: None (all of them) or an integer of at least 1."""
+    if replicas is None or (type(replicas) is int and replicas >= 1):
+        return None
+    return f"must be None or >= 1, got {replicas!r}"
+
+
 def get_dht_time() -> float:
     """The current DHT time: wall-clock unix seconds, what expiration times are measured on."""
     return time.time()

@@ -420,11 +420,12 @@ class DHTNode:
                 reason = "no node answered"
             elif not found.num_queried and self.address is None:
                 reason = "no known peers"
-            if reason != "not found":
-                logger.warning("get of %r failed: %s", key, reason)
             elif found.timed_out and not found.nearest:
-                # the caller's bound, on a busy network: its caller says what it missed
                 reason = "no node answered in time"
+            # the bound is the caller's (a busy network, not a broken one): its caller says
+            # what it missed
+            if reason not in ("not found", "no node answered in time"):
+                logger.warning("get of %r failed: %s", key, reason)
             return GetOutcome(
                 None, "none", found.hops, found.num_queried, reason, len(found.nearest)
             )

@@ -45,6 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dht.errors import ConfigError
+from dht.kademlia.config import read_replicas_problem
 from peer.records.progress import RECORDS_PER_BUCKET, PeerProgress
 
 
@@ -115,12 +116,8 @@ class ProgressConfig:
     read_replicas: int | None = None
 
     def __post_init__(self) -> None:
-        if self.read_replicas is not None and (
-            isinstance(self.read_replicas, bool)
-            or not isinstance(self.read_replicas, int)
-            or self.read_replicas < 1
-        ):
-            raise ConfigError(f"read_replicas must be None or >= 1, got {self.read_replicas!r}")
+        if problem := read_replicas_problem(self.read_replicas):
+            raise ConfigError(f"read_replicas {problem}")
         for name in ("target_batch_size", "trust_rounds", "records_per_bucket"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

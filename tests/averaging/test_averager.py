@@ -135,6 +135,7 @@ def test_blocking_facade_from_training_threads():
         ({"group_bits": "012"}, "group_bits"),
         ({"read_replicas": 0}, "read_replicas"),
         ({"read_replicas": True}, "read_replicas"),
+        ({"read_replicas": 2.0}, "read_replicas"),
     ],
 )
 def test_config_errors_name_the_field(changes, field):

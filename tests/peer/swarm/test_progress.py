@@ -11,6 +11,7 @@ import pytest
 
 import peer.swarm.progress as progress_module
 from dht.config import DHTConfig, get_dht_time
+from dht.errors import ConfigError
 from dht.identity import PeerIdentity
 from dht.kademlia.validation import owner_subkey
 from dht.launch import open_node
@@ -178,3 +179,10 @@ def test_a_stop_of_the_process_is_not_slow_training(monkeypatch):
     assert report(2.0, 0, 200) == pytest.approx(1000)
     assert report(0.1, 0, 300) == pytest.approx(1000)  # the anchor moved past the stop
     assert report(2.0, 0, 400) == pytest.approx(50)  # no stop: really 20x slower
+
+
+@pytest.mark.parametrize("replicas", [0, -1, True, 2.0, "8"])
+def test_a_bad_read_replicas_is_refused_naming_the_field(replicas):
+    with pytest.raises(ConfigError, match="read_replicas"):
+        ProgressConfig(target_batch_size=100, read_replicas=replicas)
+    assert ProgressConfig(target_batch_size=100, read_replicas=3).read_replicas == 3
