@@ -9,8 +9,8 @@ When the ready peers do not fit in one group, matchmaking forms balanced rows
    under ``{key}.top`` with weight ``W_j`` and count ``n_j`` (the peers it stands for) and
    all-reduces the row means with them: the weighted mean of the row means, weighted by the row
    weights, is the weighted mean of every peer. One group holds them all: its leader closes once
-   the counts sum to ``N`` (short of that, only after the rows' deadline and ``top_quiet_s``;
-   :func:`top_sizes`).
+   the counts sum to ``N`` (the estimate, or the last whole round's count if larger); short of
+   that, only after the rows' deadline and ``top_quiet_s`` (:func:`top_sizes`).
 3. **Spread.** Every member asks its delegate (the ``spread`` request, a long poll bounded by
    ``top_round_timeout_s``) whether the top round averaged; if so the row all-reduces once more,
    over the same members under a group id derived from the row's, where the delegate weighs 1

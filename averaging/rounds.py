@@ -48,7 +48,9 @@ class LayoutMemory:
     put peers under different keys: more, smaller rows (the simulation at 64 busy peers: 1
     bucket in 45 searches, 2 in 142). Every member of a round that averaged the whole swarm
     holds the same count (the top round's word, or the one group's size), so the next epoch's
-    round lays its keys out for that count, while the estimate still sizes the rows; a round
+    round lays its keys out for that count, and its top round waits for at least that many
+    (:meth:`averaging.matchmaking.rows.RoundPlan.top_sizes`), while the estimate still sizes
+    the rows; a round
     that was not whole, a skipped epoch, or a count off the estimate by more than 2x (the swarm
     changed) leaves the estimate to choose.
     """

@@ -27,7 +27,8 @@ saw there (at least the ``N / B`` it expects).
 
 The rows' means are then combined by the delegates of the rows (:mod:`averaging.levels`), whose
 own search uses :class:`SizePlan` too (:meth:`RoundPlan.top_sizes`): one group that closes once
-the delegates' counts sum to ``N``, whatever sizes the rows came out at.
+the delegates' counts sum to ``N`` (or to the last whole round's count, if larger), whatever
+sizes the rows came out at.
 """
 
 from __future__ import annotations
@@ -183,12 +184,16 @@ class RoundPlan:
         group_size: the largest row (``g``).
         buckets: keys the rows are found under (:func:`num_buckets`).
         grace_s: a leader's grace (``AveragerConfig.row_grace_s``).
+        whole_peers: peers the last whole round reached (0: unknown), the count the keys are
+            laid out for (:class:`averaging.rounds.LayoutMemory`); the delegates' search waits
+            for at least this many (:meth:`top_sizes`).
     """
 
     num_peers: int
     group_size: int
     buckets: int
     grace_s: float
+    whole_peers: int = 0
 
     @classmethod
     def of(
@@ -197,7 +202,7 @@ class RoundPlan:
         """The plan for ``num_peers``, its keys laid out for ``layout_peers`` when given (a
         count the round's peers share, where their own estimates differ)."""
         buckets = num_buckets(layout_peers or num_peers, group_size)
-        return cls(num_peers, group_size, buckets, grace_s)
+        return cls(num_peers, group_size, buckets, grace_s, layout_peers or 0)
 
     @property
     def single(self) -> bool:
@@ -223,12 +228,18 @@ class RoundPlan:
     def top_sizes(self, quiet_s: float) -> SizePlan:
         """The delegates' search: one group, closed once the delegates' counts sum to ``N``
         (every row is in), or past the grace once every delegate seen is in and none arrived
-        for ``quiet_s`` (an estimate of ``N`` too high, a row lost), or at the deadline."""
+        for ``quiet_s`` (an estimate of ``N`` too high, a row lost), or at the deadline.
+
+        ``N`` is the estimate or the last whole round's count, whichever is larger. A count
+        closed at an estimate below the truth leaves the rows that come later to a second top
+        group, a second model: at 64 busy peers the estimates were 55-58, and 7 of 12 epochs
+        ended with two means. The peers of a whole round are nearly all back at the next; if
+        some are not, the search closes past the grace as for an estimate too high."""
         return SizePlan(
             MAX_ROWS,
             2,
             self.grace_s,
             wait_for_seen=True,
-            expected_count=self.num_peers,
+            expected_count=max(self.num_peers, self.whole_peers),
             quiet_s=quiet_s,
         )

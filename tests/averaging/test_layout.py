@@ -73,3 +73,39 @@ async def test_peers_whose_estimates_straddle_an_edge_meet_under_one_layout(make
         expected_mean = exact_mean(vectors, weights)
         for peer in peers:
             np.testing.assert_allclose(peer.tensors[0], expected_mean, rtol=1e-5, atol=1e-6)
+
+
+def test_the_top_round_waits_for_the_last_whole_rounds_count_when_the_estimate_is_lower():
+    assert RoundPlan.of(55, 16, 1.0, 64).top_sizes(1.0).expected_count == 64
+    assert RoundPlan.of(64, 16, 1.0, 55).top_sizes(1.0).expected_count == 64  # the estimate
+    assert RoundPlan.of(55, 16, 1.0).top_sizes(1.0).expected_count == 55  # no whole round yet
+
+
+async def test_an_estimate_under_the_truth_does_not_split_the_round_after_a_whole_one(make_swarm):
+    """Eight peers, rows of 3: a whole round at epoch 0 reached all eight. At epoch 1 every
+    peer estimates 6, and two start late: the rows of the first six stand for the six counted,
+    and a top round closed at that count left the late row to a top group of its own (a second
+    model). Waiting for the eight the last whole round reached, every peer ends with the exact
+    weighted mean."""
+    num_peers, late = 8, {2, 5}
+    rng = np.random.default_rng(7)
+    vectors = [rng.standard_normal(2_000).astype(np.float32) for _ in range(num_peers)]
+    weights = [float(1 + i % 3) for i in range(num_peers)]
+    peers = await make_swarm([[v.copy()] for v in vectors], config=sharded_round_config(3))
+
+    async def step(index: int, epoch: int, expected: int):
+        if epoch == 1 and index in late:
+            await asyncio.sleep(2.0)
+        peer = peers[index]
+        return await peer.averager.step(weight=weights[index], epoch=epoch, expected_peers=expected)
+
+    for epoch, expected in ((0, num_peers), (1, 6)):
+        for peer, vector in zip(peers, vectors, strict=True):
+            peer.tensors[0][:] = vector
+        results = await asyncio.gather(*(step(i, epoch, expected) for i in range(num_peers)))
+        outcomes = [(epoch, r.status, r.num_reached, r.levels, r.reason) for r in results]
+        assert [r.status for r in results] == ["ok"] * num_peers, outcomes
+        assert [r.num_reached for r in results] == [num_peers] * num_peers, outcomes
+        expected_mean = exact_mean(vectors, weights)
+        for peer in peers:
+            np.testing.assert_allclose(peer.tensors[0], expected_mean, rtol=1e-5, atol=1e-6)
