@@ -164,6 +164,9 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
         "cpu_s_per_peer_per_round": (
             round(cpu_s / num_peer_rounds, 4) if num_peer_rounds else None
         ),
+        # per second as well as per round: on a full host rounds stretch, and a peer's steady
+        # background work (progress, maintenance) is charged to fewer, longer rounds
+        "cpu_s_per_peer_per_s": round(cpu_s / max(num_peers * wall_s, 1e-9), 5),
         "cpu_cores_used": round(cpu_s / max(wall_s, 1e-9), 2),
         "rss_mb_per_peer": round(
             sum(p["rss_peak_bytes"] for p in processes) / num_peers / 2**20, 1

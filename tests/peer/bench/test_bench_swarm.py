@@ -20,7 +20,8 @@ CONTRACT = {
     "peers", "size", "rounds", "round_s_p50", "round_s_p95", "matchmaking_s_p50",
     "in_group_fraction", "replica_spread", "bytes_sent_per_peer_per_round",
     "dht_bytes_per_peer_per_s", "max_node_dht_bytes_per_s", "median_node_dht_bytes_per_s",
-    "cpu_s_per_peer_per_round", "rss_mb_per_peer", "groups_per_round", "round_details",
+    "cpu_s_per_peer_per_round", "cpu_s_per_peer_per_s", "rss_mb_per_peer", "groups_per_round",
+    "round_details",
 }  # fmt: skip
 
 
@@ -64,6 +65,9 @@ def test_six_peers_average_to_the_exact_weighted_mean():
     assert report["bytes_sent_per_peer_per_round"] > 0
     assert report["dht_bytes_per_peer_per_s"] > 0
     assert report["max_node_dht_bytes_per_s"] >= report["median_node_dht_bytes_per_s"] > 0
+    # a peer's share of a core, and the six of them: the cores the bench's processes used
+    assert report["cpu_s_per_peer_per_s"] > 0
+    assert 6 * report["cpu_s_per_peer_per_s"] == pytest.approx(report["cpu_cores_used"], abs=0.006)
 
 
 @pytest.mark.timeout(110)
