@@ -54,7 +54,7 @@ class SwarmBenchConfig:
         publish_interval_s: how often a peer publishes and reads progress, in seconds.
         read_replicas: the progress saving ``ProgressConfig.read_replicas`` (None: off, every
             replica merged).
-        matchmaking_read_replicas: ``AveragerConfig.read_replicas`` (None: off, every replica
+        matchmaking_read_replicas: ``AveragerConfig.read_replicas`` (None: every replica
             merged).
         max_publish_gap_s: the progress saving ``ProgressConfig.max_publish_gap_s`` (None:
             off, a record stored every interval).
@@ -87,7 +87,7 @@ class SwarmBenchConfig:
     step_s: float = 0.5
     publish_interval_s: float = 2.0
     read_replicas: int | None = None
-    matchmaking_read_replicas: int | None = None
+    matchmaking_read_replicas: int | None = AveragerConfig().read_replicas
     max_publish_gap_s: float | None = None
     matchmaking_time_s: float | None = None
     allreduce_timeout_s: float = 30.0

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 
+from averaging.config import AveragerConfig
 from dht.errors import ConfigError
 from dht.options import positive_float, positive_int
 
@@ -98,8 +99,9 @@ def add_bench_swarm_command(bench_sub) -> None:
     parser.add_argument(
         "--matchmaking-read-replicas",
         type=positive_int,
-        default=None,
-        help="matchmaking reads merge this many replicas of the key (default: all; opt-in)",
+        default=AveragerConfig().read_replicas,
+        help="matchmaking reads merge this many replicas of the key (default: "
+        f"{AveragerConfig().read_replicas}, as AveragerConfig; 20 merges every one)",
     )
     parser.add_argument(
         "--max-publish-gap-s",
