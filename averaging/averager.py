@@ -36,13 +36,14 @@ from averaging.bounds import valid_weight
 from averaging.config import AveragerConfig, check_prefix, reducing_address
 from averaging.errors import AveragingError, ConfigError, translate
 from averaging.group_rounds import GroupRounds
-from averaging.levels import SecondLevel, Spreads, TopRound
+from averaging.levels import SecondLevel, TopRound
 from averaging.matchmaking.group import GroupInfo
 from averaging.matchmaking.matchmaker import Matchmaker, MatchmakingDHT
 from averaging.matchmaking.search import MatchResult, SearchOptions
 from averaging.result import RoundResult
 from averaging.rounds import LayoutMemory, round_plan, row_search
 from averaging.rules.compression import Compression
+from averaging.spread import Spreads
 from averaging.tensors import FlatTensors
 from dht.errors import DHTError
 from dht.runtime import EventLoopThread

@@ -12,7 +12,6 @@ import math
 import numpy as np
 import pytest
 
-from averaging.levels import Spreads, Word, spread_group
 from averaging.matchmaking.rows import (
     RoundPlan,
     bucket_key,
@@ -21,6 +20,7 @@ from averaging.matchmaking.rows import (
     surely_in_bucket,
 )
 from averaging.matchmaking.search import MatchResult
+from averaging.spread import Spreads, Word, spread_group
 from tests.averaging.conftest import exact_mean, fast_config, make_group, sharded_round_config
 
 pytestmark = pytest.mark.timeout(90)
