@@ -4,6 +4,7 @@ their own estimates of the swarm (averaging.rounds.LayoutMemory)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -86,12 +87,18 @@ async def test_an_estimate_under_the_truth_does_not_split_the_round_after_a_whol
     peer estimates 6, and two start late: the rows of the first six stand for the six counted,
     and a top round closed at that count left the late row to a top group of its own (a second
     model). Waiting for the eight the last whole round reached, every peer ends with the exact
-    weighted mean."""
+    weighted mean.
+
+    ``top_quiet_s`` is 4 s: under the full suite's load a late peer can find no row and run its
+    row search to its end, 2 s after the early rows' (their top round's grace); it then comes to
+    the top round alone, within the quiet time. Without the change the top round closes at the
+    estimate's count, with every delegate it saw in, whatever the quiet time."""
     num_peers, late = 8, {2, 5}
     rng = np.random.default_rng(7)
     vectors = [rng.standard_normal(2_000).astype(np.float32) for _ in range(num_peers)]
     weights = [float(1 + i % 3) for i in range(num_peers)]
-    peers = await make_swarm([[v.copy()] for v in vectors], config=sharded_round_config(3))
+    config = dataclasses.replace(sharded_round_config(3), top_quiet_s=4.0)
+    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
 
     async def step(index: int, epoch: int, expected: int):
         if epoch == 1 and index in late:
