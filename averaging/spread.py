@@ -143,5 +143,6 @@ class Spreads:
                 expected_peer=delegate.peer_id,
             )
         except (DHTError, TimeoutError) as e:
-            return Word(False, "unreachable", f"the delegate did not answer: {e}"[:200])
+            reason = f"the delegate did not answer: {e}"[:MAX_REASON_CHARS]
+            return Word(False, "unreachable", reason)
         return Word.from_wire(raw)

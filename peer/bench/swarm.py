@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from averaging.config import AveragerConfig
+from dht.kademlia.config import read_replicas_problem
 from peer.bench.swarm_summary import summarize
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -117,8 +118,8 @@ class SwarmBenchConfig:
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {value}")
         for name in ("read_replicas", "matchmaking_read_replicas"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if problem := read_replicas_problem(getattr(self, name)):
+                raise ValueError(f"{name} {problem}")
         if self.target_batch_size is not None and self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
 
