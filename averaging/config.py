@@ -18,7 +18,7 @@ from averaging.bounds import (
 from averaging.errors import ConfigError
 from averaging.rules.compression import UINT8_BLOCK, Compression
 from averaging.rules.robust import Aggregation
-from dht.kademlia.config import read_replicas_problem
+from dht.kademlia.config import read_replicas_problem, store_replicas_problem
 
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -118,6 +118,9 @@ class AveragerConfig:
             request per read, and a search reads every half second or so. 8 by default: at 64
             busy peers, 9-11% less CPU per round and 13-21% shorter rounds than all 20, with the
             same coverage (docs/BENCHMARKS.md, "Matchmaking reads of the 8 closest replicas").
+        store_replicas: each announcement goes to this many of the key's closest nodes (None:
+            all ``num_replicas``); at least ``read_replicas``, so that a writer whose lookup saw
+            the key's neighbourhood a little differently still reaches the ones readers merge.
     """
 
     target_group_size: int = 16
@@ -151,10 +154,14 @@ class AveragerConfig:
     top_round_timeout_s: float = 30.0
     top_quiet_s: float = 1.0
     read_replicas: int | None = 8
+    store_replicas: int | None = None
 
     def __post_init__(self) -> None:
-        if problem := read_replicas_problem(self.read_replicas):
-            raise ConfigError(f"read_replicas {problem}")
+        for name in ("read_replicas", "store_replicas"):
+            if problem := read_replicas_problem(getattr(self, name)):
+                raise ConfigError(f"{name} {problem}")
+        if problem := store_replicas_problem(self.store_replicas, self.read_replicas):
+            raise ConfigError(f"store_replicas {problem}")
         try:
             object.__setattr__(self, "compression", Compression(self.compression))
         except ValueError:

@@ -41,6 +41,8 @@ class OwnedRecord:
         name: what the record is, for log lines and the task's name.
         after: awaited with the outcome (stored or not) after every periodic store: the
             owner's bookkeeping, or a read of everyone's records that follows the write.
+        replicas: each store goes to this many of the key's closest nodes (None: the DHT's
+            ``num_replicas``; see :meth:`dht.kademlia.node.DHTNode.store`).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class OwnedRecord:
         interval_s: float | None,
         name: str,
         after: Callable[[bool], Awaitable[object]] | None = None,
+        replicas: int | None = None,
     ):
         if not ttl_s > 0:
             raise ValueError(f"{name}: ttl_s must be > 0, got {ttl_s}")
@@ -65,6 +68,7 @@ class OwnedRecord:
         self.name = name
         self.num_published = 0
         self._after = after
+        self.replicas = replicas
         # two stores racing: the older value would be refused as stale by the replicas
         self._lock = asyncio.Lock()
         self._periodic = (
@@ -85,7 +89,11 @@ class OwnedRecord:
         try:
             async with self._lock:
                 stored = await self.dht.store(
-                    self.key, value, time_s + self.ttl_s, subkey=owner_subkey(self.dht.peer_id)
+                    self.key,
+                    value,
+                    time_s + self.ttl_s,
+                    subkey=owner_subkey(self.dht.peer_id),
+                    replicas=self.replicas,
                 )
         except DHTError as e:  # the next period tries again
             logger.warning("%s not stored: %s", self.name, e)

@@ -30,7 +30,13 @@ async def announce(dht: MatchmakingDHT, search: Search, config: AveragerConfig) 
     start = loop.time()
     try:
         async with asyncio.timeout(config.request_timeout_s):
-            stored = await dht.store(search.key, value, expiration + _RECORD_SLACK_S, subkey=subkey)
+            stored = await dht.store(
+                search.key,
+                value,
+                expiration + _RECORD_SLACK_S,
+                subkey=subkey,
+                replicas=config.store_replicas,
+            )
     except (TimeoutError, DHTError):
         stored = False
     if not stored:

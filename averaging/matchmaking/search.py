@@ -19,7 +19,15 @@ from dht.kademlia.validation import subkey_owner
 class MatchmakingDHT(Protocol):
     """What matchmaking needs from the DHT (:class:`dht.kademlia.node.DHTNode` satisfies it)."""
 
-    async def store(self, key: str, value: Any, expiration_time: float, subkey=None) -> bool: ...
+    async def store(
+        self,
+        key: str,
+        value: Any,
+        expiration_time: float,
+        subkey=None,
+        *,
+        replicas: int | None = None,
+    ) -> bool: ...
 
     async def get_outcome(
         self,

@@ -32,6 +32,17 @@ def read_replicas_problem(replicas: object) -> str | None:
     return f"must be None or >= 1, got {replicas!r}"
 
 
+def store_replicas_problem(store: int | None, read: int | None) -> str | None:
+    """Why a writer's count of replicas ``store`` cannot go with readers that merge ``read``
+    (None: all of them), None when it can: readers merge the closest ``read`` nodes of their
+    own lookups, so a writer must reach at least as many (None, every replica, always does)."""
+    if store is None:
+        return None
+    if read is None or store < read:
+        return f"must be None or at least the read replicas ({read}), got {store}"
+    return None
+
+
 def get_dht_time() -> float:
     """The current DHT time: wall-clock unix seconds, what expiration times are measured on."""
     return time.time()

@@ -231,24 +231,34 @@ class DHTNode:
             timeout_s=bound_s,
         )
 
-    def _is_replica(self, key_id: int, others: list[PeerInfo]) -> bool:
+    def _is_replica(self, key_id: int, others: list[PeerInfo], num_replicas: int) -> bool:
         """Whether this node is among the ``num_replicas`` closest to ``key_id``."""
         if self.address is None:
             return False
         own_distance = self.node_id ^ key_id
         num_closer = sum(1 for p in others if p.node_id ^ key_id < own_distance)
-        return num_closer < self.config.num_replicas
+        return num_closer < num_replicas
 
-    async def replicate(self, key_id: int, requests: list[StoreRequest]) -> Replication:
-        """Store records (all under ``key_id``) on the ``num_replicas`` closest nodes.
+    def _num_replicas(self, replicas: int | None) -> int:
+        """A caller's count of replicas (None: ``num_replicas``), at most ``num_replicas``."""
+        if replicas is None:
+            return self.config.num_replicas
+        return max(1, min(int(replicas), self.config.num_replicas))
+
+    async def replicate(
+        self, key_id: int, requests: list[StoreRequest], replicas: int | None = None
+    ) -> Replication:
+        """Store records (all under ``key_id``) on the ``replicas`` closest nodes (None:
+        ``num_replicas``).
 
         Finds run until the ``alpha`` closest nodes answered; then stores go to all of the
         closest seen at once, and their answers, which name closer nodes if there are any,
         carry the lookup on until the closest have all answered a store.
         """
+        num_replicas = self._num_replicas(replicas)
         found = await self.lookup(key_id, want_value=False, converge_on=self.config.alpha)
-        here = self._is_replica(key_id, found.candidates)
-        num_remote = self.config.num_replicas - here
+        here = self._is_replica(key_id, found.candidates, num_replicas)
+        num_remote = num_replicas - here
         accepted_by: dict[int, bool] = {}
 
         async def store_on(peer: PeerInfo) -> FindAnswer | None:
@@ -258,7 +268,7 @@ class DHTNode:
             accepted_by[peer.node_id] = any(answer.accepted)
             return FindAnswer(answer.peers, None)
 
-        replicas: list[PeerInfo] = []
+        closest: list[PeerInfo] = []
         if num_remote > 0:
             stored = await iterative_find(
                 key_id,
@@ -270,24 +280,33 @@ class DHTNode:
                 stop_on_value=False,
                 timeout_s=self.config.lookup_timeout_s,
             )
-            replicas = stored.nearest
-        num_accepted = sum(accepted_by.get(p.node_id, False) for p in replicas)
+            closest = stored.nearest
+        num_accepted = sum(accepted_by.get(p.node_id, False) for p in closest)
         # Candidates may name dead nodes; who answered the stores settles whether we are needed.
-        here = here or self._is_replica(key_id, replicas)
+        here = here or self._is_replica(key_id, closest, num_replicas)
         if here:
             local = [self.storage.store(r.key_id, r.record, r.subkey) for r in requests]
             num_accepted += any(local)
-        return Replication(num_accepted, len(replicas) + here, found.hops)
+        return Replication(num_accepted, len(closest) + here, found.hops)
 
     # ---- store -------------------------------------------------------------------------------
 
     async def store(
-        self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None
+        self,
+        key: Key,
+        value: Any,
+        expiration_time: float,
+        subkey: Subkey | None = None,
+        *,
+        replicas: int | None = None,
     ) -> bool:
         """Store ``value`` (anything msgpack can pack) under ``key`` until ``expiration_time``.
 
         With ``subkey`` the key holds a dictionary and this sets one of its entries; under this
         node's :func:`dht.kademlia.validation.owner_subkey` the record is signed automatically.
+        With ``replicas``, the value goes to that many closest nodes (at most ``num_replicas``;
+        None: all of them): a record rewritten every few seconds and read from the closest few
+        (``get(..., replicas=)``) needs no more, and each one less is one request less.
 
         Returns:
             True if at least one replica accepted the value.
@@ -295,11 +314,17 @@ class DHTNode:
         Raises:
             BadMessageError: the value cannot be packed or exceeds ``max_value_bytes``.
         """
-        outcome = await self.store_outcome(key, value, expiration_time, subkey)
+        outcome = await self.store_outcome(key, value, expiration_time, subkey, replicas=replicas)
         return outcome.ok
 
     async def store_outcome(
-        self, key: Key, value: Any, expiration_time: float, subkey: Subkey | None = None
+        self,
+        key: Key,
+        value: Any,
+        expiration_time: float,
+        subkey: Subkey | None = None,
+        *,
+        replicas: int | None = None,
     ) -> StoreOutcome:
         """Like :meth:`store`, with the number of replicas that accepted and why not."""
         key_id = DHTID.from_key(key)
@@ -308,7 +333,7 @@ class DHTNode:
             logger.warning("store of %r refused here: %s", key, record)
             return StoreOutcome(False, 0, 0, 0, record)
         self.cache.invalidate(key_id)
-        done = await self.replicate(key_id, [StoreRequest(key_id, subkey, record)])
+        done = await self.replicate(key_id, [StoreRequest(key_id, subkey, record)], replicas)
         if done.num_accepted:
             return StoreOutcome(True, done.num_accepted, done.num_replicas, done.hops)
         reason = "no replica found" if not done.num_replicas else "every replica refused or failed"
@@ -406,7 +431,7 @@ class DHTNode:
                     return GetOutcome(value, source)  # type: ignore[arg-type]
         converge_on = None
         if latest and replicas is not None:
-            converge_on = max(1, min(int(replicas), self.config.num_replicas))
+            converge_on = self._num_replicas(replicas)
         found = await self.lookup(
             key_id, want_value=True, latest=latest, converge_on=converge_on, timeout_s=timeout_s
         )

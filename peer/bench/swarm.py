@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from averaging.config import AveragerConfig
-from dht.kademlia.config import read_replicas_problem
+from dht.kademlia.config import read_replicas_problem, store_replicas_problem
 from peer.bench.swarm_summary import summarize
+from peer.swarm.progress_estimate import progress_default
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _NUM_INITIAL_PEERS = 4  # a process's peers join through this many peers started before
@@ -53,12 +54,14 @@ class SwarmBenchConfig:
         epoch_s: the epoch length the default target batch size aims at, in seconds.
         step_s: one local step, in seconds (the peer reads the swarm's estimate after each).
         publish_interval_s: how often a peer publishes and reads progress, in seconds.
-        read_replicas: the progress saving ``ProgressConfig.read_replicas`` (None: off, every
-            replica merged).
+        read_replicas: ``ProgressConfig.read_replicas`` (None: every replica merged).
+        store_replicas: ``ProgressConfig.store_replicas`` (None: every replica written).
         matchmaking_read_replicas: ``AveragerConfig.read_replicas`` (None: every replica
             merged).
-        max_publish_gap_s: the progress saving ``ProgressConfig.max_publish_gap_s`` (None:
-            off, a record stored every interval).
+        matchmaking_store_replicas: ``AveragerConfig.store_replicas`` (None: every replica
+            written).
+        max_publish_gap_s: ``ProgressConfig.max_publish_gap_s`` (None: a record stored every
+            interval).
         matchmaking_time_s: the averager's bound on looking for a group, in seconds (None: 5,
             and num_peers / 5 above 25 peers: on one host every DHT request of the swarm
             shares its cores; at 64 peers on 2 cores the announce and the first read of the
@@ -87,9 +90,11 @@ class SwarmBenchConfig:
     epoch_s: float = 8.0
     step_s: float = 0.5
     publish_interval_s: float = 2.0
-    read_replicas: int | None = None
+    read_replicas: int | None = progress_default("read_replicas")
+    store_replicas: int | None = progress_default("store_replicas")
     matchmaking_read_replicas: int | None = AveragerConfig().read_replicas
-    max_publish_gap_s: float | None = None
+    matchmaking_store_replicas: int | None = AveragerConfig().store_replicas
+    max_publish_gap_s: float | None = progress_default("max_publish_gap_s")
     matchmaking_time_s: float | None = None
     allreduce_timeout_s: float = 30.0
     min_deadline_s: float | None = None
@@ -117,9 +122,15 @@ class SwarmBenchConfig:
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {value}")
-        for name in ("read_replicas", "matchmaking_read_replicas"):
+        for name in ("read_replicas", "store_replicas", "matchmaking_read_replicas",
+                     "matchmaking_store_replicas"):  # fmt: skip
             if problem := read_replicas_problem(getattr(self, name)):
                 raise ValueError(f"{name} {problem}")
+        pairs = (("store_replicas", "read_replicas"),
+                 ("matchmaking_store_replicas", "matchmaking_read_replicas"))  # fmt: skip
+        for store, read in pairs:
+            if problem := store_replicas_problem(getattr(self, store), getattr(self, read)):
+                raise ValueError(f"{store} {problem}")
         if self.target_batch_size is not None and self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
 
@@ -191,6 +202,7 @@ class SwarmBenchConfig:
                 "publish_interval_s": self.publish_interval_s,
                 "record_ttl_s": max(10 * self.publish_interval_s, 20.0),
                 "read_replicas": self.read_replicas,
+                "store_replicas": self.store_replicas,
                 "max_publish_gap_s": self.max_publish_gap_s,
             },
             "averager": {
@@ -201,6 +213,7 @@ class SwarmBenchConfig:
                 "min_deadline_s": self.min_deadline,
                 "max_deadline_s": max(120.0, 2 * self.min_deadline),
                 "read_replicas": self.matchmaking_read_replicas,
+                "store_replicas": self.matchmaking_store_replicas,
             },
             "step_timeout_s": self.step_timeout_s,
             "rpc_timeout_s": self.rpc_s,

@@ -207,6 +207,8 @@ def _settings(config: dict[str, Any], num_processes: int) -> dict[str, Any]:
         "min_deadline_s": config.get("min_deadline"),
         "publish_interval_s": config.get("publish_interval_s"),
         "read_replicas": config.get("read_replicas"),
+        "store_replicas": config.get("store_replicas"),
         "matchmaking_read_replicas": config.get("matchmaking_read_replicas"),
+        "matchmaking_store_replicas": config.get("matchmaking_store_replicas"),
         "max_publish_gap_s": config.get("max_publish_gap_s"),
     }

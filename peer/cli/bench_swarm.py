@@ -11,6 +11,7 @@ import sys
 from averaging.config import AveragerConfig
 from dht.errors import ConfigError
 from dht.options import positive_float, positive_int
+from peer.swarm.progress_estimate import progress_default
 
 
 def _at_least_2(text: str) -> int:
@@ -93,8 +94,16 @@ def add_bench_swarm_command(bench_sub) -> None:
     parser.add_argument(
         "--read-replicas",
         type=positive_int,
-        default=None,
-        help="progress reads merge this many replicas of a bucket (default: all; opt-in saving)",
+        default=progress_default("read_replicas"),
+        help="progress reads merge this many replicas of a bucket (default: "
+        f"{progress_default('read_replicas') or 'all'}, as ProgressConfig)",
+    )
+    parser.add_argument(
+        "--store-replicas",
+        type=positive_int,
+        default=progress_default("store_replicas"),
+        help="progress records are stored on this many replicas of a bucket (default: "
+        f"{progress_default('store_replicas') or 'all'}, as ProgressConfig)",
     )
     parser.add_argument(
         "--matchmaking-read-replicas",
@@ -104,11 +113,19 @@ def add_bench_swarm_command(bench_sub) -> None:
         f"{AveragerConfig().read_replicas}, as AveragerConfig; 20 merges every one)",
     )
     parser.add_argument(
+        "--matchmaking-store-replicas",
+        type=positive_int,
+        default=AveragerConfig().store_replicas,
+        help="matchmaking announcements go to this many replicas of the key (default: "
+        f"{AveragerConfig().store_replicas or 'all'}, as AveragerConfig)",
+    )
+    parser.add_argument(
         "--max-publish-gap-s",
         type=positive_float,
-        default=None,
+        default=progress_default("max_publish_gap_s"),
         help="store a progress record only when readers would learn something, at least every "
-        "this many s (default: every interval; opt-in saving)",
+        f"this many s (default: {progress_default('max_publish_gap_s') or 'every interval'}, "
+        "as ProgressConfig)",
     )
     parser.add_argument(
         "--matchmaking-time-s",
@@ -202,7 +219,9 @@ def run_bench_swarm(args: argparse.Namespace) -> int:
                 step_s=args.step_s,
                 publish_interval_s=args.publish_interval_s,
                 read_replicas=args.read_replicas,
+                store_replicas=args.store_replicas,
                 matchmaking_read_replicas=args.matchmaking_read_replicas,
+                matchmaking_store_replicas=args.matchmaking_store_replicas,
                 max_publish_gap_s=args.max_publish_gap_s,
                 matchmaking_time_s=args.matchmaking_time_s,
                 min_deadline_s=args.min_deadline_s,

@@ -92,19 +92,32 @@ def levels_beside(level: int) -> tuple[int, ...]:
 
 
 async def probe_size(
-    node: ValueReader, run_id: str, own_id: str, max_samples_per_s: float
+    node: ValueReader,
+    run_id: str,
+    own_id: str,
+    max_samples_per_s: float,
+    *,
+    replicas: int | None = None,
 ) -> float:
     """The swarm's size as a newcomer first sees it: the own bucket at every other level (each
     peer writes two neighbouring levels, so one of them holds it), then at the two levels
     beside the fullest, at the level where that counts most (:func:`probe_count`). The odd
     levels matter while the swarm moves to a new layout: its peers then share an odd level,
     and their even ones are split between the old layout and the new (probing the even ones
-    only, a newcomer counted 65 of about 180)."""
+    only, a newcomer counted 65 of about 180). Each bucket is merged from its ``replicas``
+    closest replicas (None: every one), as :func:`read_bucket`'s."""
 
     async def count(levels: Sequence[int]) -> dict[int, float]:
         found = await asyncio.gather(
             *(
-                read_bucket(node, run_id, level, bucket_of(own_id, level), max_samples_per_s)
+                read_bucket(
+                    node,
+                    run_id,
+                    level,
+                    bucket_of(own_id, level),
+                    max_samples_per_s,
+                    replicas=replicas,
+                )
                 for level in levels
             )
         )

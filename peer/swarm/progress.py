@@ -268,7 +268,11 @@ class ProgressTracker:
         self._reprobe.mark(self._num_reads, time.monotonic())
         try:
             return await probe_size(
-                self.dht, self.prefix, self.dht.peer_id, self.config.max_samples_per_s
+                self.dht,
+                self.prefix,
+                self.dht.peer_id,
+                self.config.max_samples_per_s,
+                replicas=self.config.read_replicas,
             )
         except DHTError as e:
             logger.warning("progress layout probe failed: %s", str(e) or type(e).__name__)
@@ -284,6 +288,7 @@ class ProgressTracker:
                 ttl_s=self.config.record_ttl_s,
                 interval_s=None,
                 name=f"progress record (level {level})",
+                replicas=self.config.store_replicas,
             )
         return self._owned[level]
 

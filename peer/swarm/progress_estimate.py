@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dht.errors import ConfigError
-from dht.kademlia.config import read_replicas_problem
+from dht.kademlia.config import read_replicas_problem, store_replicas_problem
 from peer.records.progress import RECORDS_PER_BUCKET, PeerProgress
 
 
@@ -96,6 +96,10 @@ class ProgressConfig:
             default). Every store goes to all of them, so the closest few hold every record a
             store placed, unless its lookup was cut short on a busy host; each one more is one
             more request and bucket copy per read. Opt-in, see ``max_publish_gap_s``.
+        store_replicas: each store of the own record goes to this many of the bucket key's
+            closest nodes (None: all ``num_replicas``). It must be at least ``read_replicas``
+            (readers merge the closest ones, and a writer whose lookup saw the neighbourhood a
+            little differently must still reach them).
     """
 
     target_batch_size: int
@@ -114,10 +118,14 @@ class ProgressConfig:
     max_stranger_claim_ratio: float = 4.0
     max_publish_gap_s: float | None = None
     read_replicas: int | None = None
+    store_replicas: int | None = None
 
     def __post_init__(self) -> None:
-        if problem := read_replicas_problem(self.read_replicas):
-            raise ConfigError(f"read_replicas {problem}")
+        for name in ("read_replicas", "store_replicas"):
+            if problem := read_replicas_problem(getattr(self, name)):
+                raise ConfigError(f"{name} {problem}")
+        if problem := store_replicas_problem(self.store_replicas, self.read_replicas):
+            raise ConfigError(f"store_replicas {problem}")
         for name in ("target_batch_size", "trust_rounds", "records_per_bucket"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -157,6 +165,12 @@ class ProgressConfig:
         if self.max_publish_gap_s is None:
             return self.publish_interval_s
         return min(self.max_publish_gap_s, self.record_ttl_s / 2, self.max_extrapolation_s / 2)
+
+
+def progress_default(name: str):
+    """The default of the :class:`ProgressConfig` field ``name`` (for front ends that expose
+    it and must not drift from the config)."""
+    return next(f.default for f in dataclasses.fields(ProgressConfig) if f.name == name)
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,9 @@ def test_blocking_facade_from_training_threads():
         ({"read_replicas": 0}, "read_replicas"),
         ({"read_replicas": True}, "read_replicas"),
         ({"read_replicas": 2.0}, "read_replicas"),
+        ({"store_replicas": 0}, "store_replicas"),
+        ({"read_replicas": 8, "store_replicas": 4}, "store_replicas"),
+        ({"read_replicas": None, "store_replicas": 12}, "store_replicas"),
     ],
 )
 def test_config_errors_name_the_field(changes, field):

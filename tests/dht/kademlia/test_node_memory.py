@@ -296,6 +296,28 @@ async def test_a_latest_read_of_a_few_replicas_asks_about_that_many_and_merges_e
     assert capped.num_queried >= 20
 
 
+async def test_a_store_to_a_few_replicas_reaches_the_closest_and_a_read_of_fewer_finds_it(
+    memory_swarm,
+):
+    swarm = await memory_swarm(40)  # 20 replicas per key by default
+    expiration = get_dht_time() + 60
+    writers = swarm.nodes[:12]
+    before = {w.peer_id: w.protocol.num_requests_sent for w in writers}
+    for writer in writers:
+        subkey = owner_subkey(writer.peer_id)
+        assert await writer.store("bucket", {"epoch": 1}, expiration, subkey=subkey, replicas=6)
+    # the 6 closest hold every writer's record (a writer among them keeps its own copy), and
+    # no node beyond the 7 closest holds one (one stray at most, see dht.kademlia.lookup)
+    six = closest(swarm, "bucket", 6)
+    assert six <= holders(swarm, "bucket") <= closest(swarm, "bucket", 7)
+    # each store asked the alpha closest it found, then stored on about 6: not 20
+    sent = [w.protocol.num_requests_sent - before[w.peer_id] for w in writers]
+    assert max(sent) <= 12, sent
+    reader = farthest(swarm, "bucket")
+    few = await reader.get_outcome("bucket", latest=True, replicas=4)
+    assert set(few.value.value) == {owner_subkey(w.peer_id) for w in writers}
+
+
 async def test_client_mode_node_stores_and_gets_through_others(memory_swarm):
     swarm = await memory_swarm(10)
     client = await swarm.add(client_mode=True)

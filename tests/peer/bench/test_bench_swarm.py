@@ -75,12 +75,14 @@ def test_six_peers_with_the_read_savings_still_meet_and_the_report_says_so():
     result = _run(
         [sys.executable, "-m", "peer", "bench", "swarm", "--peers", "6", "--size", "100",
          "--rounds", "2", "--epoch-s", "3", "--peers-per-process", "3", "--read-replicas", "3",
-         "--max-publish-gap-s", "4", "--matchmaking-read-replicas", "2", "--json"],
+         "--store-replicas", "4", "--max-publish-gap-s", "4", "--matchmaking-read-replicas", "2",
+         "--matchmaking-store-replicas", "3", "--json"],
         timeout_s=100,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["read_replicas"] == 3 and report["max_publish_gap_s"] == 4.0
+    assert report["store_replicas"] == 4 and report["matchmaking_store_replicas"] == 3
     assert report["matchmaking_read_replicas"] == 2
     assert not report["timed_out"] and not report["errors"]
     whole = [d for d in report["round_details"] if d["group_sizes"] == [6]]

@@ -186,3 +186,12 @@ def test_a_bad_read_replicas_is_refused_naming_the_field(replicas):
     with pytest.raises(ConfigError, match="read_replicas"):
         ProgressConfig(target_batch_size=100, read_replicas=replicas)
     assert ProgressConfig(target_batch_size=100, read_replicas=3).read_replicas == 3
+
+
+@pytest.mark.parametrize(("read", "store"), [(8, 4), (None, 12), (8, 0)])
+def test_stores_to_fewer_replicas_than_readers_merge_are_refused(read, store):
+    # a reader merges the closest ``read``: a writer that reaches fewer leaves it records short
+    with pytest.raises(ConfigError, match="store_replicas"):
+        ProgressConfig(target_batch_size=100, read_replicas=read, store_replicas=store)
+    config = ProgressConfig(target_batch_size=100, read_replicas=8, store_replicas=8)
+    assert config.store_replicas == 8
