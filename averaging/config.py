@@ -121,6 +121,7 @@ class AveragerConfig:
         store_replicas: each announcement goes to this many of the key's closest nodes (None:
             all ``num_replicas``); at least ``read_replicas``, so that a writer whose lookup saw
             the key's neighbourhood a little differently still reaches the ones readers merge.
+            12 by default, as ``ProgressConfig.store_replicas``.
     """
 
     target_group_size: int = 16
@@ -154,7 +155,7 @@ class AveragerConfig:
     top_round_timeout_s: float = 30.0
     top_quiet_s: float = 1.0
     read_replicas: int | None = 8
-    store_replicas: int | None = None
+    store_replicas: int | None = 12
 
     def __post_init__(self) -> None:
         for name in ("read_replicas", "store_replicas"):
