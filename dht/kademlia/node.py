@@ -20,7 +20,7 @@ import asyncio
 import logging
 from typing import Any
 
-from dht.errors import BadMessageError, TransportError, ValidationError
+from dht.errors import TransportError
 from dht.identity import PeerIdentity, short_id
 from dht.kademlia.config import Clock, DHTConfig, SystemClock, get_dht_time
 from dht.kademlia.lookup import LookupResult, iterative_find
@@ -32,22 +32,16 @@ from dht.kademlia.routing import DHTID, PeerInfo, RoutingTable
 from dht.kademlia.storage import (
     DHTStorage,
     Entry,
-    Record,
     Subkey,
     ValueWithExpiration,
     decode_entry,
     merge_entries,
 )
-from dht.kademlia.validation import (
-    OwnerSignatureValidator,
-    RecordValidator,
-    sign_record,
-    subkey_owner,
-)
+from dht.kademlia.validation import OwnerSignatureValidator, RecordValidator, make_record
 from dht.kademlia.value_cache import ValueCache
 from dht.net.fair_work import FairWork
 from dht.net.transport import Transport
-from dht.net.wire import MessageLimits, pack
+from dht.net.wire import MessageLimits
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +322,15 @@ class DHTNode:
     ) -> StoreOutcome:
         """Like :meth:`store`, with the number of replicas that accepted and why not."""
         key_id = DHTID.from_key(key)
-        record = self._make_record(key_id, value, expiration_time, subkey)
+        record = make_record(
+            key_id,
+            value,
+            expiration_time,
+            subkey,
+            identity=self.identity,
+            config=self.config,
+            now=self.clock.time(),
+        )
         if isinstance(record, str):
             logger.warning("store of %r refused here: %s", key, record)
             return StoreOutcome(False, 0, 0, 0, record)
@@ -339,36 +341,6 @@ class DHTNode:
         reason = "no replica found" if not done.num_replicas else "every replica refused or failed"
         logger.warning("store of %r failed: %s (%d replicas)", key, reason, done.num_replicas)
         return StoreOutcome(False, 0, done.num_replicas, done.hops, reason)
-
-    def _make_record(
-        self, key_id: int, value: Any, expiration_time: float, subkey: Subkey | None
-    ) -> Record | str:
-        """The record to store, or why it cannot be stored."""
-        if subkey is not None and (isinstance(subkey, bool) or not isinstance(subkey, Subkey)):
-            raise TypeError(f"subkey must be str, bytes or int, got {type(subkey).__name__}")
-        try:
-            value_bytes = pack(value)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise BadMessageError(f"value cannot be packed: {e}") from e
-        if len(value_bytes) > self.config.max_value_bytes:
-            raise BadMessageError(
-                f"value of {len(value_bytes)} bytes exceeds max_value_bytes "
-                f"({self.config.max_value_bytes})"
-            )
-        expiration_time = float(expiration_time)
-        if expiration_time <= self.clock.time():
-            return "expiration_time is in the past"
-        if expiration_time > self.clock.time() + self.config.max_expiration_ahead_s:
-            return "expiration_time is further ahead than max_expiration_ahead_s"
-        owner = subkey_owner(subkey)
-        if owner is None:
-            return Record(value_bytes, expiration_time)
-        if owner != self.peer_id:
-            return f"subkey {subkey!r} belongs to another peer"
-        try:
-            return sign_record(self.identity, key_id, subkey, value_bytes, expiration_time)
-        except ValidationError as e:
-            return str(e)
 
     # ---- get ---------------------------------------------------------------------------------
 
