@@ -51,10 +51,14 @@ def test_a_gap_no_longer_than_an_interval_stores_every_interval():
         target_batch_size=10, publish_interval_s=0.1, record_ttl_s=0.5, max_publish_gap_s=5.0
     )
     assert short.publish_gap_s == 0.25
-    # off by default: every interval
-    assert ProgressConfig(target_batch_size=10).publish_gap_s == 2.0
+    # None: every interval
+    assert ProgressConfig(target_batch_size=10, max_publish_gap_s=None).publish_gap_s == 2.0
+    off = ProgressConfig(target_batch_size=10_000, max_publish_gap_s=None)
+    assert publish_due(last, line(3, 150, 50.0, 1001.0), LEVELS, 11.0, off)
+    # on by default: 5 s (half the extrapolation bound), so this steady peer is not stored yet
     default = ProgressConfig(target_batch_size=10_000)
-    assert publish_due(last, line(3, 150, 50.0, 1001.0), LEVELS, 11.0, default)
+    assert default.publish_gap_s == 5.0
+    assert not publish_due(last, line(3, 150, 50.0, 1001.0), LEVELS, 11.0, default)
 
 
 async def test_readers_follow_a_steady_peer_stored_every_few_intervals_and_see_its_epoch_at_once():
