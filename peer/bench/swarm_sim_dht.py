@@ -11,7 +11,8 @@ is too heavy for 10,000 nodes in one process for minutes of virtual time):
 * Costs are the real node's, measured over :mod:`dht.tools.memory` (real node code, packing
   and signatures; ``CostModel`` says how): a lookup is ``k`` RPCs to the key's replicas plus a
   few hops that grow with ``log2(N)``, each to a random node; ``get(latest=True)`` has every
-  replica answer with the whole value; a store sends the signed record to every replica.
+  replica answer with the whole value (or the closest ``read_replicas``, as the configs have
+  it); a store sends the signed record to every replica (or the closest ``store_replicas``).
 * A node's bytes are both sides of every RPC it makes or answers (what the bench counts).
 """
 
@@ -138,9 +139,18 @@ class SimDHT:
         self.node_bytes[client] += len(replicas) * rpc_bytes
         return replicas
 
-    def store(self, client: int, key: str, owner: str, value: object, expiration: float) -> None:
-        """``owner``'s record under ``key`` on every replica."""
-        self._route(client, key, self.cost.store_rpc_bytes)
+    def store(
+        self,
+        client: int,
+        key: str,
+        owner: str,
+        value: object,
+        expiration: float,
+        replicas: int | None = None,
+    ) -> None:
+        """``owner``'s record under ``key`` on the ``replicas`` closest replicas (None: every
+        one; the key's records are kept once, so a reader of fewer still finds it)."""
+        self._route(client, key, self.cost.store_rpc_bytes, replicas)
         held = self.records.setdefault(key, {})
         held[owner] = (value, expiration)
         self.max_key_records = max(self.max_key_records, len(held))

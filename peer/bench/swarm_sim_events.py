@@ -26,6 +26,7 @@ import random
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
+from averaging.config import AveragerConfig
 from averaging.matchmaking import rows
 from averaging.rounds import LayoutMemory
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
@@ -50,6 +51,7 @@ NUM_MATCHMAKING_READS = 2  # reads of the matchmaking key while waiting
 RAMP_S = 20.0  # the swarm joins over this long...
 SETTLE_S = 30.0  # ...and settles this long (past size_window_s) before the measurement window
 ANNOUNCE_TTL_S = 30.0
+MATCHMAKING = AveragerConfig()  # the replicas its announcements go to and its reads merge
 
 
 def matchmaking_key(epoch: int, peer_id: str, num_buckets: int) -> str:
@@ -198,7 +200,11 @@ class SimSwarm:
         def count(levels) -> dict[int, float]:
             return {
                 lv: probe_count(
-                    self._read_bucket(peer, lv, bucket_of(peer.peer_id, lv), now), peer.peer_id, lv
+                    self._read_bucket(
+                        peer, lv, bucket_of(peer.peer_id, lv), now, self.config.read_replicas
+                    ),
+                    peer.peer_id,
+                    lv,
                 )
                 for lv in levels
             }
@@ -224,7 +230,9 @@ class SimSwarm:
             expiration = now + record_lifetime_s(peer.cycles_s, self.config)
             for level in levels:
                 key = bucket_key(PREFIX, level, bucket_of(peer.peer_id, level))
-                self.dht.store(peer.slot, key, peer.peer_id, own, expiration)
+                self.dht.store(
+                    peer.slot, key, peer.peer_id, own, expiration, self.config.store_replicas
+                )
             peer.published = (own, levels, now)
         partners = peer.recent_partners()
         level = peer.size.level(self.config.records_per_bucket)
@@ -301,9 +309,17 @@ class SimSwarm:
             self.layouts[peer.epoch][buckets] += 1
         peer.mm_key = matchmaking_key(peer.epoch, peer.peer_id, buckets)
         peer.ready_s = now
-        self.dht.store(peer.slot, peer.mm_key, peer.peer_id, peer.peer_id, now + ANNOUNCE_TTL_S)
+        expiration = now + ANNOUNCE_TTL_S
+        self.dht.store(
+            peer.slot,
+            peer.mm_key,
+            peer.peer_id,
+            peer.peer_id,
+            expiration,
+            MATCHMAKING.store_replicas,
+        )
         for _ in range(NUM_MATCHMAKING_READS):
-            self.dht.get(peer.slot, peer.mm_key, now)
+            self.dht.get(peer.slot, peer.mm_key, now, MATCHMAKING.read_replicas)
         self.announced[peer.mm_key].append((peer.peer_id, now))
         self.schedule(now + MATCHMAKING_S + ROUND_S, "resolve", peer.peer_id)
 
