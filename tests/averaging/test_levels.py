@@ -329,7 +329,10 @@ async def test_only_members_of_the_row_may_ask_its_delegate(make_peers):
 async def test_a_peer_left_without_a_row_joins_the_top_round_as_a_row_of_one(make_swarm):
     vectors = vectors_for(7, 5_000, 7)  # rows of 3 + 3 leave one peer over
     weights = [float(w) for w in range(1, 8)]
-    config = fast_config(target_group_size=3, row_grace_s=0.5, matchmaking_time_s=1.5)
+    # a grace of 1.5 s before a row closes short of 3: with 0.5 s, 1 run in 4 under three busy
+    # loops (and once in the suite) closed rows of 2 before the third peer came, and stranded
+    # 3 to 7 peers, each then a row of one in the top round (exact, but not the case tested)
+    config = fast_config(target_group_size=3, row_grace_s=1.5, matchmaking_time_s=3.0)
     peers = await make_swarm([[v.copy()] for v in vectors], config=config)
 
     results = await run_round(peers, weights)
@@ -341,7 +344,9 @@ async def test_a_peer_left_without_a_row_joins_the_top_round_as_a_row_of_one(mak
         assert result.num_reached == 7
     # a peer that learns every other is in a row goes to the top at once; one that had not
     # yet seen the last peer may leave it the last too (two rows of one: exact all the same)
-    assert sum(r.levels.get("row") == "alone" for r in results) <= 2
+    assert sum(r.levels.get("row") == "alone" for r in results) <= 2, [
+        (r.levels, r.search_key[-6:], r.matchmaking_s) for r in results
+    ]
 
 
 async def test_rows_formed_apart_by_more_than_the_top_rounds_bound_still_meet(make_swarm):
