@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,8 +22,8 @@ from dht.kademlia.validation import owner_subkey
 from dht.periodic import Periodic
 
 logger = logging.getLogger(__name__)
-# (DHT time now) -> (the value to store, the DHT time it describes), or None: nothing to store.
 _AFTER_LAST_S = 0.001  # a re-store's expiration is at least this much past the last one sent
+# (DHT time now) -> (the value to store, the DHT time it describes), or None: nothing to store.
 MakeValue = Callable[[float], tuple[Any, float] | None]
 
 
@@ -71,9 +70,9 @@ class OwnedRecord:
         self.num_published = 0
         self._after = after
         self.replicas = replicas
-        # the latest expiration sent under each key: a re-store must go past it, or replicas
-        # that took it refuse the new value as stale (see publish)
-        self._sent_until: dict[str, float] = {}
+        # (key, expiration) of the last store sent: a re-store under that key must go past it,
+        # or replicas that took it refuse the new value as stale (see publish)
+        self._last_sent: tuple[str, float] | None = None
         # two stores racing: the older value would be refused as stale by the replicas
         self._lock = asyncio.Lock()
         self._periodic = (
@@ -98,9 +97,10 @@ class OwnedRecord:
                 # cycles) would date the new value before the one the replicas hold, and every
                 # replica would refuse it as stale until the old one neared its end: at 32 peers
                 # on 2 cores, tens of progress stores a run, the peer shown at an old epoch.
-                last_s = self._sent_until.get(key, -math.inf)
-                expiration = max(time_s + self.ttl_s, last_s + _AFTER_LAST_S)
-                self._sent_until = {key: expiration}  # a moved record: the old key expires alone
+                expiration = time_s + self.ttl_s
+                if self._last_sent is not None and self._last_sent[0] == key:
+                    expiration = max(expiration, self._last_sent[1] + _AFTER_LAST_S)
+                self._last_sent = (key, expiration)  # a moved record: the old key expires alone
                 stored = await self.dht.store(
                     key,
                     value,

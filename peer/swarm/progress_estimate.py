@@ -100,9 +100,9 @@ class ProgressConfig:
 
             The three savings are on by default (8 read, 12 written, a record every 5 s at
             most while readers predict it): at 16 light peers on 2 cores they cut the DHT
-            requests per peer per second from 19.4 to about 11 and the CPU per round by
-            about 40% (docs/BENCHMARKS.md, "Progress on fewer replicas"). hivemind stores
-            every value on 5 replicas.
+            requests per peer per second from 19.4 to about 11, and the CPU per round to
+            0.65-0.73 of what it was at 16 peers and 0.62-0.65 at 64 (docs/BENCHMARKS.md,
+            "Progress on fewer replicas, by default"). hivemind stores every value on 5.
     """
 
     target_batch_size: int
