@@ -36,7 +36,9 @@ def _quantile_us(samples_s: list[float], q: float) -> float:
 
 
 async def run(num_calls: int, num_first_contacts: int) -> dict:
-    server = HttpTransport(PeerIdentity.generate(), TransportConfig())
+    # one client calls as fast as it can: above a stranger's share of requests, which is the point
+    unlimited = dict(max_requests_per_s_per_peer=1e9, request_burst_per_peer=10**9)
+    server = HttpTransport(PeerIdentity.generate(), TransportConfig(**unlimited))
     server.add_rpc_handler("echo", _echo)
     async with server, HttpTransport(PeerIdentity.generate(), TransportConfig()) as client:
         for _ in range(50):  # warm-up: connection, session, caches

@@ -10,8 +10,8 @@ download the state next), keeps accumulating instead of stepping, for at most ``
 state it serves stays at its epoch, the other peer arrives there, and the epoch ends with a
 round of two. The lone peer loses no work (its epoch just gathers a larger batch). A peer that
 does not arrive within ``wait_s`` is not waited for again, so a peer that keeps failing costs
-one wait, not one per epoch. Peers that are not alone never hold: the swarm does not wait for
-laggards.
+one wait, not one per epoch; once it averages with this peer after all, it is waited for again.
+Peers that are not alone never hold: the swarm does not wait for laggards.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from dht.config import get_dht_time
 from dht.errors import ConfigError
@@ -112,6 +112,14 @@ class NewcomerHold:
         self._given_up.update(behind)
         self._since_s = None
         return False
+
+    def arrived(self, peer_ids: Iterable[str]) -> None:
+        """``peer_ids`` averaged with this peer: those it gave up on arrived after all, and a
+        later wait for them is not one more for a peer that keeps failing. Without this, a
+        newcomer that took longer than the wait to start was never held for again: when it
+        fell behind once more (a round failed under load), the lone peer ahead stepped on
+        alone through its download, and the two replicas stayed apart in ``grad`` mode."""
+        self._given_up.difference_update(peer_ids)
 
     def reset(self) -> None:
         """The epoch ended: the next hold starts its own wait."""

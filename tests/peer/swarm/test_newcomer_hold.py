@@ -63,6 +63,20 @@ def test_gives_up_after_the_wait_and_never_waits_for_that_peer_again():
     assert hold.should_hold(swarm(("slow", 4, NOW + 11.0), ("other", 0, NOW + 11.0)), epoch=8)
 
 
+def test_a_peer_given_up_on_that_averages_after_all_is_waited_for_again():
+    """A newcomer slower to start than the wait, which then met this peer, fell behind again
+    later: without a hold the lone peer stepped on through its download (issue 24)."""
+    hold, clocks = make(wait_s=10.0)
+    assert hold.should_hold(swarm(("slow", 3, NOW)), epoch=7)
+    clocks.advance(10.1)
+    assert not hold.should_hold(swarm(("slow", 3, NOW + 10.0)), epoch=7)
+    hold.reset()
+    hold.arrived(["slow"])  # it caught up and averaged with this peer
+    clocks.advance(5.0)
+    assert hold.should_hold(swarm(("slow", 11, NOW + 15.0)), epoch=12)
+    assert hold.num_holds == 2
+
+
 def test_ignores_stale_records_and_peers_ahead_and_can_be_off():
     hold, _ = make(wait_s=10.0)
     assert not hold.should_hold(swarm(("gone", 2, NOW - 10.5)), epoch=7)
