@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from dht.gc_policy import settle as settle_gc
 from dht.net.transport import ByteCounters
 from peer.profiling.metrics_stream import MetricsStream
 from peer.profiling.phases import PhaseClock
@@ -68,6 +69,7 @@ def train(args: argparse.Namespace, stop: threading.Event) -> dict:
     """Train until ``--max-time``, ``--max-epochs`` or ``stop``; returns a summary."""
     torch.set_num_threads(args.torch_threads)
     steady_allocator()  # as the peers it is compared with (peer.train.allocator)
+    settle_gc()  # and their collector's policy (dht.gc_policy)
     options = dict(option.split("=", 1) for option in args.task_option)
     task = load_task(args.task, options)
     device = select_device(args.device)

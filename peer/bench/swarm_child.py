@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from averaging.config import AveragerConfig
+from dht.gc_policy import settle as settle_gc
 from peer.bench.swarm_peer import PeerSpec, SwarmPeer
 from peer.swarm.progress import ProgressConfig
 
@@ -132,6 +133,7 @@ async def main() -> None:
         more = [SwarmPeer(rank, spec, initial_peers) for rank in ranks[len(peers) :]]
         peers += more
         await _start_all(more)
+        settle_gc()  # started: the collector's policy for the run (dht.gc_policy)
         _send({"type": "hello", "addresses": [p.transport.address for p in peers]})
         command = await _receive()
         if command is None or command.get("cmd") != "go":

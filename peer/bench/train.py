@@ -69,6 +69,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from dht.config import DHTConfig
+from dht.gc_policy import settle as settle_gc
 from dht.identity import PeerIdentity
 from dht.launch import open_node
 from dht.net.config import TransportConfig
@@ -300,6 +301,7 @@ def run_train_bench(config: TrainBenchConfig) -> dict:
     # the peers fix glibc's malloc thresholds (peer join's default): so does the baseline, so
     # that the ratio measures the peers' machinery, not the allocator (peer.train.allocator)
     steady_allocator()
+    settle_gc()  # the collector's policy of peer join too (dht.gc_policy)
     if config.run_baseline and config.epochs is None:
         runs: list[dict] = []
 

@@ -58,6 +58,7 @@ def add_dht_command(sub) -> None:
 
 def run_dht(args: argparse.Namespace) -> int:
     from dht.config import DHTConfig
+    from dht.gc_policy import settle as settle_gc
     from dht.launch import open_node
 
     dht_config = DHTConfig(initial_peers=_check_urls(args.initial_peers))
@@ -69,6 +70,7 @@ def run_dht(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         async with open_node(me, config, dht_config) as node:
+            settle_gc()  # started: the collector's policy for a long run
             print(node.address, flush=True)
             sys.stderr.write(
                 f"DHT node {short_id(me.peer_id)} serving on {node.address}; Ctrl-C stops it\n"

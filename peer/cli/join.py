@@ -54,6 +54,7 @@ def dashboard_companion(config, stop: threading.Event):
 
 
 def run_join(args: argparse.Namespace) -> int:
+    from dht.gc_policy import settle as settle_gc
     from peer.run.make import make_peer_run
     from peer.swarm.progress import note_continued
     from peer.train.tasks import TaskError
@@ -71,6 +72,7 @@ def run_join(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # continued after Ctrl-Z or SIGSTOP: the stop was not slow training (see note_continued)
     signal.signal(signal.SIGCONT, lambda *_: note_continued())
+    settle_gc()  # imports and the model are in: the collector's policy for a long run
     try:
         summary = run.run()
     finally:
