@@ -8,7 +8,9 @@ records froze a reader for seconds and wrote a log line per record. Here:
   holds at most what its per-key caps allow and answers with at most that many);
 * records are verified in a worker thread in batches (the event loop keeps serving), and a
   record verified once is remembered (a bounded cache): Sybil records stored within a key's cap
-  cost each reader one verification, not one per read;
+  cost each reader one verification, not one per read. An answer of at most 256 records is
+  sorted into known and new on the loop first, so a key read again (or merged from several
+  replicas) sends only its new records to the worker, and none when there are few;
 * an honest node validated every record before storing it, so an answer holding invalid
   records comes from a liar: after ``max_invalid_per_answer`` of them the rest of its entry is
   dropped unchecked;
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 INLINE_RECORDS = 16  # answers this small are checked on the loop (a thread hop costs more)
 BATCH_RECORDS = 256  # records per worker-thread batch
+# answers this small are sorted into verified and new on the loop (a fingerprint is a few us)
+SORTED_ON_LOOP = 256
 INLINE_STORE_CHECKS = 1  # new signatures of a store request checked on the loop, at most
 LOG_INTERVAL_S = 60.0
 MAX_VERIFIED = 65536  # verified records remembered in a process
@@ -154,9 +158,15 @@ class RecordChecker:
         """The records of ``items`` that pass, checked off the loop when there are many (in
         ``peer``'s turns of the signature-check queue; ``source`` names it in logs)."""
         tally = [0]  # invalid records of this answer so far
-        if len(items) <= INLINE_RECORDS:
-            return self._check(key_id, items, source, tally)
         valid: dict[Subkey | None, Record] = {}
+        if len(items) <= SORTED_ON_LOOP:
+            # most records of a re-read key were verified before (the same versions come from
+            # every replica merged): only the new ones are worth a trip to the worker thread
+            known, items = self._split_known(key_id, items)
+            valid.update(known)
+        if len(items) <= INLINE_RECORDS:
+            valid.update(self._check(key_id, items, source, tally))
+            return valid
         for start in range(0, len(items), BATCH_RECORDS):
             batch = items[start : start + BATCH_RECORDS]
             try:
@@ -168,6 +178,17 @@ class RecordChecker:
             if tally[0] >= self.max_invalid_per_answer:
                 break
         return valid
+
+    def _split_known(self, key_id: int, items):
+        """The records of ``items`` verified before, and the rest."""
+        known: dict[Subkey | None, Record] = {}
+        rest = []
+        for subkey, record in items:
+            if _fingerprint(key_id, subkey, record) in self._verified:
+                known[subkey] = record
+            else:
+                rest.append((subkey, record))
+        return known, rest
 
     async def _off_loop(self, peer: str, key_id: int, batch, source: str, tally: list[int]):
         if self.work is None:
