@@ -66,16 +66,16 @@ async def read_candidates(
             )
     except (TimeoutError, DHTError):
         search.num_failed_reads += 1
+        search.slowest_read_s = max(search.slowest_read_s, loop.time() - start)
         return []
     found = outcome.value
     if outcome.num_queried and not outcome.num_answered:  # at most its own replica read
         search.num_failed_reads += 1
     candidates = parse_candidates(found, search.key, search.me.peer_id)
+    read_s = loop.time() - start
+    search.slowest_read_s = max(search.slowest_read_s, read_s)
     logger.debug(
-        "read %d candidate(s) under %s in %.1f ms",
-        len(candidates),
-        search.key,
-        1000 * (loop.time() - start),
+        "read %d candidate(s) under %s in %.1f ms", len(candidates), search.key, 1e3 * read_s
     )
     return candidates
 

@@ -71,6 +71,10 @@ class DHTConfig:
         cache_max_age_s: how long a value read through a lookup may answer ``get(latest=False)``
             without asking the network again, in seconds.
         cache_max_entries: the most keys kept in that cache (0 disables it).
+        replica_set_max_age_s: how long the nodes that answered a key's last store take the
+            next store of that key without a lookup first, in seconds, counted from the lookup
+            that found them (0: a lookup before every store). Their answers still name any
+            closer node (:mod:`dht.kademlia.replica_sets`).
         max_value_bytes: the largest packed value accepted, in bytes (stores and answers).
         max_records: the most records one node holds for others.
         max_storage_bytes: the most bytes of records one node holds for others, in bytes
@@ -117,6 +121,7 @@ class DHTConfig:
     republish_interval_s: float = 1800.0
     cache_max_age_s: float = 30.0
     cache_max_entries: int = 1024
+    replica_set_max_age_s: float = 60.0
     max_value_bytes: int = 64 * 1024
     max_records: int = 100_000
     max_storage_bytes: int = 256 * 2**20
@@ -184,6 +189,10 @@ class DHTConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.replica_set_max_age_s >= 0:
+            raise ConfigError(
+                f"replica_set_max_age_s must be >= 0 seconds, got {self.replica_set_max_age_s}"
+            )
         if self.cache_max_entries < 0:
             raise ConfigError(f"cache_max_entries must be >= 0, got {self.cache_max_entries}")
         if self.liveness_check_after_s < 0:

@@ -28,6 +28,7 @@ from dht.kademlia.maintenance import Maintenance
 from dht.kademlia.messages import FindAnswer, StoreRequest
 from dht.kademlia.outcomes import GetOutcome, Replication, StoreOutcome
 from dht.kademlia.protocol import DHTProtocol
+from dht.kademlia.replica_sets import ReplicaSets
 from dht.kademlia.routing import DHTID, PeerInfo, RoutingTable
 from dht.kademlia.storage import (
     DHTStorage,
@@ -94,6 +95,7 @@ class DHTNode:
             max_unowned_bytes=config.max_unowned_bytes,
         )
         self.cache = ValueCache(config.cache_max_entries, config.cache_max_age_s)
+        self.replica_sets = ReplicaSets(config.replica_set_max_age_s)
         self.validator = validator or OwnerSignatureValidator()
         self.protocol = DHTProtocol(
             transport,
@@ -250,8 +252,8 @@ class DHTNode:
         carry the lookup on until the closest have all answered a store.
         """
         num_replicas = self._num_replicas(replicas)
-        found = await self.lookup(key_id, want_value=False, converge_on=self.config.alpha)
-        here = self._is_replica(key_id, found.candidates, num_replicas)
+        candidates, hops = await self._store_candidates(key_id)
+        here = self._is_replica(key_id, candidates, num_replicas)
         num_remote = num_replicas - here
         accepted_by: dict[int, bool] = {}
 
@@ -266,7 +268,7 @@ class DHTNode:
         if num_remote > 0:
             stored = await iterative_find(
                 key_id,
-                found.candidates,
+                candidates,
                 store_on,
                 own_id=self.node_id,
                 k=num_remote,
@@ -275,13 +277,32 @@ class DHTNode:
                 timeout_s=self.config.lookup_timeout_s,
             )
             closest = stored.nearest
+            if len(closest) == num_remote and not stored.timed_out:
+                self.replica_sets.put(key_id, closest)  # those that answered: a node that
+                # left was passed over for the next closest, as in a lookup
+            else:  # too few answered: look the key up next time
+                self.replica_sets.forget(key_id)
         num_accepted = sum(accepted_by.get(p.node_id, False) for p in closest)
         # Candidates may name dead nodes; who answered the stores settles whether we are needed.
         here = here or self._is_replica(key_id, closest, num_replicas)
         if here:
             local = [self.storage.store(r.key_id, r.record, r.subkey) for r in requests]
             num_accepted += any(local)
-        return Replication(num_accepted, len(closest) + here, found.hops)
+        return Replication(num_accepted, len(closest) + here, hops)
+
+    async def _store_candidates(self, key_id: int) -> tuple[list[PeerInfo], int]:
+        """Where a store of ``key_id`` starts, and the lookup's depth: the nodes that took its
+        last store and the own closest known (no lookup; see :mod:`dht.kademlia.replica_sets`),
+        else a lookup's closest candidates."""
+        known = self.replica_sets.get(key_id)
+        if known is None:
+            found = await self.lookup(key_id, want_value=False, converge_on=self.config.alpha)
+            return found.candidates, found.hops
+        k = self.config.bucket_size
+        merged = {p.node_id: p for p in self.routing.nearest(key_id, k)} | {
+            p.node_id: p for p in known
+        }
+        return sorted(merged.values(), key=lambda p: p.node_id ^ key_id)[:k], 1
 
     # ---- store -------------------------------------------------------------------------------
 

@@ -72,3 +72,26 @@ async def test_a_short_close_waits_the_quiet_time_after_the_grace_not_only_after
     assert not search.should_close(now=10.0, min_group_size=2)  # the rows' deadline
     assert not search.should_close(now=10.9, min_group_size=2)  # the last row is still coming
     assert search.should_close(now=11.0, min_group_size=2)  # quiet since the grace ended
+
+
+async def test_a_short_row_waits_for_quiet_of_two_slow_reads_not_only_a_grace():
+    """Issue 24 at 256 light peers on 2 cores: a read took seconds, and leaders closed rows of
+    2 and 3 after a 1-s grace of "quiet" in which nobody could have been seen."""
+
+    def member(i: int) -> GroupMember:
+        return GroupMember(f"{i:064x}", f"http://127.0.0.1:{9000 + i}", 1.0, 1.0)
+
+    me = member(0)
+    row = SizePlan(16, 16, 1.0, expected_in_key=16, group_size=16)  # a row of 16 expected
+    search = Search("k", me, 10, Compression.NONE, 100.0, rank_of("k", me.peer_id), 16,
+                    sizes=row)  # fmt: skip
+    search.started = 0.0
+    search.lead()
+    search.see([member(1).peer_id], now=0.5)
+    search.term.followers[member(1).peer_id] = Follower(member(1), 100.0, 0.5, True)
+    search.last_arrival = 0.5
+    assert search.should_close(now=2.1, min_group_size=2)  # fast reads: a grace of quiet
+    search.slowest_read_s = 3.0  # reads take seconds: a grace says nothing
+    assert not search.should_close(now=2.1, min_group_size=2)
+    assert not search.should_close(now=6.9, min_group_size=2)
+    assert search.should_close(now=7.1, min_group_size=2)  # two slow reads of quiet
