@@ -27,6 +27,7 @@ from averaging.matchmaking.group import (
     GroupMember,
     distinct_members,
     membership_refusal,
+    num_reducers,
 )
 from averaging.matchmaking.search import Candidate, Follower, Search, Term
 
@@ -225,6 +226,7 @@ class Leader:
                 search.max_weight_ratio,
                 self._num_streams(),
                 search.top_rows,
+                num_reducers(members, self._config.target_group_size),
             )
         except ProtocolViolation as e:  # a bug here must not fail the followers' waits
             term.outcome.set_result(f"the group could not be formed: {e}")

@@ -108,4 +108,5 @@ def check_group(
         numel=search.numel,
         max_streams=config.max_streams_per_pair,
         chunk_numel=config.chunk_numel,
+        min_reducers=config.target_group_size,
     )

@@ -6,7 +6,7 @@ import pytest
 
 from averaging.allreduce.protocol import PartHeader, pack_chunk_header, unpack_chunk_header
 from averaging.errors import BadChunkError, ProtocolViolation
-from averaging.matchmaking.group import GroupInfo, GroupMember
+from averaging.matchmaking.group import GroupInfo, GroupMember, check_offered, num_reducers
 from averaging.matchmaking.partition import MIN_CHUNK_NUMEL, chunk_numel_of, make_parts, part_sizes
 
 PEER = "ab" * 32
@@ -58,6 +58,32 @@ def test_group_roundtrips_and_refuses_malformed_groups():
     for raw in bad_groups:
         with pytest.raises(ProtocolViolation):
             GroupInfo.from_wire(raw)
+
+
+def test_a_large_group_reduces_on_its_first_target_size_members_and_followers_check_it():
+    """The delegates of many rows: only ``num_reducers`` members (in member order, those with
+    an address) reduce; the others only send and receive (issue 24 at 256 peers)."""
+    ids = sorted(f"{i:02x}" * 32 for i in range(1, 8))
+    members = [
+        GroupMember(p, None if i == 1 else f"http://h:{9000 + i}") for i, p in enumerate(ids)
+    ]
+    assert num_reducers(members, 4) == 4 and num_reducers(members, 6) == 0  # 6 have addresses
+    group = GroupInfo("g", tuple(members), num_reducers=4)
+    assert GroupInfo.from_wire(group.to_wire()) == group
+    sizes = [part.numel for part in group.parts(1000)]
+    # members 0, 2, 3, 4 (member 1 is in client mode) share the vector; 5 and 6 reduce nothing
+    assert sizes == [250, 0, 250, 250, 250, 0, 0]
+    assert [len(slices) for slices in group.stream_parts(1000)] == [1, 0, 1, 1, 1, 0, 0]
+    for bad in (-1, 7, True, 2.5):  # more reducers than members with an address, or no int
+        with pytest.raises(ProtocolViolation, match="reducers"):
+            GroupInfo.from_wire({**group.to_wire(), "reducers": bad})
+    offered = dict(
+        me=members[0], leader=(ids[0], members[0].address), max_size=8,
+        aggregation=group.aggregation, max_weight_ratio=group.max_weight_ratio, numel=1000,
+    )  # fmt: skip
+    check_offered(group, **offered, min_reducers=4)
+    with pytest.raises(ProtocolViolation, match="only 4 reducers"):
+        check_offered(group, **offered, min_reducers=5)  # the leader's choice of a few refused
 
 
 def test_part_header_and_chunk_header():
