@@ -247,9 +247,10 @@ class DHTNode:
         """Store records (all under ``key_id``) on the ``replicas`` closest nodes (None:
         ``num_replicas``).
 
-        Finds run until the ``alpha`` closest nodes answered; then stores go to all of the
-        closest seen at once, and their answers, which name closer nodes if there are any,
-        carry the lookup on until the closest have all answered a store.
+        Finds run until the ``alpha`` closest nodes answered (none when the nodes that took
+        the key's last store are remembered: :mod:`dht.kademlia.replica_sets`); then stores go
+        to all of the closest seen at once, and their answers, which name closer nodes if there
+        are any, carry the lookup on until the closest have all answered a store.
         """
         num_replicas = self._num_replicas(replicas)
         candidates, hops = await self._store_candidates(key_id)
