@@ -12,7 +12,8 @@ generation every :data:`YOUNG_THRESHOLD` allocations instead: a few milliseconds
 per 50,000 allocations rather than per 700, and full collections far apart. Objects without
 reference cycles are freed by reference counting as before; only cyclic garbage waits longer
 (a few MB at most). The training baseline of ``peer bench train`` takes the same policy, so its
-ratio measures the peer's machinery, not the collector.
+ratio measures the peer's machinery, not the collector. A ``peer join`` of the hivemind backend
+keeps the defaults: hivemind's own processes and finalizers were not measured under it.
 """
 
 from __future__ import annotations

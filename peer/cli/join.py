@@ -72,7 +72,8 @@ def run_join(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # continued after Ctrl-Z or SIGSTOP: the stop was not slow training (see note_continued)
     signal.signal(signal.SIGCONT, lambda *_: note_continued())
-    settle_gc()  # imports and the model are in: the collector's policy for a long run
+    if config.backend == "native":  # the hivemind backend keeps hivemind's process as it is
+        settle_gc()  # imports and the model are in: the collector's policy for a long run
     try:
         summary = run.run()
     finally:
