@@ -295,15 +295,12 @@ class DHTNode:
         """Where a store of ``key_id`` starts, and the lookup's depth: the nodes that took its
         last store and the own closest known (no lookup; see :mod:`dht.kademlia.replica_sets`),
         else a lookup's closest candidates."""
-        known = self.replica_sets.get(key_id)
-        if known is None:
-            found = await self.lookup(key_id, want_value=False, converge_on=self.config.alpha)
-            return found.candidates, found.hops
         k = self.config.bucket_size
-        merged = {p.node_id: p for p in self.routing.nearest(key_id, k)} | {
-            p.node_id: p for p in known
-        }
-        return sorted(merged.values(), key=lambda p: p.node_id ^ key_id)[:k], 1
+        seeds = self.replica_sets.seeds(key_id, self.routing.nearest(key_id, k), k)
+        if seeds is not None:
+            return seeds, 1
+        found = await self.lookup(key_id, want_value=False, converge_on=self.config.alpha)
+        return found.candidates, found.hops
 
     # ---- store -------------------------------------------------------------------------------
 

@@ -52,6 +52,15 @@ class ReplicaSets:
             return None
         return list(nodes)
 
+    def seeds(self, key_id: int, nearest: list[PeerInfo], k: int) -> list[PeerInfo] | None:
+        """Where a store of ``key_id`` starts without a lookup: its remembered set and the
+        ``nearest`` nodes known, the ``k`` closest of them; None when no set is remembered."""
+        known = self.get(key_id)
+        if known is None:
+            return None
+        merged = {p.node_id: p for p in nearest} | {p.node_id: p for p in known}
+        return sorted(merged.values(), key=lambda p: p.node_id ^ key_id)[:k]
+
     def put(self, key_id: int, nodes: list[PeerInfo]) -> None:
         """Remember ``nodes`` (every one answered a store of ``key_id`` just now)."""
         if self.max_age_s <= 0 or not nodes:
