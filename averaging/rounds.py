@@ -47,12 +47,21 @@ class LayoutMemory:
     its neighbours', most on a busy host, and estimates on both sides of an edge of the layout
     put peers under different keys: more, smaller rows (the simulation at 64 busy peers: 1
     bucket in 45 searches, 2 in 142). Every member of a round that averaged the whole swarm
-    holds the same count (the top round's word, or the one group's size), so the next epoch's
+    holds the same count (the top round's word, or the one group's size; one that lost a part
+    may hold a little less), so the next epoch's
     round lays its keys out for that count, and its top round waits for at least that many
     (:meth:`averaging.matchmaking.rows.RoundPlan.top_sizes`), while the estimate still sizes
     the rows; a round
-    that was not whole, a skipped epoch, or a count off the estimate by more than 2x (the swarm
-    changed) leaves the estimate to choose.
+    that was not whole, a skipped epoch, or a count under half the estimate (the swarm grew)
+    leaves the estimate to choose.
+
+    A count above the estimate, however far, is kept: an estimate lags low where epochs are
+    short. The records of the peers outside this peer's row still say the last epoch when it
+    counts the next one (its partners' are advanced by its own round), so with epochs of a
+    fraction of a second every peer of 32 in rows of 16, 9, 5 and 2 counted its own row and
+    planned one group of it: four models. Kept at 32, the rows meet at the top; where the swarm
+    did shrink, the top round closes short of the count after its quiet time, and that round's
+    count is the next one's.
     """
 
     epoch: int | None = None
@@ -62,13 +71,18 @@ class LayoutMemory:
         """The count to lay out the round at ``epoch`` for (None: the estimate's)."""
         if epoch is None or expected_peers is None or self.epoch != epoch - 1:
             return None
-        if not expected_peers <= 2 * self.num_reached <= 4 * expected_peers:
+        if 2 * self.num_reached < expected_peers:
             return None
         return self.num_reached
 
     def note(self, epoch: int | None, result: RoundResult) -> None:
-        """Remember ``result`` of the round at ``epoch``, when it averaged the whole swarm."""
-        whole = result.status == "ok" and result.num_reached > 1
+        """Remember the count ``result`` of the round at ``epoch`` reached, when its last level
+        averaged: a part lost on the way ("partial") still leaves the count of the peers
+        reached. Forgetting it there, a row of 16 of 32 peers that lost one part planned the
+        next epoch as one group of its own, and the swarm split in two for good. A top round
+        that did not average leaves nothing to remember (its row's count is not the swarm's)."""
+        top = result.levels.get("top")
+        whole = result.averaged and top in (None, "ok", "partial") and result.num_reached > 1
         self.epoch, self.num_reached = (epoch, result.num_reached) if whole else (None, 0)
 
 

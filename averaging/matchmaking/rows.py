@@ -186,7 +186,8 @@ class RoundPlan:
         grace_s: a leader's grace (``AveragerConfig.row_grace_s``).
         whole_peers: peers the last whole round reached (0: unknown), the count the keys are
             laid out for (:class:`averaging.rounds.LayoutMemory`); the delegates' search waits
-            for at least this many (:meth:`top_sizes`).
+            for at least this many (:meth:`top_sizes`), and a round takes two levels when it
+            is more than a group (:attr:`single`). The rows follow the estimate.
     """
 
     num_peers: int
@@ -206,13 +207,18 @@ class RoundPlan:
 
     @property
     def single(self) -> bool:
-        """One group holds every peer: no second level."""
-        return self.num_peers <= self.group_size
+        """One group holds every peer: no second level. Not when the last whole round reached
+        more than a group holds (``whole_peers``), whatever the estimate says: an estimate
+        that lags the swarm (records of peers outside this peer's row, one epoch old at the
+        boundary) made each row of 32 peers close as a group of its own, two models, every
+        epoch (the 32-peer ``peer join`` run, 2026-11-28)."""
+        return max(self.num_peers, self.whole_peers) <= self.group_size
 
     @property
     def num_rows(self) -> int:
-        """The rows this plan expects: per bucket, enough rows for its expected share."""
-        per_bucket = -(-self.num_peers // self.buckets)
+        """The rows this plan expects: per bucket, enough rows for its expected share (of the
+        estimate, or of the last whole round's count where that is larger)."""
+        per_bucket = -(-max(self.num_peers, self.whole_peers) // self.buckets)
         return self.buckets * num_rows(per_bucket, self.group_size)
 
     def row_sizes(self) -> SizePlan:

@@ -26,8 +26,15 @@ def test_the_last_whole_round_lays_out_the_next_epoch_only():
     assert RoundPlan.of(40, 16, 1.0).buckets == 1  # what 40's own estimate would choose
     assert RoundPlan.of(40, 16, 1.0, 64).num_peers == 40  # the rows still follow the estimate
     assert memory.layout_peers(5, 40) is None  # an epoch skipped: not the same swarm's round
-    assert memory.layout_peers(4, 200) is None and memory.layout_peers(4, 20) is None  # > 2x
-    memory.note(4, RoundResult("partial", num_reached=30))  # not everyone holds the same count
+    assert memory.layout_peers(4, 200) is None  # under half the estimate: the swarm grew
+    # far above it: an estimate that lags (the others' records an epoch old), kept
+    assert memory.layout_peers(4, 20) == 64 and memory.layout_peers(4, 5) == 64
+    memory.note(4, RoundResult("partial", num_reached=30))  # a part lost: the count reached
+    assert memory.layout_peers(5, 40) == 30
+    top_alone = {"row": "ok", "top": "alone"}  # the row's count is not the swarm's
+    memory.note(5, RoundResult("partial", num_reached=16, levels=top_alone))
+    assert memory.layout_peers(6, 16) is None
+    memory.note(4, RoundResult("failed"))
     assert memory.layout_peers(5, 40) is None
     memory.note(5, RoundResult("ok", num_reached=1))
     assert memory.layout_peers(6, 1) is None
@@ -110,6 +117,44 @@ async def test_an_estimate_under_the_truth_does_not_split_the_round_after_a_whol
         for peer, vector in zip(peers, vectors, strict=True):
             peer.tensors[0][:] = vector
         results = await asyncio.gather(*(step(i, epoch, expected) for i in range(num_peers)))
+        outcomes = [(epoch, r.status, r.num_reached, r.levels, r.reason) for r in results]
+        assert [r.status for r in results] == ["ok"] * num_peers, outcomes
+        assert [r.num_reached for r in results] == [num_peers] * num_peers, outcomes
+        expected_mean = exact_mean(vectors, weights)
+        for peer in peers:
+            np.testing.assert_allclose(peer.tensors[0], expected_mean, rtol=1e-5, atol=1e-6)
+
+
+def test_a_swarm_whose_last_whole_round_took_two_levels_keeps_them():
+    assert RoundPlan.of(16, 16, 1.0).single  # no whole round yet: the estimate decides
+    plan = RoundPlan.of(16, 16, 1.0, 32)
+    assert not plan.single and plan.num_rows == 2
+    assert plan.row_sizes().target == 16  # the rows still follow the estimate
+    assert RoundPlan.of(12, 16, 1.0, 16).single  # the last whole round fit in one group
+
+
+async def test_an_estimate_of_one_group_after_a_whole_round_of_two_keeps_one_model(make_swarm):
+    """Eight peers, groups of at most 4: a whole round at epoch 0 reached all eight in two rows.
+    At epoch 1 the peers estimate 2 to 4 (the records of the other rows are an epoch old at the
+    boundary, as in a 32-peer ``peer join`` run): planned as one group, the halves closed groups
+    of their own, and the swarm ended the round with two models or more. Planned for the eight
+    the last whole round reached, the rows meet at the top and every peer holds the exact
+    mean."""
+    num_peers = 8
+    rng = np.random.default_rng(11)
+    vectors = [rng.standard_normal(2_000).astype(np.float32) for _ in range(num_peers)]
+    weights = [float(1 + i % 3) for i in range(num_peers)]
+    peers = await make_swarm([[v.copy()] for v in vectors], config=sharded_round_config(4))
+    estimates = {0: [num_peers] * num_peers, 1: [4, 2, 3, 4, 4, 2, 4, 3]}
+    for epoch, expected in estimates.items():
+        for peer, vector in zip(peers, vectors, strict=True):
+            peer.tensors[0][:] = vector
+        results = await asyncio.gather(
+            *(
+                p.averager.step(weight=w, epoch=epoch, expected_peers=n)
+                for p, w, n in zip(peers, weights, expected, strict=True)
+            )
+        )
         outcomes = [(epoch, r.status, r.num_reached, r.levels, r.reason) for r in results]
         assert [r.status for r in results] == ["ok"] * num_peers, outcomes
         assert [r.num_reached for r in results] == [num_peers] * num_peers, outcomes
