@@ -197,7 +197,7 @@ class SwarmPeer:
         round_s = time.monotonic() - start
         self._enter(epoch + 1)
         if result.averaged and len(result.averaged_with) > 1:
-            self.tracker.note_round(self.epoch, result.averaged_with)
+            self.tracker.note_round(self.epoch, result.averaged_with, result.num_reached)
         return self.round_fact(epoch, weight, num_at_epoch, result, round_s)
 
     def _group_hint(self, num_at_epoch: int) -> dict[str, int]:

@@ -269,7 +269,7 @@ class CollaborativeOptimizer:
             self.contribution.apply()
         self._next_epoch()
         if result.ok and result.members:
-            self._note_round(self.epoch, result.averaged_with)
+            self._note_round(self.epoch, result.averaged_with, result.num_reached)
         return result
 
     def _early(self, result: RoundResult) -> bool:
@@ -359,7 +359,7 @@ class CollaborativeOptimizer:
         with self._clock.phase("optimizer"):
             self.contribution.apply()
         if result.ok and result.members:  # they entered the next epoch with this peer
-            self._note_round(self._pending_epoch + 1, result.averaged_with)
+            self._note_round(self._pending_epoch + 1, result.averaged_with, result.num_reached)
         with self.contribution.replica_in_model():  # the state of this epoch: served, digested
             self.epoch_counter.settle()
 
@@ -370,8 +370,8 @@ class CollaborativeOptimizer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
 
-    def _note_round(self, epoch: int, peer_ids) -> None:
-        self.progress.note_round(epoch, peer_ids)
+    def _note_round(self, epoch: int, peer_ids, num_reached: int = 0) -> None:
+        self.progress.note_round(epoch, peer_ids, num_reached)
         if self.newcomer_hold is not None:
             self.newcomer_hold.arrived(peer_ids)
 

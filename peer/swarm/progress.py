@@ -159,6 +159,7 @@ class ProgressTracker:
         # bumped when the records or the last round's members change (see ``current``)
         self.version = 0
         self._round_peers: dict[str, tuple[int, float]] = {}
+        self._round_reach: tuple[int, int] | None = None  # (epoch, peers) of the last round
         self._rounds: deque[frozenset[str]] = deque(maxlen=config.trust_rounds)
         self.partners: frozenset[str] = frozenset()
         self._size = SizeEstimate(config.size_window_s)
@@ -372,13 +373,17 @@ class ProgressTracker:
             round_peers=self._round_peers,
             partners=self.partners,
             sample=self._sample,
+            round_reach=self._round_reach,
         )
 
-    def note_round(self, epoch: int, peer_ids) -> None:
+    def note_round(self, epoch: int, peer_ids, num_reached: int = 0) -> None:
         """The peers ``peer_ids`` averaged with this one and entered ``epoch`` just now: they
-        are its partners for the next ``trust_rounds`` rounds."""
+        are its partners for the next ``trust_rounds`` rounds. ``num_reached``: the peers the
+        round reached in all (more than ``peer_ids`` after a top round), for whom the partners
+        at ``epoch`` stand in the estimate (see :func:`estimate`)."""
         now = get_dht_time()
         peer_ids = frozenset(peer_ids) - {self.dht.peer_id}
+        self._round_reach = (epoch, num_reached) if num_reached > len(peer_ids) + 1 else None
         self._round_peers = {peer_id: (epoch, now) for peer_id in peer_ids}
         self._rounds.append(peer_ids)
         self.partners = frozenset().union(*self._rounds)

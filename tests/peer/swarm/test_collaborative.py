@@ -52,7 +52,7 @@ class OnePeerSwarm:
 
     partners = frozenset()
 
-    def note_round(self, epoch, peer_ids) -> None:
+    def note_round(self, epoch, peer_ids, num_reached=0) -> None:
         pass
 
 

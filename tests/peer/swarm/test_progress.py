@@ -195,3 +195,32 @@ def test_stores_to_fewer_replicas_than_readers_merge_are_refused(read, store):
         ProgressConfig(target_batch_size=100, read_replicas=read, store_replicas=store)
     config = ProgressConfig(target_batch_size=100, read_replicas=8, store_replicas=8)
     assert config.store_replicas == 8
+
+
+def test_partners_stand_for_the_whole_round_their_top_round_reached():
+    """Only partners count in a swarm read whole, and after rows and a top round a peer's
+    partners are its row: each row reached the target on its own (32 peers in three rows
+    trained 3.5-4.3x the target per epoch). The row's samples now stand for the peers the round
+    reached, bounded by the peers whose records were read."""
+    config = ProgressConfig(target_batch_size=10_000)
+    own = record(0, 5, 100, now=1000.0)
+    partners = [record(i, 5, 100, now=1000.0) for i in (1, 2, 3)]
+    elsewhere = [record(i, 4, 900, now=1000.0) for i in (4, 5, 6, 7)]  # not partners: not counted
+    trusted = frozenset(r.peer_id for r in partners)
+
+    def accumulated(round_reach):
+        view = estimate(
+            [*partners, *elsewhere],
+            own=own,
+            config=config,
+            now=1000.0,
+            partners=trusted,
+            round_reach=round_reach,
+        )
+        return view.samples_accumulated
+
+    assert accumulated(None) == 400  # the row's own samples
+    assert accumulated((5, 8)) == 800  # 4 counted stand for the 8 the round reached
+    assert accumulated((5, 1_000)) == 800  # a count beyond the 8 records read moves nothing
+    assert accumulated((4, 8)) == 400  # a round that entered another epoch
+    assert accumulated((5, 3)) == 400  # never below the samples counted
