@@ -161,3 +161,30 @@ async def test_an_estimate_of_one_group_after_a_whole_round_of_two_keeps_one_mod
         expected_mean = exact_mean(vectors, weights)
         for peer in peers:
             np.testing.assert_allclose(peer.tensors[0], expected_mean, rtol=1e-5, atol=1e-6)
+
+
+async def test_an_estimate_short_of_the_last_whole_group_waits_for_it(make_swarm):
+    """Eight peers, groups of at most 8: a whole round at epoch 0 reached all eight in one
+    group. At epoch 1 they estimate 3 to 5: planned from the estimate alone, leaders closed
+    groups of 3 to 5 (two models or more); waiting for the eight the last whole round reached,
+    one group holds them all."""
+    num_peers = 8
+    rng = np.random.default_rng(13)
+    vectors = [rng.standard_normal(2_000).astype(np.float32) for _ in range(num_peers)]
+    weights = [float(1 + i % 3) for i in range(num_peers)]
+    peers = await make_swarm([[v.copy()] for v in vectors], config=sharded_round_config(8))
+    estimates = {0: [num_peers] * num_peers, 1: [4, 3, 5, 4, 4, 3, 4, 5]}
+    for epoch, expected in estimates.items():
+        for peer, vector in zip(peers, vectors, strict=True):
+            peer.tensors[0][:] = vector
+        results = await asyncio.gather(
+            *(
+                p.averager.step(weight=w, epoch=epoch, expected_peers=n)
+                for p, w, n in zip(peers, weights, expected, strict=True)
+            )
+        )
+        outcomes = [(epoch, r.status, len(r.members), r.reason) for r in results]
+        assert [len(r.members) for r in results] == [num_peers] * num_peers, outcomes
+        expected_mean = exact_mean(vectors, weights)
+        for peer in peers:
+            np.testing.assert_allclose(peer.tensors[0], expected_mean, rtol=1e-5, atol=1e-6)
