@@ -133,6 +133,33 @@ def test_a_swarm_whose_last_whole_round_took_two_levels_keeps_them():
     assert RoundPlan.of(12, 16, 1.0, 16).single  # the last whole round fit in one group
 
 
+async def rounds_after_a_whole_one(make_swarm, group_size: int, estimates: list[int], seed: int):
+    """Eight peers average at epoch 0, each told of all eight, then at epoch 1 with
+    ``estimates``; after each round every peer must hold the exact weighted mean. The results
+    of epoch 1."""
+    rng = np.random.default_rng(seed)
+    vectors = [rng.standard_normal(2_000).astype(np.float32) for _ in estimates]
+    weights = [float(1 + i % 3) for i in range(len(estimates))]
+    config = sharded_round_config(group_size)
+    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+    for epoch, expected in ((0, [len(peers)] * len(peers)), (1, estimates)):
+        for peer, vector in zip(peers, vectors, strict=True):
+            peer.tensors[0][:] = vector
+        results = await asyncio.gather(
+            *(
+                p.averager.step(weight=w, epoch=epoch, expected_peers=n)
+                for p, w, n in zip(peers, weights, expected, strict=True)
+            )
+        )
+        outcomes = [(epoch, r.status, len(r.members), r.levels, r.reason) for r in results]
+        expected_mean = exact_mean(vectors, weights)
+        for peer in peers:
+            np.testing.assert_allclose(
+                peer.tensors[0], expected_mean, rtol=1e-5, atol=1e-6, err_msg=str(outcomes)
+            )
+    return results
+
+
 async def test_an_estimate_of_one_group_after_a_whole_round_of_two_keeps_one_model(make_swarm):
     """Eight peers, groups of at most 4: a whole round at epoch 0 reached all eight in two rows.
     At epoch 1 the peers estimate 2 to 4 (the records of the other rows are an epoch old at the
@@ -140,27 +167,8 @@ async def test_an_estimate_of_one_group_after_a_whole_round_of_two_keeps_one_mod
     of their own, and the swarm ended the round with two models or more. Planned for the eight
     the last whole round reached, the rows meet at the top and every peer holds the exact
     mean."""
-    num_peers = 8
-    rng = np.random.default_rng(11)
-    vectors = [rng.standard_normal(2_000).astype(np.float32) for _ in range(num_peers)]
-    weights = [float(1 + i % 3) for i in range(num_peers)]
-    peers = await make_swarm([[v.copy()] for v in vectors], config=sharded_round_config(4))
-    estimates = {0: [num_peers] * num_peers, 1: [4, 2, 3, 4, 4, 2, 4, 3]}
-    for epoch, expected in estimates.items():
-        for peer, vector in zip(peers, vectors, strict=True):
-            peer.tensors[0][:] = vector
-        results = await asyncio.gather(
-            *(
-                p.averager.step(weight=w, epoch=epoch, expected_peers=n)
-                for p, w, n in zip(peers, weights, expected, strict=True)
-            )
-        )
-        outcomes = [(epoch, r.status, r.num_reached, r.levels, r.reason) for r in results]
-        assert [r.status for r in results] == ["ok"] * num_peers, outcomes
-        assert [r.num_reached for r in results] == [num_peers] * num_peers, outcomes
-        expected_mean = exact_mean(vectors, weights)
-        for peer in peers:
-            np.testing.assert_allclose(peer.tensors[0], expected_mean, rtol=1e-5, atol=1e-6)
+    results = await rounds_after_a_whole_one(make_swarm, 4, [4, 2, 3, 4, 4, 2, 4, 3], seed=11)
+    assert [(r.status, r.num_reached) for r in results] == [("ok", 8)] * 8
 
 
 async def test_an_estimate_short_of_the_last_whole_group_waits_for_it(make_swarm):
@@ -168,23 +176,5 @@ async def test_an_estimate_short_of_the_last_whole_group_waits_for_it(make_swarm
     group. At epoch 1 they estimate 3 to 5: planned from the estimate alone, leaders closed
     groups of 3 to 5 (two models or more); waiting for the eight the last whole round reached,
     one group holds them all."""
-    num_peers = 8
-    rng = np.random.default_rng(13)
-    vectors = [rng.standard_normal(2_000).astype(np.float32) for _ in range(num_peers)]
-    weights = [float(1 + i % 3) for i in range(num_peers)]
-    peers = await make_swarm([[v.copy()] for v in vectors], config=sharded_round_config(8))
-    estimates = {0: [num_peers] * num_peers, 1: [4, 3, 5, 4, 4, 3, 4, 5]}
-    for epoch, expected in estimates.items():
-        for peer, vector in zip(peers, vectors, strict=True):
-            peer.tensors[0][:] = vector
-        results = await asyncio.gather(
-            *(
-                p.averager.step(weight=w, epoch=epoch, expected_peers=n)
-                for p, w, n in zip(peers, weights, expected, strict=True)
-            )
-        )
-        outcomes = [(epoch, r.status, len(r.members), r.reason) for r in results]
-        assert [len(r.members) for r in results] == [num_peers] * num_peers, outcomes
-        expected_mean = exact_mean(vectors, weights)
-        for peer in peers:
-            np.testing.assert_allclose(peer.tensors[0], expected_mean, rtol=1e-5, atol=1e-6)
+    results = await rounds_after_a_whole_one(make_swarm, 8, [4, 3, 5, 4, 4, 3, 4, 5], seed=13)
+    assert [len(r.members) for r in results] == [8] * 8
