@@ -129,11 +129,7 @@ class ProgressTracker:
 
     The training loop calls :meth:`report_local_progress` from its own thread (plain attribute
     writes); the tracker's task on the event loop publishes and reads every
-    ``publish_interval_s`` and whenever :meth:`refresh` is awaited. A report of a new epoch is
-    published at once (:meth:`_publish_soon`), not at the next interval: readers otherwise saw
-    the peers outside their own row an epoch behind at every boundary of 3-s epochs (a record
-    stored up to an interval late, read up to an interval later), counted half of a 32-peer
-    swarm at their epoch, and planned their round as one group of 16 (two models).
+    ``publish_interval_s`` and whenever :meth:`refresh` is awaited.
 
     Attributes:
         num_keys_read: DHT keys read by the last refresh (at most ``max_buckets_read``, but
@@ -178,8 +174,6 @@ class ProgressTracker:
         self._reprobe = Reprobe(
             config.publish_interval_s, config.records_per_bucket, time.monotonic()
         )
-        self._loop: asyncio.AbstractEventLoop | None = None  # set while the tracker runs
-        self._prompt_publish: asyncio.Task | None = None  # an epoch's record, stored at once
 
     @property
     def size(self) -> float | None:
@@ -215,25 +209,9 @@ class ProgressTracker:
                 weight = min(1.0, elapsed_s / self._rate_time_s)
                 instant = new_samples / elapsed_s
                 self._samples_per_s += weight * (instant - self._samples_per_s)
-        entered = self._last_report is not None and epoch != self._last_report[1]
         # one tuple, swapped at once: the loop thread reads a consistent report
         self._last_report = (now, epoch, samples)
         self._num_continued = _num_continued[0]
-        if entered and self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._publish_soon)
-            except RuntimeError:  # the loop closed: the tracker is closing too
-                pass
-
-    def _publish_soon(self) -> None:
-        """Store the own record now (on the loop), unless a prompt store is still running
-        (it reads the report when it builds the value)."""
-        if self._loop is None or (self._prompt_publish and not self._prompt_publish.done()):
-            return
-        self._prompt_publish = asyncio.create_task(
-            self._publish(periodic=False), name="progress record (epoch)"
-        )
-        self._prompt_publish.add_done_callback(_log_failure)
 
     def _own_record(self) -> PeerProgress:
         report, now = self._last_report, get_dht_time()
@@ -259,16 +237,14 @@ class ProgressTracker:
     async def _tick(self) -> None:
         await self.refresh()
 
-    async def _publish(self, *, periodic: bool = True) -> bool:
+    async def _publish(self) -> bool:
         """Store the own record at the levels written now, unless the last one stored there
-        still tells readers the same (:func:`publish_due`); True if every store was taken.
-        Only the periodic stores time the refresh cycle (:func:`record_lifetime_s`)."""
+        still tells readers the same (:func:`publish_due`); True if every store was taken."""
         async with self._publish_lock:
             started_s = time.monotonic()
-            if periodic:
-                if self._cycle_start_s is not None:
-                    self._cycles_s.append(started_s - self._cycle_start_s)
-                self._cycle_start_s = started_s
+            if self._cycle_start_s is not None:
+                self._cycles_s.append(started_s - self._cycle_start_s)
+            self._cycle_start_s = started_s
             if self._size.value is None:
                 await self._probe()
             levels = tuple(write_levels(self._size.value or 1.0, self.config.records_per_bucket))
@@ -390,7 +366,6 @@ class ProgressTracker:
         self.version += 1
 
     async def __aenter__(self) -> ProgressTracker:
-        self._loop = asyncio.get_running_loop()
         self._periodic.start()
         return self
 
@@ -399,17 +374,6 @@ class ProgressTracker:
 
     async def close(self) -> None:
         """Stop publishing; safe to call twice."""
-        self._loop = None
         await self._periodic.stop()
-        prompt, self._prompt_publish = self._prompt_publish, None
-        if prompt is not None:
-            prompt.cancel()
-            await asyncio.wait({prompt})
         for owned in list(self._owned.values()):
             await owned.close()
-
-
-def _log_failure(task: asyncio.Task) -> None:
-    """A prompt store that failed: the next periodic one stores the record again."""
-    if not task.cancelled() and (error := task.exception()) is not None:
-        logger.warning("progress record store failed: %s", str(error) or type(error).__name__)
