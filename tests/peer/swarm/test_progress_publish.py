@@ -126,4 +126,3 @@ async def test_a_publisher_whose_refresh_cycle_outlasts_the_record_ttl_stays_see
     # with the configured 1-s lifetime, a third of the reads fell between its record's
     # expiry and its refresh and counted a swarm of one
     assert counts == [2] * len(counts), counts
-
