@@ -94,14 +94,14 @@ def row_search(
         return base, None
     if plan.single:  # one group holds every ready peer: close once they are all in
         target = max(config.min_group_size, plan.num_peers)
-        whole = min(plan.whole_peers, plan.group_size)
-        if whole > target:
+        if plan.whole_peers > target:  # at most group_size: the plan is single
             # an estimate short of the last whole round's count lags (see LayoutMemory): wait
             # for that count, or past the grace for the estimate's once nobody new comes; at
             # 16 light peers that started 2.5 s apart, estimates of 4-7 closed groups of 7, 5
             # and 4, three models
             grace_s = config.row_grace_s
-            return base, SearchOptions(sizes=SizePlan(whole, target, grace_s, quiet_s=grace_s))
+            sizes = SizePlan(plan.whole_peers, target, grace_s, quiet_s=grace_s)
+            return base, SearchOptions(sizes=sizes)
         return base, SearchOptions(sizes=SizePlan(target))
     exact = config.aggregation is Aggregation.MEAN  # see averaging.levels
     top_rows = min(plan.num_rows, MAX_GROUP_SIZE) if exact else 0

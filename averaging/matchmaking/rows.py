@@ -206,19 +206,25 @@ class RoundPlan:
         return cls(num_peers, group_size, buckets, grace_s, layout_peers or 0)
 
     @property
+    def planned_peers(self) -> int:
+        """The peers the round plans its levels for: the estimate, or the last whole round's
+        count where that is larger (an estimate lags low where epochs are short)."""
+        return max(self.num_peers, self.whole_peers)
+
+    @property
     def single(self) -> bool:
         """One group holds every peer: no second level. Not when the last whole round reached
         more than a group holds (``whole_peers``), whatever the estimate says: an estimate
         that lags the swarm (records of peers outside this peer's row, one epoch old at the
         boundary) made each row of 32 peers close as a group of its own, two models, every
         epoch (the 32-peer ``peer join`` run, 2026-11-28)."""
-        return max(self.num_peers, self.whole_peers) <= self.group_size
+        return self.planned_peers <= self.group_size
 
     @property
     def num_rows(self) -> int:
-        """The rows this plan expects: per bucket, enough rows for its expected share (of the
-        estimate, or of the last whole round's count where that is larger)."""
-        per_bucket = -(-max(self.num_peers, self.whole_peers) // self.buckets)
+        """The rows this plan expects: per bucket, enough rows for its share of
+        :attr:`planned_peers`."""
+        per_bucket = -(-self.planned_peers // self.buckets)
         return self.buckets * num_rows(per_bucket, self.group_size)
 
     def row_sizes(self) -> SizePlan:
@@ -246,6 +252,6 @@ class RoundPlan:
             2,
             self.grace_s,
             wait_for_seen=True,
-            expected_count=max(self.num_peers, self.whole_peers),
+            expected_count=self.planned_peers,
             quiet_s=quiet_s,
         )

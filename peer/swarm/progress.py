@@ -359,7 +359,7 @@ class ProgressTracker:
         at ``epoch`` stand in the estimate (see :func:`estimate`)."""
         now = get_dht_time()
         peer_ids = frozenset(peer_ids) - {self.dht.peer_id}
-        self._round_reach = (epoch, num_reached) if num_reached > len(peer_ids) + 1 else None
+        self._round_reach = (epoch, num_reached)
         self._round_peers = {peer_id: (epoch, now) for peer_id in peer_ids}
         self._rounds.append(peer_ids)
         self.partners = frozenset().union(*self._rounds)

@@ -146,3 +146,17 @@ async def test_forged_records_over_a_real_dht_never_reach_the_training_thread():
             view = await tracker.refresh()
             assert view.epoch == 3 and view.num_peers == 1
             assert tracker.current().epoch == 3
+
+
+def test_a_top_round_count_claimed_high_stands_for_no_more_peers_than_were_read():
+    """After rows and a top round, the partners' samples stand for the peers the round reached
+    (progress_estimate._stand_for). A delegate claiming a huge count (the wire allows up to
+    MAX_COUNT) scales them only up to the records read, and a stranger's "target reached"
+    record still counts for nothing."""
+    liar = record(9, 5, 10**6, rate=1e6)
+    view = estimate(
+        [*HONEST, liar], own=OWN, config=CONFIG, now=NOW, partners=PARTNERS, round_reach=(5, 10**4)
+    )
+    # 3 counted (this peer and its 2 partners, 300 samples) stand for the 4 peers read
+    assert view.samples_accumulated == 400 and not view.ready
+    assert view.samples_per_s == 40
