@@ -180,7 +180,11 @@ class HttpTransport:
         """Open the client session and, unless in client mode, start serving."""
         cfg = self.config
         client_ssl = ssl.create_default_context(cafile=cfg.tls_ca_file) if cfg.tls_ca_file else None
-        connector = aiohttp.TCPConnector(limit=0, ssl=client_ssl if client_ssl else True)
+        connector = aiohttp.TCPConnector(
+            limit=0,
+            ssl=client_ssl if client_ssl else True,
+            local_addr=(cfg.source_host, 0) if cfg.source_host else None,
+        )
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s),

@@ -124,6 +124,12 @@ NETWORK_OPTIONS: dict[str, NetworkOption] = {
     "announce_host": NetworkOption(
         flag="--announce-host", help="host that others use to reach this node (default: --host)"
     ),
+    "source_host": NetworkOption(
+        flag="--source-host",
+        help="local IP address to make outgoing connections from (default: the system's "
+        "choice); several peers on one machine, each on an address of its own, are one "
+        "source each to the limits others keep per address",
+    ),
     "initial_peers": NetworkOption(
         flag="--initial-peers",
         help="URLs of nodes already in the swarm (http://host:port)",

@@ -93,6 +93,11 @@ class TransportConfig:
         port: TCP port; 0 picks a free one.
         announce_host: host others should use to reach this node; defaults to ``host``, or to
             the address of the default route's interface when ``host`` is a wildcard.
+        source_host: the local IP address this node's outgoing connections are made from
+            (None: the operating system picks one). A host with several addresses can pin
+            one; ``peer bench swarm`` gives each light peer an address of its own on loopback
+            (``127.x.y.z``), so that every node's limits per source address see one peer
+            each, as on the internet, not the whole swarm as one address.
         client_mode: run no server (a peer behind NAT); it can still call others.
         reachability: how this node answers dial-backs and checks its own reachability.
         swarm_key: shared secret; when set, only members can make a session (the handshake
@@ -209,6 +214,7 @@ class TransportConfig:
     host: str = "127.0.0.1"
     port: int = 0
     announce_host: str | None = None
+    source_host: str | None = None
     client_mode: bool = False
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
     swarm_key: bytes | None = None
@@ -318,6 +324,13 @@ class TransportConfig:
                 "max_relayed_bytes_per_s_per_address must be positive and finite, "
                 f"got {per_address}"
             )
+        if self.source_host is not None:
+            try:
+                ipaddress.ip_address(self.source_host)
+            except ValueError:
+                raise ConfigError(
+                    f"source_host must be an IP address, got {self.source_host!r}"
+                ) from None
         if self.swarm_key is not None and len(self.swarm_key) < 16:
             raise ConfigError("swarm_key must be at least 16 bytes")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -59,6 +59,8 @@ class DHT:
         host: interface to listen on.
         port: TCP port; 0 picks a free one.
         announce_host: host others use to reach this peer (default: ``host``).
+        source_host: local IP address its outgoing connections are made from (default: the
+            system's choice).
         identity_path: Ed25519 key file, created on first use; the peer id derives from it
             (default: a fresh identity each run).
         swarm_key: shared secret of a private swarm (bytes or str); default: the environment's
@@ -108,6 +110,7 @@ class DHT:
         host: str = "127.0.0.1",
         port: int = 0,
         announce_host: str | None = None,
+        source_host: str | None = None,
         identity_path: str | Path | None = None,
         swarm_key: bytes | str | None = None,
         client_mode: bool | None = None,
@@ -148,6 +151,7 @@ class DHT:
                 host=host,
                 port=port,
                 announce_host=announce_host,
+                source_host=source_host,
                 client_mode=client_mode,
                 swarm_key=key if key is not None else read_swarm_key(None),
                 relay_enabled=bool(relay),

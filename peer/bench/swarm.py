@@ -74,6 +74,12 @@ class SwarmBenchConfig:
         rpc_timeout_s: bound on one DHT request, in seconds (None: 5, and num_peers / 16 above
             80 peers).
         seed: seeds the peers' rates and vectors.
+        shared_address: every peer on 127.0.0.1 (before 2026-11-28, every run): the whole
+            swarm is one source address to each node's limits per address (64 streams, 200
+            requests and 20 accepted connections per second, ...), which the internet's
+            peers, each on its own address, never meet together. By default each peer has an
+            address of its own on loopback (``127.1.x.y``, bound for listening and as the
+            source of its connections).
         timeout_s: bound on the whole run, in seconds (None: from the other settings).
         log_level: the peers' log level (their lines go to stderr).
     """
@@ -100,6 +106,7 @@ class SwarmBenchConfig:
     min_deadline_s: float | None = None
     rpc_timeout_s: float | None = None
     seed: int = 0
+    shared_address: bool = False
     timeout_s: float | None = None
     log_level: str = "ERROR"
 
@@ -219,6 +226,7 @@ class SwarmBenchConfig:
             "rpc_timeout_s": self.rpc_s,
             # a process joins while the others' peers keep the host busy
             "bootstrap_timeout_s": max(10.0, 2 * self.rpc_s),
+            "shared_address": self.shared_address,
         }
 
 

@@ -44,6 +44,7 @@ def peer_spec(message: dict[str, Any]) -> PeerSpec:
         step_timeout_s=message["step_timeout_s"],
         rpc_timeout_s=message["rpc_timeout_s"],
         bootstrap_timeout_s=message["bootstrap_timeout_s"],
+        shared_address=message["shared_address"],
     )
 
 

@@ -71,6 +71,7 @@ class PeerSpec:
         step_timeout_s: bound on one averaging step, in seconds.
         rpc_timeout_s: bound on one DHT request, in seconds.
         bootstrap_timeout_s: bound on reaching the initial peers when joining, in seconds.
+        shared_address: every peer on 127.0.0.1 (else each on :func:`loopback_host`).
     """
 
     size: int
@@ -83,6 +84,16 @@ class PeerSpec:
     step_timeout_s: float
     rpc_timeout_s: float
     bootstrap_timeout_s: float
+    shared_address: bool = False
+
+
+def loopback_host(rank: int) -> str:
+    """The loopback address of peer ``rank``: ``127.1.x.y``, one per peer (y in 1..250), so
+    that each node's limits per source address count one peer, as on the internet (Linux
+    routes all of 127.0.0.0/8 to the loopback interface)."""
+    if not 0 <= rank < 250 * 256:
+        raise ValueError(f"rank must be in [0, 64000), got {rank}")
+    return f"127.1.{rank // 250}.{rank % 250 + 1}"
 
 
 class SwarmPeer:
@@ -92,7 +103,8 @@ class SwarmPeer:
         self.rank = rank
         self.spec = spec
         identity = PeerIdentity.generate()
-        self.transport = HttpTransport(identity, TransportConfig(host="127.0.0.1"))
+        host = "127.0.0.1" if spec.shared_address else loopback_host(rank)
+        self.transport = HttpTransport(identity, TransportConfig(host=host, source_host=host))
         dht_config = DHTConfig(
             initial_peers=tuple(initial_peers),
             rpc_timeout_s=spec.rpc_timeout_s,

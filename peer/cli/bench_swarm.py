@@ -147,6 +147,12 @@ def add_bench_swarm_command(bench_sub) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     parser.add_argument(
+        "--shared-address",
+        action="store_true",
+        help="every peer on 127.0.0.1, one source address to each node's limits per address "
+        "(default: each peer its own loopback address, 127.1.x.y)",
+    )
+    parser.add_argument(
         "--timeout-s", type=positive_float, default=None, help="bound on the whole run"
     )
     parser.add_argument(
@@ -227,6 +233,7 @@ def run_bench_swarm(args: argparse.Namespace) -> int:
                 min_deadline_s=args.min_deadline_s,
                 rpc_timeout_s=args.rpc_timeout_s,
                 seed=args.seed,
+                shared_address=args.shared_address,
                 timeout_s=args.timeout_s,
                 log_level=args.log_level,
             )

@@ -19,6 +19,7 @@ def transport_config(args: argparse.Namespace, *, client_mode: bool = False) -> 
         host=args.host,
         port=args.port,
         announce_host=args.announce_host,
+        source_host=getattr(args, "source_host", None),
         client_mode=client_mode,
         swarm_key=read_swarm_key(args.swarm_key_file),
         tls_cert_file=args.tls_cert,

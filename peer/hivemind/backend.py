@@ -70,6 +70,8 @@ def check_config(config: PeerConfig) -> None:
         raise ConfigError("--swarm-key-file: the hivemind backend has no swarm key (use native)")
     if config.identity is not None:
         raise ConfigError("--identity is a native Ed25519 key; hivemind keeps its own identity")
+    if config.source_host is not None:
+        raise ConfigError("--source-host: libp2p picks its own source address (use native)")
     if config.optimizer not in ("adam", "sgd"):
         raise ConfigError(f"--optimizer: {config.optimizer!r} is not adam or sgd")
     for address in config.initial_peers:

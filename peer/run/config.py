@@ -58,6 +58,7 @@ class PeerConfig(BaseModel):
     host: str = Field(NET["host"].default, description=NET["host"].help)
     port: int = Field(NET["port"].default, ge=0, le=65535, description=NET["port"].help)
     announce_host: str | None = Field(None, description=NET["announce_host"].help)
+    source_host: str | None = Field(None, description=NET["source_host"].help)
     initial_peers: list[str] = Field(default_factory=list, description=NET["initial_peers"].help)
     client_mode: bool = Field(False, description="run no server (behind NAT); still contributes")
     identity: Path | None = Field(None, description=NET["identity"].help)
@@ -250,6 +251,7 @@ class PeerConfig(BaseModel):
             host=self.host,
             port=self.port,
             announce_host=self.announce_host,
+            source_host=self.source_host,
             client_mode=self.client_mode,
             swarm_key=self.swarm_key(),
             relay_enabled=self.relay,

@@ -142,6 +142,7 @@ class PeerRun(RunSkeleton):
             host=config.host,
             port=config.port,
             announce_host=config.announce_host,
+            source_host=config.source_host,
             identity=self.identity,
             swarm_key=config.swarm_key(),
             client_mode=config.client_mode,

@@ -14,7 +14,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from dht.errors import BusyError, RemoteError, RequestTimeoutError, TransportError, WrongPeerError
+from dht.errors import (
+    BusyError,
+    ConfigError,
+    RemoteError,
+    RequestTimeoutError,
+    TransportError,
+    WrongPeerError,
+)
 from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.net.config import TransportConfig
@@ -88,6 +95,26 @@ async def test_stream_full_duplex_is_exact(make_transport, swarm_key):
     np.testing.assert_array_equal(out, values * np.float32(0.5))
     assert server.counters.per_peer[client.peer_id].recv == values.nbytes
     assert client.counters.per_peer[server.peer_id].recv == values.nbytes
+
+
+async def where_from(ctx, payload):
+    return ctx.remote_host
+
+
+async def test_source_host_is_the_address_others_see(make_transport):
+    """Two nodes on one host, each with an address of its own (``peer bench swarm``'s peers):
+    the server's limits per address charge each to its own, not both to 127.0.0.1."""
+    server = await make_transport(TransportConfig(host="127.1.0.1"), rpc={"from": where_from})
+    pinned = await make_transport(TransportConfig(host="127.1.0.2", source_host="127.1.0.2"))
+    unpinned = await make_transport(TransportConfig(host="127.1.0.3"))
+    assert await pinned.call(server.address, "from", None) == "127.1.0.2"
+    # without it the operating system picks the source: loopback's own address
+    assert await unpinned.call(server.address, "from", None) == "127.0.0.1"
+
+
+def test_a_source_host_that_is_no_address_is_refused_by_name():
+    with pytest.raises(ConfigError, match="source_host must be an IP address, got 'lo'"):
+        TransportConfig(source_host="lo")
 
 
 async def test_client_mode_calls_but_serves_nothing(make_transport):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import ipaddress
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from peer.bench.swarm_peer import loopback_host
 from peer.bench.swarm_summary import epoch_detail
 from peer.bench.swarm_vectors import peer_vector
 from peer.cli.bench_swarm import run_bench_swarm
@@ -50,6 +52,7 @@ def test_six_peers_average_to_the_exact_weighted_mean():
     assert CONTRACT <= report.keys()
     assert report["peers"] == 6 and report["size"] == 100 and report["processes"] == 2
     assert report["rounds"] == 2 and not report["timed_out"] and not report["errors"]
+    assert report["shared_address"] is False  # each peer on 127.1.x.y of its own
     assert 0.0 <= report["in_group_fraction"] <= 1.0
     whole = []
     for detail in report["round_details"]:
@@ -71,12 +74,12 @@ def test_six_peers_average_to_the_exact_weighted_mean():
 
 
 @pytest.mark.timeout(110)
-def test_six_peers_with_the_read_savings_still_meet_and_the_report_says_so():
+def test_six_peers_with_the_read_savings_on_one_address_still_meet_and_the_report_says_so():
     result = _run(
         [sys.executable, "-m", "peer", "bench", "swarm", "--peers", "6", "--size", "100",
          "--rounds", "2", "--epoch-s", "3", "--peers-per-process", "3", "--read-replicas", "3",
          "--store-replicas", "4", "--max-publish-gap-s", "4", "--matchmaking-read-replicas", "2",
-         "--matchmaking-store-replicas", "3", "--json"],
+         "--matchmaking-store-replicas", "3", "--shared-address", "--json"],
         timeout_s=100,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -84,6 +87,7 @@ def test_six_peers_with_the_read_savings_still_meet_and_the_report_says_so():
     assert report["read_replicas"] == 3 and report["max_publish_gap_s"] == 4.0
     assert report["store_replicas"] == 4 and report["matchmaking_store_replicas"] == 3
     assert report["matchmaking_read_replicas"] == 2
+    assert report["shared_address"] is True  # every peer on 127.0.0.1, as before
     assert not report["timed_out"] and not report["errors"]
     whole = [d for d in report["round_details"] if d["group_sizes"] == [6]]
     assert whole, report["round_details"]  # a round of all six, as without the savings
@@ -219,3 +223,12 @@ def test_a_bad_simulation_setting_is_one_error_line_and_a_nonzero_exit():
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "busy_s" in lines[0], result.stderr
+
+
+def test_each_peer_has_a_loopback_address_of_its_own():
+    hosts = [loopback_host(rank) for rank in range(64_000)]
+    assert len(set(hosts)) == len(hosts)
+    assert all(ipaddress.ip_address(h).is_loopback for h in hosts)
+    assert not any(h.endswith((".0", ".255")) for h in hosts)
+    with pytest.raises(ValueError, match="rank must be in"):
+        loopback_host(64_000)

@@ -193,6 +193,7 @@ def test_bench_allreduce_hivemind_prints_the_contract_json():
     [
         (["join", "--backend", "hivemind", "--mode", "diloco"], "diloco"),
         (["join", "--backend", "hivemind", "--initial-peers", "http://127.0.0.1:1"], "multiaddr"),
+        (["join", "--backend", "hivemind", "--source-host", "127.1.0.2"], "--source-host"),
     ],
 )
 def test_join_refuses_an_option_hivemind_cannot_honour(args, named):
