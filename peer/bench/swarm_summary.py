@@ -27,6 +27,8 @@ def _percentile(values: list[float], fraction: float) -> float | None:
 
 _MAX_REASON_CHARS = 100  # a reason's first clause, cut here
 _REASON_NUMBERS = re.compile(r"[0-9a-f]{8,}|\d+(\.\d+)?")
+# replicas this close (relative) are one model: float32 rounding of a two-level mean is ~1e-7
+SAME_MODEL_REL_TOL = 1e-5
 
 
 def _significant(value: float) -> float:
@@ -58,6 +60,7 @@ def epoch_detail(
     mean = replicas.mean(axis=0)
     spread = np.linalg.norm(replicas - mean, axis=1).max() / max(np.linalg.norm(mean), 1e-300)
     errors = np.linalg.norm(replicas - exact, axis=1) / max(np.linalg.norm(exact), 1e-300)
+    together = replicas[[_in_group(f) for f in facts]]
     groups: dict[str, int] = {}
     for fact in facts:
         if _in_group(fact):
@@ -86,6 +89,11 @@ def epoch_detail(
         "expected_peers_p50": statistics.median(f["expected_peers"] for f in facts),
         "replica_spread": float(spread),
         "exact_rel_err_max": float(errors.max()),
+        # the same spread over the peers that averaged with others only (a peer whose round
+        # failed keeps its own vector and makes replica_spread about 1 on its own), and how many
+        # models those peers ended with
+        "in_group_spread": _spread(together) if len(together) else None,
+        "num_models": num_models(together),
         "end_time": max(f["end_time"] for f in facts),
         # seconds between the first and the last peer of the epoch starting its round
         "start_spread_s": max(starts.values()) - first_start,
@@ -95,6 +103,22 @@ def epoch_detail(
             round(statistics.median(by_process[i]) - first_start, 2) for i in sorted(by_process)
         ],
     }
+
+
+def _spread(replicas: np.ndarray) -> float:
+    mean = replicas.mean(axis=0)
+    return float(np.linalg.norm(replicas - mean, axis=1).max() / max(np.linalg.norm(mean), 1e-300))
+
+
+def num_models(replicas: np.ndarray, rel_tol: float = SAME_MODEL_REL_TOL) -> int:
+    """How many distinct models ``replicas`` hold: each replica within ``rel_tol`` (relative
+    to its norm) of the first of a model is that model."""
+    models: list[np.ndarray] = []
+    for replica in replicas:
+        scale = max(np.linalg.norm(replica), 1e-300)
+        if not any(np.linalg.norm(replica - m) <= rel_tol * scale for m in models):
+            models.append(replica)
+    return len(models)
 
 
 def _measured_epochs(facts: list[dict], config: dict[str, Any]) -> dict[int, list[dict]]:
@@ -150,6 +174,10 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
         "replica_spread": _largest(d["replica_spread"] for d in details),
         "replica_spread_p50": _percentile([d["replica_spread"] for d in details], 0.5),
         "exact_rel_err_max": _largest(d["exact_rel_err_max"] for d in details),
+        "in_group_spread": _largest(
+            d["in_group_spread"] for d in details if d["in_group_spread"] is not None
+        ),
+        "num_models_max": max((d["num_models"] for d in details), default=None),
         "bytes_sent_per_peer_per_round": (
             round(statistics.mean(f["bytes_sent"] for f in measured)) if measured else None
         ),

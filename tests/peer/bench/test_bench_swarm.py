@@ -134,6 +134,18 @@ def test_two_groups_spread_apart_and_miss_the_exact_mean():
     assert detail["exact_rel_err_max"] == pytest.approx(err, rel=1e-5)
     assert detail["group_sizes"] == [2, 2] and detail["in_group"] == 4
     assert detail["layouts"] == {1: 2, 2: 2}  # the two pairs searched under two key layouts
+    assert detail["num_models"] == 2
+    assert detail["in_group_spread"] == pytest.approx(spread, rel=1e-5)
+
+
+def test_one_failed_peer_spreads_the_replicas_but_the_rest_hold_one_model():
+    size, weights = 50, {0: 1.0, 1: 3.0, 2: 2.0}
+    vectors = {r: peer_vector(7, r, 3, size).astype(np.float64) for r in weights}
+    pair = (vectors[0] + 3 * vectors[1]) / 4
+    facts = [_fact(0, 1.0, pair, "g1"), _fact(1, 3.0, pair, "g1"), _fact(2, 2.0, vectors[2], None)]
+    detail = epoch_detail(facts, seed=7, size=size)
+    assert detail["replica_spread"] > 0.1  # the lone peer's own vector
+    assert detail["in_group_spread"] < 1e-7 and detail["num_models"] == 1
 
 
 def test_a_peer_alone_keeps_its_own_vector_and_counts_ready_not_in_group():
@@ -143,6 +155,7 @@ def test_a_peer_alone_keeps_its_own_vector_and_counts_ready_not_in_group():
     detail = epoch_detail([_fact(0, 1.0, own, None), _fact(1, 1.0, other, None)], seed=1, size=size)
     assert detail["ready"] == 2 and detail["in_group"] == 0 and detail["group_sizes"] == []
     assert detail["replica_spread"] > 0.1
+    assert detail["in_group_spread"] is None and detail["num_models"] == 0
 
 
 def test_each_processs_round_starts_are_its_peers_median_after_the_epochs_first():
