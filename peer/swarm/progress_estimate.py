@@ -22,9 +22,8 @@ A record is a claim, so a minority of peers (or one stranger with a fresh key) m
   peers count too, but a stranger's samples count at most ``max_stranger_claim_ratio`` times
   the partners' mean (or, with no partner at the epoch, the median of the peers at it): one
   stranger moves the estimate by at most that many peers' worth times its weight.
-* The swarm's epoch moves ahead of this peer's when a strict majority of its partners is there,
-  or two of its last round's peers (or the only one), or a strict majority of the other peers
-  seen, or (a swarm split in two: peers that
+* The swarm's epoch moves ahead of this peer's when at least two partners (or the only one) are
+  there, or a strict majority of the other peers seen is, or (a swarm split in two: peers that
   started apart, a partition that healed) a third of them is at least two epochs ahead. Rounds
   form among peers at one epoch, so nothing else would ever merge two groups of peers that run
   at different epochs; a third, not a majority, because the group ahead may well be the smaller
@@ -248,35 +247,20 @@ SPLIT_MIN_AHEAD = 3
 SPLIT_MIN_GAP = 2
 
 
-def _swarm_epoch(
-    own_epoch: int,
-    others: list[PeerProgress],
-    partners: list[PeerProgress],
-    last_round: frozenset[str] = frozenset(),
-) -> int:
-    """The newest epoch ahead of ``own_epoch`` that a strict majority of the partners, two of
-    the last round's peers (or the only one), a strict majority of the other peers, or a third
-    of them two or more epochs ahead have reached; ``own_epoch`` if none (O(n log n): thousands
-    of records cost no more than sorting them).
-
-    Partners are the peers of the last ``trust_rounds`` rounds: two of them ahead is not enough
-    when most are not. In 32 ``peer join`` peers, two that had been partners of the others ran
-    from epoch 7 to 31 as a pair (a re-sync had put them an epoch ahead of the swarm's records),
-    and the other 30, taking the second-newest partner epoch, spent the rest of the run trying
-    to download a state no two peers agreed on. The last round's peers moving on is what a peer
-    left out of its round sees, and they still move it."""
+def _swarm_epoch(own_epoch: int, others: list[PeerProgress], partners: list[PeerProgress]) -> int:
+    """The newest epoch ahead of ``own_epoch`` that two partners (or the only one), a strict
+    majority of the other peers, or a third of them two or more epochs ahead have reached;
+    ``own_epoch`` if none (O(n log n): thousands of records cost no more than sorting them)."""
     candidates = [own_epoch]
-    for peers in (others, partners):
-        newest = sorted((r.epoch for r in peers), reverse=True)
-        if newest:  # the (n // 2 + 1)-th newest epoch: a strict majority is there or beyond
-            candidates.append(newest[len(newest) // 2])
     newest = sorted((r.epoch for r in others), reverse=True)
+    if newest:  # the (n // 2 + 1)-th newest epoch: a strict majority is there or beyond
+        candidates.append(newest[len(newest) // 2])
     quorum = max(SPLIT_MIN_AHEAD, math.ceil(len(newest) / 3))
     if len(newest) >= quorum and newest[quorum - 1] >= own_epoch + SPLIT_MIN_GAP:
         candidates.append(newest[quorum - 1])  # a third of the others is there or beyond
-    last = sorted((r.epoch for r in partners if r.peer_id in last_round), reverse=True)
-    if last:  # the second newest of the last round's peers' epochs (the newest, if only one)
-        candidates.append(last[min(2, len(last)) - 1])
+    if partners:  # the second newest of the partners' epochs (the newest, if only one)
+        quorum = min(2, len(partners))
+        candidates.append(sorted((r.epoch for r in partners), reverse=True)[quorum - 1])
     return max(candidates)
 
 
@@ -313,7 +297,7 @@ def estimate(
     round_peers = round_peers or {}
     others = [_after_round(r, round_peers) for r in records if r.peer_id != own.peer_id]
     trusted = [r for r in others if r.peer_id in partners]
-    epoch = _swarm_epoch(own.epoch, others, trusted, frozenset(round_peers))
+    epoch = _swarm_epoch(own.epoch, others, trusted)
     if sample is not None:
         return _sampled(others, trusted, own, epoch, config, now, round_peers, sample)
     counted = trusted or others  # no partner here: a newcomer counts everyone it sees

@@ -80,27 +80,6 @@ def test_a_swarm_split_in_two_merges_forward_and_one_epoch_ahead_is_no_split():
                     partners=partners).epoch == 5  # fmt: skip
 
 
-def test_two_partners_far_ahead_do_not_move_a_peer_whose_other_partners_stay():
-    """32 ``peer join`` peers: two former partners ran ahead as a pair (epoch 33) and the other
-    30, which took the second-newest partner epoch, tried to download a state nobody agreed on
-    for the rest of the run instead of training."""
-    here = [record(1 + i, 9, 100) for i in range(12)]
-    runaways = [record(40, 33, 0), record(41, 33, 0)]
-    partners = frozenset(r.peer_id for r in [*here, *runaways])
-    view = estimate([*here, *runaways], own=record(0, 9, 100), config=CONFIG, now=NOW,
-                    partners=partners)  # fmt: skip
-    assert view.epoch == 9
-    # a strict majority of the partners ahead still moves it
-    moved = [record(1 + i, 10, 0) for i in range(7)] + here[7:]
-    assert estimate(moved, own=record(0, 9, 100), config=CONFIG, now=NOW,
-                    partners=partners).epoch == 10  # fmt: skip
-    # and so do two of the last round's peers: the round this peer was left out of
-    last_round = {r.peer_id: (10, NOW - 1.0) for r in runaways}
-    view = estimate([*here, *runaways], own=record(0, 9, 100), config=CONFIG, now=NOW,
-                    partners=partners, round_peers=last_round)  # fmt: skip
-    assert view.epoch == 33
-
-
 def test_a_partner_claims_no_more_than_its_rate_allows_since_the_round():
     # both left the round of epoch 4 together 2 s ago; 100 samples/s allow 100 * (2 + 5) = 700
     round_peers = {peer_id(1): (5, NOW - 2.0)}
