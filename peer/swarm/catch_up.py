@@ -173,6 +173,8 @@ class StateCatchUp:
                 self.services.tracker.report_local_progress(fallback, 0)
         else:  # serve (and vouch for) the state this peer now holds
             self.services.state_server.update(self.snapshot(reached))
+            if self.replicas is not None:  # its digests before now were of the old replica
+                self.replicas.replaced(reached)
             self._announce_arrival(reached)
         return reached
 

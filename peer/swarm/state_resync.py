@@ -21,7 +21,8 @@ waiting up to ``RESYNC_WAIT_S`` for them to serve the state of its epoch.
 Bounded: at most one re-sync per ``resync_min_epochs`` epochs, twice as many after each re-sync
 that loaded a state, until an epoch after it agrees again (up to ``resync_max_epochs``); one
 that loaded nothing (its donors did not serve its epoch in time) doubles nothing, and the
-replica is decided anew. A decision never rests on a digest of the replica a re-sync replaced.
+replica is decided anew. A decision never rests on a digest of the replica a re-sync, or any
+other download (:meth:`ReplicaCheck.replaced`), replaced.
 A read of the announcements at most every ``resync_check_s`` and only when this peer announced
 a new epoch (a few reads, when nobody else announces it), none while a re-sync would not be
 allowed. Each re-sync is counted and logged as one WARNING line.
@@ -146,6 +147,19 @@ class ReplicaCheck:
             self._next_allowed_epoch = reached + self._gap_epochs
             self._gap_epochs = min(2 * self._gap_epochs, self.config.resync_max_epochs)
             self._settled_epoch = max(self._settled_epoch, reached)
+
+    def replaced(self, reached: int) -> None:
+        """A download outside a re-sync (catching up with the swarm, a load the user asked
+        for) replaced this replica by the agreed state of ``reached``: the digests announced
+        before it are the old replica's, so no decision rests on them, and a target they set
+        is dropped. 32 ``peer join`` peers: a row whose top round failed caught up to epoch
+        21, then re-synced at once on its old digest of epoch 18, and the second download put
+        it at epoch 22, ahead of the swarm's records, where three of its peers formed a group
+        of their own and ran apart for the rest of the run."""
+        with self._lock:
+            self._target = None
+            self._num_lost = 0
+            self._settle(reached)
 
     # ---- the event loop's side ---------------------------------------------------------------
 

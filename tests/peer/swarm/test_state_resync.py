@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,6 +203,45 @@ def test_only_a_resync_that_loaded_a_state_doubles_the_gap():
     assert not check.due() and not check._resyncing
     check.resynced(20, 21)
     assert (check._gap_epochs, check._next_allowed_epoch, check._settled_epoch) == (8, 29, 21)
+
+
+async def test_a_download_that_replaced_the_replica_leaves_its_old_digests_undecided(monkeypatch):
+    """32 ``peer join`` peers: a peer that caught up to epoch 21 by download re-synced at once
+    on its own digest of epoch 18 (its old replica's), and the second download put it ahead of
+    the swarm, where it ran apart."""
+    config = StateSyncConfig(resync_min_epochs=1)
+    mine = EpochDigest(18, digest(1))
+    server = SimpleNamespace(
+        served=SimpleNamespace(epoch=18), digests=[mine], num_peers=lambda: 4.0
+    )
+    theirs = [announced(f"{i:064x}", 18, 2) for i in range(1, 4)]
+
+    async def read(*args):
+        return theirs
+
+    monkeypatch.setattr("peer.swarm.state_resync.read_announcements", read)
+
+    def fresh() -> ReplicaCheck:
+        return ReplicaCheck(
+            dht=SimpleNamespace(peer_id="0" * 64),
+            prefix="run",
+            server=server,
+            partners=frozenset,
+            config=config,
+        )
+
+    # without a download between, epoch 18's digest loses to the three others' and is decided
+    check = fresh()
+    assert await check.check() is not None
+    # a catch-up loaded the agreed state of 21: the old digests say nothing about this replica
+    check = fresh()
+    check.replaced(21)
+    assert await check.check() is None and not check.due()
+    # and a target a read set before the download is dropped
+    check = fresh()
+    check._target, check._num_lost = ResyncTarget(18, digest(2), frozenset({"a"})), 2
+    check.replaced(21)
+    assert not check.due() and check.take() is None
 
 
 def test_a_diloco_newcomer_takes_the_outer_momentum_and_stays_equal():
