@@ -57,8 +57,7 @@ def epoch_detail(
     replicas = np.stack(
         [np.frombuffer(base64.b64decode(f["replica"]), dtype=np.float32) for f in facts]
     ).astype(np.float64)
-    mean = replicas.mean(axis=0)
-    spread = np.linalg.norm(replicas - mean, axis=1).max() / max(np.linalg.norm(mean), 1e-300)
+    spread = _spread(replicas)
     errors = np.linalg.norm(replicas - exact, axis=1) / max(np.linalg.norm(exact), 1e-300)
     together = replicas[[_in_group(f) for f in facts]]
     groups: dict[str, int] = {}
@@ -87,7 +86,7 @@ def epoch_detail(
         "group_sizes": sorted(groups.values(), reverse=True),
         "layouts": dict(sorted(Counter(key_buckets(f["search_key"]) for f in facts).items())),
         "expected_peers_p50": statistics.median(f["expected_peers"] for f in facts),
-        "replica_spread": float(spread),
+        "replica_spread": spread,
         "exact_rel_err_max": float(errors.max()),
         # the same spread over the peers that averaged with others only (a peer whose round
         # failed keeps its own vector and makes replica_spread about 1 on its own), and how many
@@ -106,6 +105,7 @@ def epoch_detail(
 
 
 def _spread(replicas: np.ndarray) -> float:
+    """max_i ||x_i - mean|| / ||mean||, mean the plain mean of ``replicas``."""
     mean = replicas.mean(axis=0)
     return float(np.linalg.norm(replicas - mean, axis=1).max() / max(np.linalg.norm(mean), 1e-300))
 
