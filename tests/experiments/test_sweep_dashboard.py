@@ -89,7 +89,10 @@ def _training(terminal: Terminal, name: str) -> str:
         text = terminal.screen()
         epochs = [int(m["epoch"]) for m in PEER_ROW.finditer(text)]
         header = f"run {name}-{CONFIG}" in text and "2 peers" in text
-        return text if header and len(epochs) == 2 and min(epochs) >= 1 else ""
+        # a whole frame: read while the dashboard redraws, the screen can hold the top of the
+        # new frame and not yet its footer (seen once under a loaded make test)
+        footer = "q quits" in text
+        return text if header and footer and len(epochs) == 2 and min(epochs) >= 1 else ""
 
     return wait_for(shown, 90, "both peers training on the sweep's dashboard")
 
