@@ -8,9 +8,11 @@ finite and its metadata well typed; the optimizer's hyperparameters stay the loc
 
 The training thread calls :meth:`StateCatchUp.download` at start (the swarm is ahead of the
 checkpoint) and :meth:`StateCatchUp.catch_up` when the swarm's epoch passes this peer's. A
-failed download is retried only after ``RESYNC_COOLDOWN_S`` of training (a donor may be busy);
-one that worked but landed behind again (epochs faster than a download) is retried at once, and
-a lone peer ahead holds its epoch for this one meanwhile (:mod:`peer.swarm.newcomer_hold`).
+failed download is retried only after ``RESYNC_COOLDOWN_S`` of training (a donor may be busy),
+doubling with each failure in a row up to ``MAX_RESYNC_COOLDOWN_S`` (a peer that no donor can
+serve must not ask every donor every 2 s for as long as it is behind); one that worked but
+landed behind again (epochs faster than a download) is retried at once, and a lone peer ahead
+holds its epoch for this one meanwhile (:mod:`peer.swarm.newcomer_hold`).
 
 It also checks that this peer's replica is the one the swarm agrees on
 (:mod:`peer.swarm.state_resync`), and :meth:`StateCatchUp.resync` replaces one that is not.
@@ -50,11 +52,21 @@ from peer.train.trainer import Trainer
 logger = logging.getLogger(__name__)
 # After a failed catch-up download, train on this long before trying again (a donor may be busy).
 RESYNC_COOLDOWN_S = 2.0
+# The cooldown doubles with each failure in a row, up to this (then one try per this long).
+MAX_RESYNC_COOLDOWN_S = 64.0
 # How often a download in progress looks whether the peer was told to stop.
 STOP_POLL_S = 0.2
 # Bound on publishing this peer's record and reading the others' right after a download.
 ARRIVAL_REFRESH_TIMEOUT_S = 2.0
 T = TypeVar("T")
+
+
+def retry_cooldown_s(num_failed: int) -> float:
+    """The wait before a catch-up download after ``num_failed`` failures in a row: none at
+    first, then ``RESYNC_COOLDOWN_S`` doubling per failure, at most ``MAX_RESYNC_COOLDOWN_S``."""
+    if num_failed <= 0:
+        return 0.0
+    return min(MAX_RESYNC_COOLDOWN_S, RESYNC_COOLDOWN_S * 2.0 ** min(num_failed - 1, 32))
 
 
 class StateCatchUp:
@@ -94,6 +106,7 @@ class StateCatchUp:
         self.loop_thread = loop_thread
         self.clock = clock
         self._last_failed_s = -float("inf")
+        self._num_failed = 0  # catch-up downloads failed in a row
         self._shares_optimizer = config.mode == "grad"
         self._outer = outer if config.mode == "diloco" else None
         self._scope = digest_scope(config.mode) + ((EXTRA_PREFIX,) if self._outer else ())
@@ -169,9 +182,11 @@ class StateCatchUp:
         )
         if reached <= fallback:
             self._last_failed_s = time.monotonic()
+            self._num_failed += 1
             if arriving is not None:  # it did not arrive: its record says where it is again
                 self.services.tracker.report_local_progress(fallback, 0)
         else:  # serve (and vouch for) the state this peer now holds
+            self._num_failed = 0
             self.services.state_server.update(self.snapshot(reached))
             if self.replicas is not None:  # its digests before now were of the old replica
                 self.replicas.replaced(reached)
@@ -218,12 +233,17 @@ class StateCatchUp:
     def catch_up(self, swarm_epoch: int, *, epoch: int) -> int:
         """This peer at ``epoch`` is behind the swarm's ``swarm_epoch``: download, unless a
         recent attempt failed; the epoch reached (``epoch`` when nothing was loaded)."""
-        if time.monotonic() - self._last_failed_s < RESYNC_COOLDOWN_S:
+        if time.monotonic() - self._last_failed_s < self.cooldown_s:
             return epoch  # a recent attempt failed: train on, try again later
         logger.info(
             "the swarm is at epoch %d, this peer at %d: downloading state", swarm_epoch, epoch
         )
         return self.download(swarm_epoch, fallback=epoch)
+
+    @property
+    def cooldown_s(self) -> float:
+        """Seconds of training after the last failed download before the next try."""
+        return retry_cooldown_s(self._num_failed)
 
     def snapshot(self, epoch: int) -> StateSnapshot:
         """The state to serve now, labelled ``epoch`` (in ``diloco`` the model and the outer
