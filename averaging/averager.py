@@ -218,7 +218,8 @@ class DecentralizedAverager:
             weight = await self._group_rounds.gather(weight, compression, phase_s)
             self._compression, self._epoch = compression, epoch
             base = self.matchmaking_key(epoch)
-            key, options = row_search(self.config, self.peer_id, base, plan)
+            seed = self.matchmaking_key(None)
+            key, options = row_search(self.config, self.peer_id, base, plan, seed)
             self._search_key = key
             if stop_when is not None:
                 options = dataclasses.replace(options or SearchOptions(), stop_when=stop_when)

@@ -87,9 +87,10 @@ class LayoutMemory:
 
 
 def row_search(
-    config: AveragerConfig, peer_id: str, base: str, plan: RoundPlan | None
+    config: AveragerConfig, peer_id: str, base: str, plan: RoundPlan | None, seed: str = ""
 ) -> tuple[str, SearchOptions | None]:
-    """The key and sizes of this peer's first-level search."""
+    """The key and sizes of this peer's first-level search; ``seed`` places peers in buckets
+    (``base`` when empty)."""
     if plan is None:
         return base, None
     if plan.single:  # one group holds every ready peer: close once they are all in
@@ -107,10 +108,10 @@ def row_search(
     top_rows = min(plan.num_rows, MAX_GROUP_SIZE) if exact else 0
     under_key = None
     if plan.buckets > 1:  # partners of other buckets never come here
-        mine = bucket_of(base, peer_id, plan.buckets)
-        under_key = functools.partial(_in_bucket, base, plan.buckets, mine)
+        mine = bucket_of(seed or base, peer_id, plan.buckets)
+        under_key = functools.partial(_in_bucket, seed or base, plan.buckets, mine)
     options = SearchOptions(sizes=plan.row_sizes(), top_rows=top_rows, under_key=under_key)
-    return bucket_key(base, peer_id, plan.buckets), options
+    return bucket_key(base, peer_id, plan.buckets, seed), options
 
 
 def _in_bucket(base: str, buckets: int, bucket: int, peer_id: str) -> bool:

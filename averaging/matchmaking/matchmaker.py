@@ -255,13 +255,21 @@ class Matchmaker:
                 if announcing is not None and not announcing.done():
                     await self._unless_formed(search, asyncio.shield(announcing), hinted=True)
                     continue  # announced; or our group formed, or a better leader invited us
+                if search.reading is None:
+                    # an invite does not cancel the read: the next look takes its answer (at
+                    # 256 busy peers a read took 5-12 s and partners' invites came every few,
+                    # so reads cancelled by them never ended and rows closed knowing no one)
+                    search.reading = asyncio.create_task(
+                        read_candidates(self._dht, search, self._config, remaining_s)
+                    )
+                    search.tasks.add(search.reading)
                 candidates = await self._unless_formed(
-                    search,
-                    read_candidates(self._dht, search, self._config, remaining_s),
-                    hinted=True,
+                    search, asyncio.shield(search.reading), hinted=True
                 )
                 if candidates is None:
                     continue  # our group formed meanwhile, or a better leader invited us
+                search.tasks.discard(search.reading)
+                search.reading = None
                 search.see((c.peer_id for c in candidates), loop.time())
                 search.resize()
             if search.should_close(loop.time(), self._config.min_group_size):

@@ -66,8 +66,10 @@ async def read_candidates(
             )
     except (TimeoutError, DHTError):
         search.num_failed_reads += 1
+        search.num_reads_ended += 1
         search.slowest_read_s = max(search.slowest_read_s, loop.time() - start)
         return []
+    search.num_reads_ended += 1
     found = outcome.value
     if outcome.num_queried and not outcome.num_answered:  # at most its own replica read
         search.num_failed_reads += 1

@@ -191,6 +191,8 @@ class Search:
     taken: set[str] = field(default_factory=set)  # in other groups (their leaders said so)
     last_arrival: float = 0.0  # loop time a follower last arrived or a peer was first seen
     num_reads: int = 0  # of the key's announcements
+    num_reads_ended: int = 0  # of those, the ones that ended (failed ones included)
+    reading: asyncio.Task | None = None  # the read in progress, if any
     num_failed_reads: int = 0  # of those, the ones that ran out or failed (nothing read)
     slowest_read_s: float = 0.0  # the longest of those reads took, in seconds
     stop_when: Callable[[], str | None] | None = None  # see SearchOptions
@@ -246,7 +248,13 @@ class Search:
         # a row below its floor that nobody joined or newly saw for a grace: those expected
         # found other rows (or are late; they come to the top round as rows of one). Waiting
         # out the matchmaking time for them made every round at 64 peers last its 12.8 s.
-        return bool(sizes.expected_in_key) and now >= self.quiet_from() + self.quiet_grace_s()
+        # Quiet says nothing before a read of the key ended: partners that met through
+        # invites closed rows of 2 and 3 at 256 peers while their first read was under way.
+        return (
+            bool(sizes.expected_in_key)
+            and self.num_reads_ended > 0
+            and now >= self.quiet_from() + self.quiet_grace_s()
+        )
 
     def quiet_grace_s(self) -> float:
         """How long nobody new must have come before a short row gives up on those expected:

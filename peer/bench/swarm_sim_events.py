@@ -55,7 +55,8 @@ MATCHMAKING = AveragerConfig()  # the replicas its announcements go to and its r
 
 
 def matchmaking_key(epoch: int, peer_id: str, num_buckets: int) -> str:
-    return rows.bucket_key(f"{PREFIX}/mm/{epoch}", peer_id, num_buckets)
+    # the bucket is drawn from the run's key, as the averager does: the same every epoch
+    return rows.bucket_key(f"{PREFIX}/mm/{epoch}", peer_id, num_buckets, seed=f"{PREFIX}/mm")
 
 
 @dataclass

@@ -7,6 +7,7 @@ against the weighted mean in float64.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 
 import numpy as np
@@ -20,6 +21,7 @@ from averaging.matchmaking.rows import (
     surely_in_bucket,
 )
 from averaging.matchmaking.search import MatchResult
+from averaging.rounds import row_search
 from averaging.spread import Spreads, Word, spread_group
 from tests.averaging.conftest import exact_mean, fast_config, make_group, sharded_round_config
 
@@ -69,6 +71,31 @@ def test_rows_are_balanced_and_the_key_is_sharded_only_for_large_rounds():
     assert sizes.resized(20).target == 16 and sizes.resized(20).floor == 10
     # seeing few of the 32 expected (the others start later): no row of 3 past the grace
     assert surely_in_bucket(32) == 20 and sizes.resized(3).floor == 10
+
+
+def test_a_peer_meets_the_same_bucket_every_round_under_a_new_key():
+    """Buckets drawn per epoch split every row of the last round over the next round's
+    buckets; partners then led rows of their own in each (64 light peers: 7 to 12 rows per
+    round where 4 or 5 hold them). Drawn from the run's key, the rows a swarm formed meet
+    again, under keys that still change every round."""
+    config = fast_config()
+    peers = [hashlib.sha256(bytes([i])).hexdigest() for i in range(64)]
+    plan = RoundPlan.of(256, 16, 1.0)
+    seed = "run.mm"
+
+    def bucket(peer: str, epoch: int) -> str:
+        key, options = row_search(config, peer, f"run.mm.{epoch}", plan, seed)
+        assert key.startswith(f"run.mm.{epoch}.b8.")
+        assert options.under_key(peer)  # its partners of the same bucket keep their seats
+        return key.rsplit(".", 1)[1]
+
+    for peer in peers:
+        assert len({bucket(peer, epoch) for epoch in range(5)}) == 1
+    assert len({bucket(peer, 0) for peer in peers}) == 8  # every bucket is used
+    # when the layout doubles, a bucket splits in two: half of a row still meets
+    for peer in peers:
+        of_16 = int(bucket_key("run.mm.7", peer, 16, seed).rsplit(".", 1)[1])
+        assert str(of_16 % 8) == bucket(peer, 7)
 
 
 def test_rows_are_sized_from_the_peers_left_once_formed_groups_are_known():
@@ -180,6 +207,7 @@ async def test_a_sharded_round_ends_with_one_model(make_swarm, num_peers, group_
     peers = await make_swarm([[v.copy()] for v in vectors], config=config)
     expected = exact_mean(vectors, weights)
 
+    buckets_by_epoch = []
     for epoch in range(2):  # the second round has partners from the first
         for peer, vector in zip(peers, vectors, strict=True):
             peer.tensors[0][:] = vector
@@ -192,12 +220,15 @@ async def test_a_sharded_round_ends_with_one_model(make_swarm, num_peers, group_
 
         assert [r.status for r in results] == ["ok"] * num_peers, [r.reason for r in results]
         assert [r.num_reached for r in results] == [num_peers] * num_peers
+        buckets_by_epoch.append([r.search_key.rsplit(".", 1)[1] for r in results])
         in_rows = [r for r in results if r.levels.get("row") == "ok"]
         assert sum(len(row) for row in rows_of(in_rows)) == len(in_rows)  # one row each
         first = peers[0].tensors[0]
         for peer in peers:
             np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
             assert np.array_equal(peer.tensors[0], first)  # one model, bit for bit
+    # a peer meets the same bucket every round: its last row's partners are there again
+    assert buckets_by_epoch[0] == buckets_by_epoch[1] and len(set(buckets_by_epoch[0])) == 2
 
 
 async def test_a_round_that_fits_one_group_has_one_level(make_swarm):

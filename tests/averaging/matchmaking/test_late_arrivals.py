@@ -90,8 +90,34 @@ async def test_a_short_row_waits_for_quiet_of_two_slow_reads_not_only_a_grace():
     search.see([member(1).peer_id], now=0.5)
     search.term.followers[member(1).peer_id] = Follower(member(1), 100.0, 0.5, True)
     search.last_arrival = 0.5
+    search.num_reads = search.num_reads_ended = 1
     assert search.should_close(now=2.1, min_group_size=2)  # fast reads: a grace of quiet
     search.slowest_read_s = 3.0  # reads take seconds: a grace says nothing
     assert not search.should_close(now=2.1, min_group_size=2)
     assert not search.should_close(now=6.9, min_group_size=2)
     assert search.should_close(now=7.1, min_group_size=2)  # two slow reads of quiet
+
+
+async def test_a_short_row_of_partners_waits_for_a_read_of_its_key_to_end():
+    """Issue 24 at 256 light peers: partners met through invites in a second, and their
+    leader closed a row of 2 after a grace of "quiet" while its first read of the key, which
+    took seconds, was still under way: it knew nothing of the 30 peers of its bucket."""
+
+    def member(i: int) -> GroupMember:
+        return GroupMember(f"{i:064x}", f"http://127.0.0.1:{9000 + i}", 1.0, 1.0)
+
+    me = member(0)
+    row = SizePlan(16, 16, 1.0, expected_in_key=32, group_size=16, sharded=True)
+    search = Search("k.b8.3", me, 10, Compression.NONE, 100.0, rank_of("k.b8.3", me.peer_id),
+                    16, sizes=row)  # fmt: skip
+    search.started = 0.0
+    search.lead()
+    search.resize()
+    search.term.followers[member(1).peer_id] = Follower(member(1), 100.0, 0.2, True)
+    search.last_arrival = 0.2
+    search.num_reads = 1  # under way
+    assert not search.should_close(now=30.0, min_group_size=2)
+    search.num_reads_ended, search.slowest_read_s = 1, 8.0  # it ended: nobody else came
+    search.see([member(1).peer_id], now=8.2)
+    assert not search.should_close(now=20.0, min_group_size=2)  # two slow reads of quiet
+    assert search.should_close(now=24.3, min_group_size=2)

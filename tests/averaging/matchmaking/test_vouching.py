@@ -93,7 +93,8 @@ async def test_a_row_below_its_floor_closes_once_nobody_came_for_a_grace():
                     16, sizes=plan.row_sizes())  # fmt: skip
     search.started = 0.0
     search.lead()
-    search.see([_member(i).peer_id for i in range(1, 24)], now=0.2)
+    search.see([_member(i).peer_id for i in range(1, 24)], now=0.2)  # a read that ended
+    search.num_reads = search.num_reads_ended = 1
     search.resize()
     assert search.sizes.floor > 5
     for i in range(1, 5):
