@@ -244,6 +244,7 @@ class SwarmPeer:
             "matchmaking_s": result.matchmaking_s,
             "allreduce_s": result.allreduce_s,
             "bytes_sent": result.bytes_sent,
+            "levels": dict(result.levels),
             "end_time": time.time(),
             "replica": base64.b64encode(self.tensor.tobytes()).decode("ascii"),
         }

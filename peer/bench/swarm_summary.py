@@ -60,10 +60,7 @@ def epoch_detail(
     spread = _spread(replicas)
     errors = np.linalg.norm(replicas - exact, axis=1) / max(np.linalg.norm(exact), 1e-300)
     together = replicas[[_in_group(f) for f in facts]]
-    groups: dict[str, int] = {}
-    for fact in facts:
-        if _in_group(fact):
-            groups[fact["group_id"]] = len(fact["members"])
+    groups, delegates = rows_and_delegates(facts)
     starts = {f["rank"]: f["end_time"] - f["round_s"] for f in facts}
     first_start = min(starts.values())
     by_process: dict[int, list[float]] = defaultdict(list)
@@ -84,6 +81,8 @@ def epoch_detail(
             ).most_common(3)
         ),
         "group_sizes": sorted(groups.values(), reverse=True),
+        "num_delegates": len(delegates),
+        "bandwidth_bound_bytes_per_peer": round(bandwidth_bound_bytes(facts, size) / len(facts)),
         "layouts": dict(sorted(Counter(key_buckets(f["search_key"]) for f in facts).items())),
         "expected_peers_p50": statistics.median(f["expected_peers"] for f in facts),
         "replica_spread": spread,
@@ -102,6 +101,35 @@ def epoch_detail(
             round(statistics.median(by_process[i]) - first_start, 2) for i in sorted(by_process)
         ],
     }
+
+
+def rows_and_delegates(facts: list[dict[str, Any]]) -> tuple[dict[str, int], set[str]]:
+    """The epoch's rows (group id: members) and the delegates that reached a top group (a
+    row's group id, or the peer id of a row of one, which reports the top group as its own)."""
+    rows: dict[str, int] = {}
+    delegates: set[str] = set()
+    for fact in facts:
+        levels = fact.get("levels") or {}
+        in_row = _in_group(fact) and levels.get("row") != "alone"
+        if in_row:
+            rows[fact["group_id"]] = len(fact["members"])
+        if levels.get("top") in ("ok", "partial"):  # a row's members all report its top
+            delegates.add(fact["group_id"] if in_row else fact["peer_id"])
+    return rows, delegates
+
+
+def bandwidth_bound_bytes(facts: list[dict[str, Any]], size: int) -> int:
+    """The tensor bytes the epoch's group rounds must send at the least, over all its peers: a
+    bandwidth-optimal all-reduce of ``n`` peers sends ``2 (n - 1)`` vectors in all (each peer
+    ``2 (n - 1) / n``), here of ``size`` float32 values, for each row, for the delegates' top
+    group and for each row's spread (an all-reduce too, :mod:`averaging.levels`). Chunk
+    headers and parts sent again are not in it."""
+    rows, delegates = rows_and_delegates(facts)
+    row_vectors = sum(2 * (n - 1) for n in rows.values())
+    two_levels = len(delegates) > 1
+    top_vectors = 2 * (len(delegates) - 1) if two_levels else 0
+    spread_vectors = row_vectors if two_levels else 0
+    return 4 * size * (row_vectors + top_vectors + spread_vectors)
 
 
 def _spread(replicas: np.ndarray) -> float:
@@ -129,6 +157,12 @@ def _measured_epochs(facts: list[dict], config: dict[str, Any]) -> dict[int, lis
     if config["seconds"] is not None and epochs:
         epochs = epochs[:-1]  # the last one was cut by the stop
     return {e: by_epoch[e] for e in epochs}
+
+
+def _over_bound(measured: list[dict], details: list[dict]) -> float | None:
+    sent = sum(f["bytes_sent"] for f in measured)
+    bound = sum(d["bandwidth_bound_bytes_per_peer"] * d["ready"] for d in details)
+    return round(sent / bound, 3) if bound else None
 
 
 def _node_rates(processes: list[dict]) -> list[float]:
@@ -181,6 +215,14 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
         "bytes_sent_per_peer_per_round": (
             round(statistics.mean(f["bytes_sent"] for f in measured)) if measured else None
         ),
+        # the same at the least the rounds' groups required (bandwidth_bound_bytes), and the
+        # ratio of the two: chunk headers, parts sent again, a spread that is an all-reduce
+        "bandwidth_bound_bytes_per_peer_per_round": (
+            round(statistics.mean(d["bandwidth_bound_bytes_per_peer"] for d in details))
+            if details
+            else None
+        ),
+        "bytes_sent_over_bound": _over_bound(measured, details),
         "dht_bytes_per_peer_per_s": round(statistics.mean(node_rates)) if node_rates else None,
         "median_node_dht_bytes_per_s": round(statistics.median(node_rates)) if node_rates else None,
         "max_node_dht_bytes_per_s": round(max(node_rates)) if node_rates else None,

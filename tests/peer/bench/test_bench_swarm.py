@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from peer.bench.swarm_peer import loopback_host
-from peer.bench.swarm_summary import epoch_detail
+from peer.bench.swarm_summary import bandwidth_bound_bytes, epoch_detail
 from peer.bench.swarm_vectors import peer_vector
 from peer.cli.bench_swarm import run_bench_swarm
 
@@ -62,10 +62,14 @@ def test_six_peers_average_to_the_exact_weighted_mean():
             whole.append(detail)
             assert detail["replica_spread"] < 1e-5
             assert detail["exact_rel_err_max"] < 1e-5
+            # one group of 6, one level: 2 * 5 vectors of 100 float32 values, over 6 peers
+            assert detail["bandwidth_bound_bytes_per_peer"] == round(4 * 100 * 2 * 5 / 6)
     # six peers on loopback that wait for each other form one group (a split would show here)
     assert whole, report["round_details"]
     assert report["layout_split_fraction"] == 0.0  # all under the one key of a small swarm
     assert report["bytes_sent_per_peer_per_round"] > 0
+    assert report["bandwidth_bound_bytes_per_peer_per_round"] > 0
+    assert report["bytes_sent_over_bound"] > 0
     assert report["dht_bytes_per_peer_per_s"] > 0
     assert report["max_node_dht_bytes_per_s"] >= report["median_node_dht_bytes_per_s"] > 0
     # a peer's share of a core, and the six of them: the cores the bench's processes used
@@ -146,6 +150,29 @@ def test_one_failed_peer_spreads_the_replicas_but_the_rest_hold_one_model():
     detail = epoch_detail(facts, seed=7, size=size)
     assert detail["replica_spread"] > 0.1  # the lone peer's own vector
     assert detail["in_group_spread"] < 1e-7 and detail["num_models"] == 1
+
+
+def test_the_bandwidth_bound_counts_rows_the_top_group_and_the_spread():
+    size = 10
+    vector = peer_vector(1, 0, 3, size)
+
+    def fact(peer: str, group: str, members: list[str], row: str = "ok") -> dict:
+        base = _fact(0, 1.0, vector, group)
+        levels = {"row": row, "top": "ok", "spread": "ok"}
+        return {**base, "peer_id": peer, "members": members, "averaged_with": members,
+                "levels": levels}  # fmt: skip
+
+    row_a, row_b, top = ["a1", "a2", "a3"], ["b1", "b2"], ["a1", "b1", "c"]
+    facts = [fact(p, "ga", row_a) for p in row_a] + [fact(p, "gb", row_b) for p in row_b]
+    facts.append(fact("c", "gtop", top, row="alone"))  # a row of one reports the top group
+    detail = epoch_detail(facts, seed=1, size=size)
+    assert detail["group_sizes"] == [3, 2] and detail["num_delegates"] == 3
+    # rows 2*2 + 2*1 vectors, the top group of 3 delegates 2*2, the rows' spreads 2*2 + 2*1
+    assert bandwidth_bound_bytes(facts, size) == 4 * size * (6 + 4 + 6)
+    assert detail["bandwidth_bound_bytes_per_peer"] == round(4 * size * 16 / 6)
+    # one level: no top, no spread
+    single = [{**f, "levels": {"row": "ok"}} for f in facts[:3]]
+    assert bandwidth_bound_bytes(single, size) == 4 * size * 4
 
 
 def test_a_peer_alone_keeps_its_own_vector_and_counts_ready_not_in_group():
