@@ -104,10 +104,11 @@ class AveragerConfig:
             the last row holds (:mod:`averaging.matchmaking.rows`), in seconds. The delegates'
             search of the second level waits at least this long before it closes short of
             ``expected_peers`` (see ``top_quiet_s``).
-        top_round_timeout_s: bound on a round's second level (the delegates' matchmaking and
-            all-reduce; :mod:`averaging.levels`), in seconds; a row member waits at most this
-            long (plus ``request_timeout_s``) for its delegate's word before it keeps its row's
-            mean.
+        top_round_timeout_s: bound on a round's second level past the rows' end (the
+            delegates' matchmaking and all-reduce; :mod:`averaging.levels`), in seconds; the
+            all-reduce has at least ``allreduce_timeout_s`` within the step's bound, the same
+            for every delegate. A row member waits at most both (plus ``request_timeout_s``)
+            for its delegate's word before it keeps its row's mean.
         top_quiet_s: the delegates' search closes once the rows it holds stand for every ready
             peer (``expected_peers``); short of that, past ``row_grace_s``, only once every
             delegate seen is in and no delegate arrived or appeared for this long, in seconds

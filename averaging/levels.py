@@ -12,7 +12,7 @@ When the ready peers do not fit in one group, matchmaking forms balanced rows
    the counts sum to ``N`` (the estimate, or the last whole round's count if larger); short of
    that, only after the rows' deadline and ``top_quiet_s`` (:func:`top_sizes`).
 3. **Spread.** Every member asks its delegate (the ``spread`` request, a long poll bounded by
-   ``top_round_timeout_s``) whether the top round averaged; if so the row all-reduces once more,
+   :func:`top_wait_s`) whether the top round averaged; if so the row all-reduces once more,
    over the same members under a group id derived from the row's, where the delegate weighs 1
    and every other member 0: everyone receives the delegate's values (:mod:`averaging.spread`).
 
@@ -100,7 +100,7 @@ class SecondLevel:
         else:
             # the delegate's top round may wait for the rows still forming (see top_search_s)
             rows_left_s = max(0.0, rows_end - loop.time())
-            wait_s = rows_left_s + self.config.top_round_timeout_s + self.config.request_timeout_s
+            wait_s = rows_left_s + top_wait_s(self.config)
             word = await self.spreads.ask(row, min(wait_s, deadline - loop.time()))
             phase_s["spread_wait"] = loop.time() - start
         spread = None
@@ -136,7 +136,7 @@ class SecondLevel:
         matchmaking_s = loop.time() - start
         if match.group is None:
             return RoundResult("alone", f"no top group either: {match.reason}"[:MAX_REASON_CHARS])
-        top = await self.allreduce(match.group, max(0.001, end - loop.time()))
+        top = await self.allreduce(match.group, top_allreduce_s(self.config, end, deadline))
         reached = sum(match.group.member(p).count for p in top.averaged_with)
         return dataclasses.replace(
             top,
@@ -185,12 +185,33 @@ class SecondLevel:
         phase_s["top_matchmaking"] = loop.time() - start
         if match.group is None:
             return Word(False, "alone", f"the top round found no group: {match.reason}"), None
-        top = await self.allreduce(match.group, max(0.001, end - loop.time()))
+        top = await self.allreduce(
+            match.group, top_allreduce_s(self.config, end, deadline - spread_reserve_s)
+        )
         phase_s["top_allreduce"] = top.allreduce_s
         if not top.averaged:
             return Word(False, top.status, f"top round: {top.reason}"), top
         reached = sum(match.group.member(p).count for p in top.averaged_with)
         return Word(True, top.status, top.reason, min(reached, MAX_COUNT)), top
+
+
+def top_wait_s(config: AveragerConfig) -> float:
+    """How long past the rows' end a member waits for its delegate's word: the top round's
+    search, its all-reduce (:func:`top_allreduce_s`) and the answer's trip."""
+    return config.top_round_timeout_s + config.allreduce_timeout_s + config.request_timeout_s
+
+
+def top_allreduce_s(config: AveragerConfig, end: float, latest: float) -> float:
+    """The top all-reduce's bound from now: ``allreduce_timeout_s`` or the top round's ``end``,
+    whichever is later, never past ``latest`` (the step's deadline less the spread's time).
+
+    Bounded by each delegate's ``end`` (its rows' end plus ``top_round_timeout_s``), the
+    delegates of one top group stopped at different moments: their steps started up to 36 s
+    apart at 256 busy peers, so a delegate whose row formed early closed its part of the
+    all-reduce while the others' parts were on their way ("the round is over"), and the rows
+    kept up to 41 means. Every member gets about the same bound this way."""
+    now = asyncio.get_running_loop().time()
+    return max(0.001, min(max(config.allreduce_timeout_s, end - now), latest - now))
 
 
 def top_search_s(

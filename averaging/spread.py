@@ -85,14 +85,17 @@ class Spreads:
     Args:
         transport: the network (the handler is added here).
         prefix: the averager's name.
-        config: ``top_round_timeout_s`` and ``request_timeout_s`` bound the long poll (at
-            least; a row opened ``until`` a later time is answered until then).
+        config: ``top_round_timeout_s``, ``allreduce_timeout_s`` and ``request_timeout_s``
+            bound the long poll (at least; a row opened ``until`` a later time is answered
+            until then).
     """
 
     def __init__(self, transport, prefix: str, config: AveragerConfig):
         self._transport = transport
         self._name = f"averaging.{prefix}.spread"
-        self._wait_s = config.top_round_timeout_s + config.request_timeout_s
+        self._wait_s = (
+            config.top_round_timeout_s + config.allreduce_timeout_s + config.request_timeout_s
+        )
         # row id: (the members but the delegate, the word, loop time the long poll ends)
         self._rows: dict[str, tuple[frozenset[str], asyncio.Future, float]] = {}
         transport.add_rpc_handler(self._name, self._on_spread)

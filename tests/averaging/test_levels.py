@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 
+from averaging.levels import top_allreduce_s, top_wait_s
 from averaging.matchmaking.rows import (
     RoundPlan,
     bucket_key,
@@ -418,3 +419,18 @@ async def test_rows_formed_apart_by_more_than_the_top_rounds_bound_still_meet(ma
         np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
         assert np.array_equal(peer.tensors[0], first)  # one model, bit for bit
         assert result.num_reached == num_peers
+
+
+async def test_the_top_all_reduce_has_its_own_bound_not_what_the_delegates_search_left():
+    # delegates whose steps started far apart have different ends; each must give the top
+    # all-reduce the same bound, or the earliest closes its part while the others' come
+    config = fast_config(allreduce_timeout_s=30.0)
+    now = asyncio.get_running_loop().time()
+    assert top_allreduce_s(config, end=now + 0.5, latest=now + 100) == pytest.approx(30, abs=0.1)
+    assert top_allreduce_s(config, end=now + 50, latest=now + 100) == pytest.approx(50, abs=0.1)
+    assert top_allreduce_s(config, end=now + 50, latest=now + 10) == pytest.approx(10, abs=0.1)
+    assert top_allreduce_s(config, end=now - 5, latest=now - 1) == 0.001  # out of time
+    # a member waits for its delegate's search and that all-reduce, and the answer
+    assert top_wait_s(config) == pytest.approx(
+        config.top_round_timeout_s + 30.0 + config.request_timeout_s
+    )
