@@ -119,17 +119,18 @@ def rows_and_delegates(facts: list[dict[str, Any]]) -> tuple[dict[str, int], set
 
 
 def bandwidth_bound_bytes(facts: list[dict[str, Any]], size: int) -> int:
-    """The tensor bytes the epoch's group rounds must send at the least, over all its peers: a
-    bandwidth-optimal all-reduce of ``n`` peers sends ``2 (n - 1)`` vectors in all (each peer
-    ``2 (n - 1) / n``), here of ``size`` float32 values, for each row, for the delegates' top
-    group and for each row's spread (an all-reduce too, :mod:`averaging.levels`). Chunk
-    headers and parts sent again are not in it."""
+    """The tensor bytes the epoch's group rounds must send at the least, over all its peers,
+    in vectors of ``size`` float32 values: a bandwidth-optimal all-reduce of ``n`` peers sends
+    ``2 (n - 1)`` vectors in all (each peer ``2 (n - 1) / n``), for each row and for the
+    delegates' top group; a row's spread is a broadcast from its delegate (members of weight 0
+    send no chunks: :mod:`averaging.spread`), a scatter and an all-gather, ``(n - 1)(1 + 1/n)``
+    vectors. Chunk headers and parts sent again are not in it."""
     rows, delegates = rows_and_delegates(facts)
     row_vectors = sum(2 * (n - 1) for n in rows.values())
     two_levels = len(delegates) > 1
     top_vectors = 2 * (len(delegates) - 1) if two_levels else 0
-    spread_vectors = row_vectors if two_levels else 0
-    return 4 * size * (row_vectors + top_vectors + spread_vectors)
+    spread_vectors = sum((n - 1) * (1 + 1 / n) for n in rows.values()) if two_levels else 0
+    return round(4 * size * (row_vectors + top_vectors + spread_vectors))
 
 
 def _spread(replicas: np.ndarray) -> float:

@@ -167,9 +167,11 @@ def test_the_bandwidth_bound_counts_rows_the_top_group_and_the_spread():
     facts.append(fact("c", "gtop", top, row="alone"))  # a row of one reports the top group
     detail = epoch_detail(facts, seed=1, size=size)
     assert detail["group_sizes"] == [3, 2] and detail["num_delegates"] == 3
-    # rows 2*2 + 2*1 vectors, the top group of 3 delegates 2*2, the rows' spreads 2*2 + 2*1
-    assert bandwidth_bound_bytes(facts, size) == 4 * size * (6 + 4 + 6)
-    assert detail["bandwidth_bound_bytes_per_peer"] == round(4 * size * 16 / 6)
+    # rows 2*2 + 2*1 vectors, the top group of 3 delegates 2*2, the rows' spreads (broadcasts
+    # from the delegate: a scatter and an all-gather) 2*(1 + 1/3) + 1*(1 + 1/2)
+    vectors = 6 + 4 + 8 / 3 + 3 / 2
+    assert bandwidth_bound_bytes(facts, size) == round(4 * size * vectors)
+    assert detail["bandwidth_bound_bytes_per_peer"] == round(round(4 * size * vectors) / 6)
     # one level: no top, no spread
     single = [{**f, "levels": {"row": "ok"}} for f in facts[:3]]
     assert bandwidth_bound_bytes(single, size) == 4 * size * 4
