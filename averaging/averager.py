@@ -167,7 +167,6 @@ class DecentralizedAverager:
         target_group_size: int | None = None,
         expected_peers: int | None = None,
         stop_when: Callable[[], str | None] | None = None,
-        swarm_peers: int | None = None,
     ) -> RoundResult:
         """Find a group and average the tensors with it, in place.
 
@@ -191,11 +190,6 @@ class DecentralizedAverager:
                 the search at once with an "alone" result giving that reason. For a caller
                 that learns nobody will come (its epoch's peers moved on) before the
                 matchmaking time is out. Cheap and non-blocking.
-            swarm_peers: with ``expected_peers``, how many peers the swarm counts in all, at
-                every epoch (None: unknown). The delegates' top group of a round of two levels
-                waits for rows standing for about this many (or for its quiet time), so that
-                rows formed last, by peers whose estimate at the epoch lagged, do not make a
-                second top group (a second model).
 
         Returns:
             The round's result; "alone" when no group formed (the tensors are untouched).
@@ -205,7 +199,7 @@ class DecentralizedAverager:
             AveragingError: the averager is closed or has no DHT.
         """
         layout_peers = self._layout.layout_peers(epoch, expected_peers)
-        plan = round_plan(self.config, expected_peers, target_group_size, layout_peers, swarm_peers)
+        plan = round_plan(self.config, expected_peers, target_group_size, layout_peers)
         if timeout_s is None and plan is not None and not plan.single:
             timeout_s = self._default_timeout_s(two_levels=True)
         weight, timeout_s = self._check_step(weight, timeout_s)
@@ -288,14 +282,13 @@ class DecentralizedAverager:
         target_group_size: int | None = None,
         expected_peers: int | None = None,
         stop_when: Callable[[], str | None] | None = None,
-        swarm_peers: int | None = None,
     ) -> RoundResult:
         """:meth:`step` from a thread outside the event loop (the training loop's facade).
 
         Args:
             runner: the event-loop thread this averager's transport runs on.
             weight, epoch, timeout_s, compression, target_group_size, expected_peers,
-                stop_when, swarm_peers: as for :meth:`step`.
+                stop_when: as for :meth:`step`.
 
         Raises:
             PeerTimeoutError: the step did not end within its own bound plus a few seconds.
@@ -311,7 +304,6 @@ class DecentralizedAverager:
             target_group_size=target_group_size,
             expected_peers=expected_peers,
             stop_when=stop_when,
-            swarm_peers=swarm_peers,
         )
         try:
             return runner.run(step, timeout_s=bound_s)

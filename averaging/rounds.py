@@ -21,34 +21,21 @@ def round_plan(
     expected_peers: int | None,
     target_group_size: int | None,
     layout_peers: int | None = None,
-    swarm_peers: int | None = None,
 ) -> RoundPlan | None:
     """How a round of ``expected_peers`` goes (None: unknown, groups as the config says), its
-    matchmaking keys laid out for ``layout_peers`` when given (:class:`LayoutMemory`), its
-    delegates waiting for about ``swarm_peers`` (:func:`averaging.matchmaking.rows.swarm_count`).
-
-    Raises:
-        ConfigError: ``expected_peers`` or ``swarm_peers`` is not an integer >= 1.
-    """
+    matchmaking keys laid out for ``layout_peers`` when given (:class:`LayoutMemory`)."""
     if expected_peers is None:
         return None
-    expected_peers = _count("expected_peers", expected_peers)
-    if swarm_peers is not None:
-        swarm_peers = _count("swarm_peers", swarm_peers)
-    group_size = min(target_group_size or config.target_group_size, MAX_GROUP_SIZE)
-    return RoundPlan.of(expected_peers, group_size, config.row_grace_s, layout_peers, swarm_peers)
-
-
-def _count(name: str, value: object) -> int:
     try:
-        if isinstance(value, bool):
+        if isinstance(expected_peers, bool):
             raise TypeError
-        value = operator.index(value)  # numpy integers too
+        expected_peers = operator.index(expected_peers)  # numpy integers too
     except TypeError:
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-    if value < 1:
-        raise ConfigError(f"{name} must be >= 1, got {value}")
-    return value
+        raise ConfigError(f"expected_peers must be an integer, got {expected_peers!r}") from None
+    if expected_peers < 1:
+        raise ConfigError(f"expected_peers must be >= 1, got {expected_peers}")
+    group_size = min(target_group_size or config.target_group_size, MAX_GROUP_SIZE)
+    return RoundPlan.of(expected_peers, group_size, config.row_grace_s, layout_peers)
 
 
 @dataclass

@@ -111,20 +111,6 @@ def layout_split_fraction(layouts: Iterable[Mapping[int, int]]) -> float | None:
     return round(split / total, 4) if total else None
 
 
-def swarm_count(swarm_peers: int) -> int:
-    """The count the delegates' search waits for when the swarm counts ``swarm_peers`` peers
-    in all: that, less the estimate's noise (``sqrt``), so that an estimate a few peers high
-    does not hold every round to the quiet time.
-
-    The estimate at the round's epoch lags: at 256 light peers whose steps started up to 36 s
-    apart it read 220-248, the top group closed at 230 with every delegate it had seen, and
-    the rows that formed last (26 peers) made a second top group, a second model; the next
-    epoch remembered 230 as the whole round's count and closed there again."""
-    if swarm_peers <= 0:
-        return 0
-    return max(1, swarm_peers - math.isqrt(swarm_peers))
-
-
 @dataclass(frozen=True)
 class SizePlan:
     """When a leader closes its group: at ``target`` members, or after ``grace_s`` with at least
@@ -208,9 +194,6 @@ class RoundPlan:
             laid out for (:class:`averaging.rounds.LayoutMemory`); the delegates' search waits
             for at least this many (:meth:`top_sizes`), and a round takes two levels when it
             is more than a group (:attr:`single`). The rows follow the estimate.
-        swarm_peers: peers the swarm counts in all, at every epoch (0: unknown); the
-            delegates' search waits for rows standing for about this many too
-            (:func:`swarm_count`).
     """
 
     num_peers: int
@@ -218,21 +201,15 @@ class RoundPlan:
     buckets: int
     grace_s: float
     whole_peers: int = 0
-    swarm_peers: int = 0
 
     @classmethod
     def of(
-        cls,
-        num_peers: int,
-        group_size: int,
-        grace_s: float,
-        layout_peers: int | None = None,
-        swarm_peers: int | None = None,
+        cls, num_peers: int, group_size: int, grace_s: float, layout_peers: int | None = None
     ) -> RoundPlan:
         """The plan for ``num_peers``, its keys laid out for ``layout_peers`` when given (a
         count the round's peers share, where their own estimates differ)."""
         buckets = num_buckets(layout_peers or num_peers, group_size)
-        return cls(num_peers, group_size, buckets, grace_s, layout_peers or 0, swarm_peers or 0)
+        return cls(num_peers, group_size, buckets, grace_s, layout_peers or 0)
 
     @property
     def planned_peers(self) -> int:
@@ -281,6 +258,6 @@ class RoundPlan:
             2,
             self.grace_s,
             wait_for_seen=True,
-            expected_count=max(self.planned_peers, swarm_count(self.swarm_peers)),
+            expected_count=self.planned_peers,
             quiet_s=quiet_s,
         )

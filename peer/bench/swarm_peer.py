@@ -46,8 +46,6 @@ DHT_RPC_PREFIX = "dht."
 STEP_TAKES_EXPECTED_PEERS = (
     "expected_peers" in inspect.signature(DecentralizedAverager.step).parameters
 )
-# and the swarm's count in all (older code, run as a baseline, takes neither)
-STEP_TAKES_SWARM_PEERS = "swarm_peers" in inspect.signature(DecentralizedAverager.step).parameters
 
 
 def peers_at(swarm: GlobalProgress, epoch: int) -> int:
@@ -216,10 +214,7 @@ class SwarmPeer:
 
     def _group_hint(self, num_at_epoch: int) -> dict[str, int]:
         if STEP_TAKES_EXPECTED_PEERS:
-            hint = {"expected_peers": num_at_epoch}
-            if STEP_TAKES_SWARM_PEERS and self.last_estimate is not None:
-                hint["swarm_peers"] = max(1, round(self.last_estimate.num_peers))
-            return hint
+            return {"expected_peers": num_at_epoch}
         config = self.spec.averager
         size = max(config.min_group_size, min(num_at_epoch, config.target_group_size))
         return {"target_group_size": size}

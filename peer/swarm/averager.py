@@ -31,8 +31,7 @@ class SwarmAverager:
     The averager was built over the optimizer's fixed buffers, so ``tensors`` must be those.
     The blocking call is charged to ``matchmaking``; the all-reduce's share, which the
     averager reports when it returns, then moves to ``allreduce``. ``expected_peers`` (the
-    peers known to be at this epoch) goes to the averager, with ``swarm_peers`` (the peers
-    the swarm counts in all, the count its top group waits for): one group when they fit in one,
+    peers known to be at this epoch) goes to the averager: one group when they fit in one,
     else balanced rows whose means are averaged again so that every row ends with the same
     model (:mod:`averaging.levels`). ``moved_on`` (the swarm's epoch once it has left the
     round's epoch for good, else None) ends a search for a group as soon as it says so: an
@@ -61,7 +60,6 @@ class SwarmAverager:
         timeout_s: float,
         expected_peers: int,
         moved_on: Callable[[], int | None] | None = None,
-        swarm_peers: int | None = None,
     ) -> RoundResult:
         self._check(tensors)
         with self.clock.phase("matchmaking"):
@@ -73,7 +71,6 @@ class SwarmAverager:
                     timeout_s=timeout_s,
                     expected_peers=max(1, expected_peers),
                     stop_when=None if moved_on is None else _stop_when(moved_on),
-                    swarm_peers=None if swarm_peers is None else max(1, swarm_peers),
                 )
             except AveragingError as e:
                 return failed(epoch, str(e) or type(e).__name__)
@@ -88,7 +85,6 @@ class SwarmAverager:
         epoch: int,
         timeout_s: float,
         expected_peers: int,
-        swarm_peers: int | None = None,
     ) -> PendingRound:
         """Start a round in the background; the tensors must stay untouched until it ends."""
         self._check(tensors)
@@ -97,7 +93,6 @@ class SwarmAverager:
             epoch=epoch,
             timeout_s=timeout_s,
             expected_peers=max(1, expected_peers),
-            swarm_peers=None if swarm_peers is None else max(1, swarm_peers),
         )
         future = self.loop_thread.submit(asyncio.wait_for(step, timeout_s + FACADE_SLACK_S))
         return PendingRound(self, future, epoch)

@@ -239,7 +239,6 @@ class CollaborativeOptimizer:
             epoch=self.epoch,
             timeout_s=self.config.averaging_timeout_s,
             expected_peers=self._readiness.num_at_epoch,
-            swarm_peers=self._readiness.num_peers,
         )
         if self._overlaps and not self._readiness.alone:
             self._pending = self.averager.start_average(tensors, **round_args)

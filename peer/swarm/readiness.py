@@ -28,7 +28,6 @@ class Readiness:
     Attributes:
         num_at_epoch: the peers at this peer's epoch by the estimate counted last (itself
             included).
-        num_peers: the peers the swarm counts in all, at every epoch, by that estimate.
         alone: whether nobody else is at this peer's epoch.
         late_epoch: the epoch whose round this peer joined late (see :meth:`behind`); -1 none.
     """
@@ -39,7 +38,6 @@ class Readiness:
         self.alone = False
         self.late_epoch = -1
         self.num_at_epoch = 1
-        self.num_peers = 1
 
     def behind(self, swarm: GlobalProgress, epoch: int) -> bool:
         """Whether to load the swarm's state: more than one epoch behind, or one behind with
@@ -85,7 +83,6 @@ class Readiness:
         # nobody else at this epoch: a round would only wait out matchmaking for a group of one
         # (``num_at`` scales a large swarm's sample of records up to the whole swarm)
         self.num_at_epoch = swarm.num_at(epoch)
-        self.num_peers = max(1, round(swarm.num_peers))
         self.alone = self.num_at_epoch <= 1
 
 

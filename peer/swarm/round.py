@@ -48,12 +48,9 @@ class TensorAverager(Protocol):
         timeout_s: float,
         expected_peers: int,
         moved_on: Callable[[], int | None] | None = None,
-        swarm_peers: int | None = None,
     ) -> RoundResult:
         """``moved_on``: asked while looking for a group; an epoch once the swarm has left
-        this one (nobody will come), which ends the search at once ("alone").
-        ``swarm_peers``: the peers the swarm counts in all (the count a top group waits
-        for)."""
+        this one (nobody will come), which ends the search at once ("alone")."""
         ...
 
     def start_average(
@@ -64,7 +61,6 @@ class TensorAverager(Protocol):
         epoch: int,
         timeout_s: float,
         expected_peers: int,
-        swarm_peers: int | None = None,
     ) -> PendingRound:
         """Start a round in the background (delayed updates); the tensors stay untouched until
         it ends."""

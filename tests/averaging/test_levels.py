@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 
-from averaging.errors import ConfigError
 from averaging.levels import top_allreduce_s, top_wait_s
 from averaging.matchmaking.rows import (
     RoundPlan,
@@ -21,10 +20,9 @@ from averaging.matchmaking.rows import (
     row_floor,
     row_target,
     surely_in_bucket,
-    swarm_count,
 )
 from averaging.matchmaking.search import MatchResult
-from averaging.rounds import round_plan, row_search
+from averaging.rounds import row_search
 from averaging.spread import Spreads, Word, spread_group
 from tests.averaging.conftest import exact_mean, fast_config, make_group, sharded_round_config
 
@@ -146,53 +144,6 @@ async def test_a_top_leader_whose_count_of_n_is_low_waits_for_the_delegates_it_s
     for i in (3, 4):
         search.term.followers[member(i).peer_id] = Follower(member(i), 100.0, 0.0, True)
     assert search.should_close(now=0.5, min_group_size=2)  # everyone seen is in
-
-
-async def test_a_top_leader_waits_for_rows_standing_for_the_swarm_not_only_its_epoch():
-    """Issue 24 at 256 light peers: the estimate at the epoch lagged (220-248), the top group
-    closed at 230 with every delegate it had seen, and the rows formed last made a second top
-    group. With the swarm's count in all (``swarm_peers``) it waits for them, or goes quiet."""
-    from averaging.matchmaking.group import GroupMember
-    from averaging.matchmaking.search import Follower, Search, rank_of
-    from averaging.rules.compression import Compression
-
-    def member(i: int) -> GroupMember:
-        return GroupMember(f"{i:064x}", f"http://127.0.0.1:{9000 + i}", 1.0, 1.0, count=4)
-
-    assert swarm_count(0) == 0 and swarm_count(20) == 16 and swarm_count(256) == 240
-    plan = RoundPlan.of(12, 4, 1.0, swarm_peers=20)  # 3 rows at the epoch, 5 in the swarm
-    assert RoundPlan.of(12, 4, 1.0).top_sizes(quiet_s=2.0).expected_count == 12
-    me = member(0)
-
-    def leader() -> Search:
-        sizes = plan.top_sizes(quiet_s=2.0)
-        rank = rank_of("k.top", me.peer_id)
-        search = Search("k.top", me, 10, Compression.NONE, 100.0, rank, 4, sizes=sizes)
-        search.started = search.last_arrival = 0.0
-        search.lead()
-        search.see([member(i).peer_id for i in (1, 2)], now=0.0)
-        search.resize()
-        for i in (1, 2):  # the epoch's 12 are in, and every delegate seen
-            search.term.followers[member(i).peer_id] = Follower(member(i), 100.0, 0.0, True)
-        return search
-
-    search = leader()
-    assert not search.should_close(now=0.5, min_group_size=2)  # 12 of about 16: wait
-    assert search.should_close(now=3.1, min_group_size=2)  # nobody came: the quiet time
-    search = leader()
-    search.see([member(i).peer_id for i in (3, 4)], now=1.5)  # the rows formed last
-    for i in (3, 4):
-        search.term.followers[member(i).peer_id] = Follower(member(i), 100.0, 1.5, True)
-    assert search.should_close(now=1.6, min_group_size=2)  # 20 counted: at once
-
-
-def test_a_bad_swarm_count_is_a_config_error_naming_it():
-    config = fast_config()
-    with pytest.raises(ConfigError, match="swarm_peers must be >= 1"):
-        round_plan(config, 10, None, swarm_peers=0)
-    with pytest.raises(ConfigError, match="swarm_peers must be an integer"):
-        round_plan(config, 10, None, swarm_peers=True)
-    assert round_plan(config, 10, None, swarm_peers=np.int64(40)).swarm_peers == 40
 
 
 def test_the_delegates_answer_is_parsed_as_hostile():

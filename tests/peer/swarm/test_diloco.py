@@ -56,7 +56,7 @@ class OtherPeer:
         self.sent.append(tensors[0].clone())
         return self._mix(tensors)
 
-    def start_average(self, tensors, *, weight, epoch, timeout_s, expected_peers, swarm_peers=None):
+    def start_average(self, tensors, *, weight, epoch, timeout_s, expected_peers):
         self.sent.append(tensors[0].clone())
         owner = self
 
