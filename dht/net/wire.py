@@ -92,7 +92,9 @@ def unpack(data: bytes | memoryview, limits: MessageLimits, *, tuples: bool = Fa
     except msgpack.ExtraData as e:
         raise BadMessageError("trailing bytes after msgpack message") from e
     except (ValueError, msgpack.UnpackException, RecursionError, TypeError) as e:
-        raise BadMessageError(f"malformed msgpack: {e}") from e
+        # some errors have no message (a reserved byte: FormatError()); a reason that ended in
+        # ": " lost its last space on the way, as HTTP reason phrases do
+        raise BadMessageError(f"malformed msgpack: {str(e) or type(e).__name__}") from e
     _check_depth(obj, limits.max_msgpack_depth)
     return obj
 

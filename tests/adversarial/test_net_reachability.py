@@ -5,6 +5,7 @@ burst and rate, refuses the rest with 429, and keeps serving the honest nodes.""
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 
 import pytest
@@ -43,11 +44,26 @@ class Listener:
         self.server.close()
 
 
+async def listeners_on_one_port() -> tuple[Listener, Listener, int]:
+    """The attacker's listener and a third party's on the same port: the port the first got
+    may be taken on the second address (another test's socket there), so try another."""
+    for _ in range(20):
+        own, victim = Listener(), Listener()
+        port = await own.start(ATTACKER_HOST)
+        try:
+            await victim.start(VICTIM_HOST, port)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            own.close()
+            continue
+        return own, victim, port
+    raise AssertionError("no port free on both addresses in 20 tries")
+
+
 async def test_dial_back_cannot_be_aimed_at_others_nor_flooded(node_processes):  # noqa: F811
     a, b = await node_processes(2)
-    own, victim = Listener(), Listener()
-    port = await own.start(ATTACKER_HOST)
-    await victim.start(VICTIM_HOST, port)  # the same port on a third party's address
+    own, victim, port = await listeners_on_one_port()
     try:
         async with WireClient(local_host=ATTACKER_HOST) as attacker:
             session = await attacker.hello(a.address)
