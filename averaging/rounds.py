@@ -106,16 +106,17 @@ def row_search(
         return base, SearchOptions(sizes=SizePlan(target))
     exact = config.aggregation is Aggregation.MEAN  # see averaging.levels
     top_rows = min(plan.num_rows, MAX_GROUP_SIZE) if exact else 0
+    seed = seed or base
     under_key = None
     if plan.buckets > 1:  # partners of other buckets never come here
-        mine = bucket_of(seed or base, peer_id, plan.buckets)
-        under_key = functools.partial(_in_bucket, seed or base, plan.buckets, mine)
+        mine = bucket_of(seed, peer_id, plan.buckets)
+        under_key = functools.partial(_in_bucket, seed, plan.buckets, mine)
     options = SearchOptions(sizes=plan.row_sizes(), top_rows=top_rows, under_key=under_key)
     return bucket_key(base, peer_id, plan.buckets, seed), options
 
 
-def _in_bucket(base: str, buckets: int, bucket: int, peer_id: str) -> bool:
-    return bucket_of(base, peer_id, buckets) == bucket
+def _in_bucket(seed: str, buckets: int, bucket: int, peer_id: str) -> bool:
+    return bucket_of(seed, peer_id, buckets) == bucket
 
 
 def result_of(

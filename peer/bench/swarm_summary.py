@@ -82,7 +82,9 @@ def epoch_detail(
         ),
         "group_sizes": sorted(groups.values(), reverse=True),
         "num_delegates": len(delegates),
-        "bandwidth_bound_bytes_per_peer": round(bandwidth_bound_bytes(facts, size) / len(facts)),
+        "bandwidth_bound_bytes_per_peer": round(
+            bandwidth_bound_bytes(groups.values(), len(delegates), size) / len(facts)
+        ),
         "layouts": dict(sorted(Counter(key_buckets(f["search_key"]) for f in facts).items())),
         "expected_peers_p50": statistics.median(f["expected_peers"] for f in facts),
         "replica_spread": spread,
@@ -118,18 +120,19 @@ def rows_and_delegates(facts: list[dict[str, Any]]) -> tuple[dict[str, int], set
     return rows, delegates
 
 
-def bandwidth_bound_bytes(facts: list[dict[str, Any]], size: int) -> int:
-    """The tensor bytes the epoch's group rounds must send at the least, over all its peers,
-    in vectors of ``size`` float32 values: a bandwidth-optimal all-reduce of ``n`` peers sends
-    ``2 (n - 1)`` vectors in all (each peer ``2 (n - 1) / n``), for each row and for the
-    delegates' top group; a row's spread is a broadcast from its delegate (members of weight 0
-    send no chunks: :mod:`averaging.spread`), a scatter and an all-gather, ``(n - 1)(1 + 1/n)``
-    vectors. Chunk headers and parts sent again are not in it."""
-    rows, delegates = rows_and_delegates(facts)
-    row_vectors = sum(2 * (n - 1) for n in rows.values())
-    two_levels = len(delegates) > 1
-    top_vectors = 2 * (len(delegates) - 1) if two_levels else 0
-    spread_vectors = sum((n - 1) * (1 + 1 / n) for n in rows.values()) if two_levels else 0
+def bandwidth_bound_bytes(row_sizes: Iterable[int], num_delegates: int, size: int) -> int:
+    """The tensor bytes an epoch's group rounds must send at the least, over all its peers,
+    in vectors of ``size`` float32 values (rows and delegates: :func:`rows_and_delegates`): a
+    bandwidth-optimal all-reduce of ``n`` peers sends ``2 (n - 1)`` vectors in all (each peer
+    ``2 (n - 1) / n``), for each row and for the delegates' top group; a row's spread is a
+    broadcast from its delegate (members of weight 0 send no chunks: :mod:`averaging.spread`),
+    a scatter and an all-gather, ``(n - 1)(1 + 1/n)`` vectors. Chunk headers and parts sent
+    again are not in it."""
+    row_sizes = list(row_sizes)
+    row_vectors = sum(2 * (n - 1) for n in row_sizes)
+    two_levels = num_delegates > 1
+    top_vectors = 2 * (num_delegates - 1) if two_levels else 0
+    spread_vectors = sum((n - 1) * (1 + 1 / n) for n in row_sizes) if two_levels else 0
     return round(4 * size * (row_vectors + top_vectors + spread_vectors))
 
 
@@ -217,7 +220,7 @@ def summarize(collected: dict[str, Any], config: dict[str, Any]) -> dict[str, An
             round(statistics.mean(f["bytes_sent"] for f in measured)) if measured else None
         ),
         # the same at the least the rounds' groups required (bandwidth_bound_bytes), and the
-        # ratio of the two: chunk headers, parts sent again, a spread that is an all-reduce
+        # ratio of the two: chunk headers and parts sent again put it over 1, parts lost under
         "bandwidth_bound_bytes_per_peer_per_round": (
             round(statistics.mean(d["bandwidth_bound_bytes_per_peer"] for d in details))
             if details

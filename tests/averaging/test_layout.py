@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
 
 from averaging.matchmaking.rows import RoundPlan, bucket_key, key_buckets, layout_split_fraction
 from averaging.result import RoundResult
-from averaging.rounds import LayoutMemory
-from tests.averaging.conftest import exact_mean, sharded_round_config
+from averaging.rounds import LayoutMemory, row_search
+from tests.averaging.conftest import exact_mean, fast_config, sharded_round_config
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -178,3 +179,28 @@ async def test_an_estimate_short_of_the_last_whole_group_waits_for_it(make_swarm
     one group holds them all."""
     results = await rounds_after_a_whole_one(make_swarm, 8, [4, 3, 5, 4, 4, 3, 4, 5], seed=13)
     assert [len(r.members) for r in results] == [8] * 8
+
+
+def test_a_peer_meets_the_same_bucket_every_round_under_a_new_key():
+    """Buckets drawn per epoch split every row of the last round over the next round's
+    buckets; partners then led rows of their own in each (64 light peers: 7 to 12 rows per
+    round where 4 or 5 hold them). Drawn from the run's key, the rows a swarm formed meet
+    again, under keys that still change every round."""
+    config = fast_config()
+    peers = [hashlib.sha256(bytes([i])).hexdigest() for i in range(64)]
+    plan = RoundPlan.of(256, 16, 1.0)
+    seed = "run.mm"
+
+    def bucket(peer: str, epoch: int) -> str:
+        key, options = row_search(config, peer, f"run.mm.{epoch}", plan, seed)
+        assert key.startswith(f"run.mm.{epoch}.b8.")
+        assert options.under_key(peer)  # its partners of the same bucket keep their seats
+        return key.rsplit(".", 1)[1]
+
+    for peer in peers:
+        assert len({bucket(peer, epoch) for epoch in range(5)}) == 1
+    assert len({bucket(peer, 0) for peer in peers}) == 8  # every bucket is used
+    # when the layout doubles, a bucket splits in two: half of a row still meets
+    for peer in peers:
+        of_16 = int(bucket_key("run.mm.7", peer, 16, seed).rsplit(".", 1)[1])
+        assert str(of_16 % 8) == bucket(peer, 7)

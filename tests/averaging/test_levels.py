@@ -7,7 +7,6 @@ against the weighted mean in float64.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 
 import numpy as np
@@ -22,7 +21,6 @@ from averaging.matchmaking.rows import (
     surely_in_bucket,
 )
 from averaging.matchmaking.search import MatchResult
-from averaging.rounds import row_search
 from averaging.spread import Spreads, Word, spread_group
 from tests.averaging.conftest import exact_mean, fast_config, make_group, sharded_round_config
 
@@ -72,31 +70,6 @@ def test_rows_are_balanced_and_the_key_is_sharded_only_for_large_rounds():
     assert sizes.resized(20).target == 16 and sizes.resized(20).floor == 10
     # seeing few of the 32 expected (the others start later): no row of 3 past the grace
     assert surely_in_bucket(32) == 20 and sizes.resized(3).floor == 10
-
-
-def test_a_peer_meets_the_same_bucket_every_round_under_a_new_key():
-    """Buckets drawn per epoch split every row of the last round over the next round's
-    buckets; partners then led rows of their own in each (64 light peers: 7 to 12 rows per
-    round where 4 or 5 hold them). Drawn from the run's key, the rows a swarm formed meet
-    again, under keys that still change every round."""
-    config = fast_config()
-    peers = [hashlib.sha256(bytes([i])).hexdigest() for i in range(64)]
-    plan = RoundPlan.of(256, 16, 1.0)
-    seed = "run.mm"
-
-    def bucket(peer: str, epoch: int) -> str:
-        key, options = row_search(config, peer, f"run.mm.{epoch}", plan, seed)
-        assert key.startswith(f"run.mm.{epoch}.b8.")
-        assert options.under_key(peer)  # its partners of the same bucket keep their seats
-        return key.rsplit(".", 1)[1]
-
-    for peer in peers:
-        assert len({bucket(peer, epoch) for epoch in range(5)}) == 1
-    assert len({bucket(peer, 0) for peer in peers}) == 8  # every bucket is used
-    # when the layout doubles, a bucket splits in two: half of a row still meets
-    for peer in peers:
-        of_16 = int(bucket_key("run.mm.7", peer, 16, seed).rsplit(".", 1)[1])
-        assert str(of_16 % 8) == bucket(peer, 7)
 
 
 def test_rows_are_sized_from_the_peers_left_once_formed_groups_are_known():

@@ -170,11 +170,12 @@ def test_the_bandwidth_bound_counts_rows_the_top_group_and_the_spread():
     # rows 2*2 + 2*1 vectors, the top group of 3 delegates 2*2, the rows' spreads (broadcasts
     # from the delegate: a scatter and an all-gather) 2*(1 + 1/3) + 1*(1 + 1/2)
     vectors = 6 + 4 + 8 / 3 + 3 / 2
-    assert bandwidth_bound_bytes(facts, size) == round(4 * size * vectors)
+    assert bandwidth_bound_bytes([3, 2], 3, size) == round(4 * size * vectors)
     assert detail["bandwidth_bound_bytes_per_peer"] == round(round(4 * size * vectors) / 6)
     # one level: no top, no spread
     single = [{**f, "levels": {"row": "ok"}} for f in facts[:3]]
-    assert bandwidth_bound_bytes(single, size) == 4 * size * 4
+    assert epoch_detail(single, seed=1, size=size)["num_delegates"] == 0
+    assert bandwidth_bound_bytes([3], 0, size) == 4 * size * 4
 
 
 def test_a_peer_alone_keeps_its_own_vector_and_counts_ready_not_in_group():
