@@ -39,6 +39,7 @@ from averaging.rules.compression import UINT8_BLOCK, Compression
 from averaging.rules.robust import Aggregation
 from dht.errors import DHTError
 from dht.identity import is_peer_id
+from dht.net.schema import is_relayed_path
 
 MAX_GROUP_SIZE = 256
 MAX_COUNT = MAX_GROUP_SIZE * MAX_GROUP_SIZE  # peers one member of a second-level group stands for
@@ -71,6 +72,11 @@ class GroupMember:
     @property
     def client_mode(self) -> bool:
         return self.address is None
+
+    @property
+    def relayed(self) -> bool:
+        """Whether it is reached through a relay (``.../v2/relay/{peer id}``)."""
+        return self.address is not None and is_relayed_path(urlsplit(self.address).path)
 
     def to_wire(self) -> dict[str, Any]:
         wire = {"peer": self.peer_id, "addr": self.address, "bw": self.bandwidth, "w": self.weight}
@@ -220,12 +226,19 @@ class GroupInfo:
         """Each member's part (:meth:`parts`) cut into its streams' slices
         (:func:`averaging.matchmaking.partition.split_streams`); an empty part has no slice.
 
+        A relayed reducer's part takes one stream whatever :attr:`num_streams` says: every
+        stream to it crosses its relay's one tunnel (more flows add nothing there), and each
+        holds one of the few request slots the relay gives a caller's address
+        (``max_relayed_requests_per_address``): two senders behind one address with four
+        streams each filled them, and the next request was refused.
+
         Raises:
             ProtocolViolation: no member can reduce.
         """
+        parts = self.parts(total_numel)
         return [
-            split_streams(part, self.num_streams) if part.numel else []
-            for part in self.parts(total_numel)
+            split_streams(part, 1 if member.relayed else self.num_streams) if part.numel else []
+            for part, member in zip(parts, self.members, strict=True)
         ]
 
     def weights(self) -> dict[str, float]:

@@ -209,6 +209,16 @@ class StateServer:
             )
 
     async def _digest_and_announce(self) -> None:
+        # A snapshot queued while the announcement is on its way finds this task running and
+        # starts none: it is digested here, or it waited for an epoch that might never come.
+        while await self._digest_pending():
+            await self.announce()
+            if not self._pending:
+                return
+
+    async def _digest_pending(self) -> bool:
+        """Digest every queued snapshot, and those queued until ``MIN_ANNOUNCE_GAP_S`` after
+        the last announcement; whether there is something new to announce."""
         loop = asyncio.get_running_loop()
         while True:
             while self._pending:
@@ -219,7 +229,7 @@ class StateServer:
                     )
                 except Exception:  # a bug, not a peer's fault: say so, keep serving
                     logger.exception("cannot digest the state of epoch %d", snapshot.epoch)
-                    return
+                    return False
                 finally:
                     self._digesting = None
                 self._schedule.measured(cost_s)
@@ -239,10 +249,10 @@ class StateServer:
                 continue
             except TimeoutError:
                 pass
-            if self.served is self._digested:  # nothing came: the digests are all taken
-                return  # the periodic announcement (more frequent than the gap) published it
-            break
-        await self.announce()
+            # nothing came: the periodic announcement (more frequent than the gap) may have
+            # published every digest already
+            return self.served is not self._digested
+        return True
 
     async def settle(self) -> None:
         """Wait until the last snapshot handed over is digested and announced (at most

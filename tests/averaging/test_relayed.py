@@ -5,7 +5,6 @@ every byte of them through the relay."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import numpy as np
 import pytest
@@ -66,7 +65,14 @@ async def test_two_relayed_peers_and_their_relay_average_to_the_exact_mean(
     rng = np.random.default_rng(7)
     vectors = [rng.standard_normal(300_000).astype(np.float32) for _ in range(3)]
     weights = [1.0, 2.0, 5.0]
-    config = dataclasses.replace(fast_config(target_group_size=3), relayed_reduces=relayed_reduces)
+    # four streams per pair, as the automatic choice takes on a slow link: a relayed reducer
+    # still gets one per sender (they all cross its one tunnel, and each holds a relay slot)
+    config = fast_config(
+        target_group_size=3,
+        relayed_reduces=relayed_reduces,
+        max_streams_per_pair=4,
+        streams_per_pair=4,
+    )
     peers = await relayed_swarm(vectors, config)
     relay = peers[0].transport
     assert all(p.transport.relayed for p in peers[1:]) and not relay.relayed

@@ -114,6 +114,18 @@ def test_the_group_carries_its_number_of_streams_and_a_follower_bounds_it():
         check_offered(group, **offered, **common, max_streams=2)
 
 
+def test_a_relayed_reducers_part_takes_one_stream():
+    # each stream to a relayed peer holds one of the few slots its relay gives a caller's address
+    relayed = GroupMember("b" * 64, "http://relay:1/v2/relay/" + "b" * 64, 1.0, 1.0)
+    direct = GroupMember("c" * 64, "http://h:2", 1.0, 1.0)
+    client = GroupMember("d" * 64, None, 1.0, 1.0)
+    assert relayed.relayed and not direct.relayed and not client.relayed
+    group = GroupInfo("g1", (relayed, direct, client), chunk_numel=1024, num_streams=4)
+    slices = group.stream_parts(100_000)
+    assert [len(s) for s in slices] == [1, 4, 0]
+    assert slices[0] == [group.parts(100_000)[0]]
+
+
 def test_the_part_header_names_its_stream():
     header = PartHeader("g", 1, 2.5, 100, "uint8", 1024, stream=2)
     assert PartHeader.from_wire(header.to_wire()) == header

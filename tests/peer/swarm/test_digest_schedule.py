@@ -174,3 +174,28 @@ async def test_epochs_faster_than_the_announcement_gap_each_get_their_digest():
             await asyncio.sleep(0.03)
         await donor.settle()
         assert [d.epoch for d in donor.digests] == list(range(5, 21))  # the last MAX_DIGESTS
+
+
+async def test_a_snapshot_handed_over_while_the_announcement_is_on_its_way_is_announced():
+    # the store of an announcement outlasting an epoch (a loaded host, a slow DHT): the snapshot
+    # queued meanwhile found the digest task still running and was left in its queue
+    state = trained_state(3)
+    async with AsyncExitStack() as stack:
+        _, _, donor = await stack.enter_async_context(peer([]))
+        announce, announcing = donor.announce, asyncio.Event()
+
+        async def slow_announce() -> None:
+            announcing.set()
+            await asyncio.sleep(1.0)
+            await announce()
+
+        donor.announce = slow_announce
+        donor.update(StateSnapshot.capture(1, state))
+        await asyncio.wait_for(announcing.wait(), 10)
+        donor.update(StateSnapshot.capture(2, state))
+        for _ in range(100):
+            if donor.served is not None and donor.served.epoch == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert [d.epoch for d in donor.digests] == [1, 2]
+        assert donor.served.epoch == 2
