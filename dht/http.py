@@ -182,6 +182,7 @@ class HttpTransport:
         client_ssl = ssl.create_default_context(cafile=cfg.tls_ca_file) if cfg.tls_ca_file else None
         connector = aiohttp.TCPConnector(
             limit=0,
+            keepalive_timeout=cfg.client_keepalive_s,
             ssl=client_ssl if client_ssl else True,
             local_addr=(cfg.source_host, 0) if cfg.source_host else None,
         )
