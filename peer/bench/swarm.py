@@ -60,6 +60,8 @@ class SwarmBenchConfig:
             merged).
         matchmaking_store_replicas: ``AveragerConfig.store_replicas`` (None: every replica
             written).
+        max_keys_read_per_interval: ``ProgressConfig.max_keys_read_per_interval`` (None: every
+            interval reads its keys, however many).
         max_publish_gap_s: ``ProgressConfig.max_publish_gap_s`` (None: a record stored every
             interval).
         matchmaking_time_s: the averager's bound on looking for a group, in seconds (None: 5,
@@ -101,6 +103,7 @@ class SwarmBenchConfig:
     matchmaking_read_replicas: int | None = AveragerConfig().read_replicas
     matchmaking_store_replicas: int | None = AveragerConfig().store_replicas
     max_publish_gap_s: float | None = progress_default("max_publish_gap_s")
+    max_keys_read_per_interval: int | None = progress_default("max_keys_read_per_interval")
     matchmaking_time_s: float | None = None
     allreduce_timeout_s: float = 30.0
     min_deadline_s: float | None = None
@@ -125,7 +128,7 @@ class SwarmBenchConfig:
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
         for name in ("seconds", "matchmaking_time_s", "min_deadline_s", "rpc_timeout_s",
-                     "timeout_s", "max_publish_gap_s"):  # fmt: skip
+                     "timeout_s", "max_publish_gap_s", "max_keys_read_per_interval"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {value}")
@@ -211,6 +214,7 @@ class SwarmBenchConfig:
                 "read_replicas": self.read_replicas,
                 "store_replicas": self.store_replicas,
                 "max_publish_gap_s": self.max_publish_gap_s,
+                "max_keys_read_per_interval": self.max_keys_read_per_interval,
             },
             "averager": {
                 "target_group_size": self.target_group_size,

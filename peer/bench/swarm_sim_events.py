@@ -22,6 +22,7 @@ the swarm keeps the tallies that :mod:`peer.bench.swarm_sim` turns into figures.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from averaging.rounds import LayoutMemory
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
 from peer.records.progress_read import levels_beside, newest_per_peer, probe_count
-from peer.swarm.progress import publish_due, record_lifetime_s
+from peer.swarm.progress import publish_due, read_interval_s, record_lifetime_s
 from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
 from peer.swarm.progress_sample import (
     Reprobe,
@@ -84,6 +85,8 @@ class SimPeer:
     published: tuple | None = None  # what the tracker last stored (progress.publish_due)
     cycles_s: deque = field(default_factory=lambda: deque(maxlen=4))  # its refresh cycles
     last_tick_s: float | None = None
+    last_read_s: float = -math.inf  # the last read's start (progress.read_interval_s)
+    num_keys_read: int = 0  # by the last read
     reprobe: Reprobe | None = None  # set at join (the config's interval)
     met_epoch: int | None = None  # the last epoch at which it met another peer
 
@@ -216,7 +219,8 @@ class SimSwarm:
         return max(sizes.values())
 
     def tick(self, peer: SimPeer, now: float) -> None:
-        """Publish at the levels written, read the planned buckets, estimate, decide."""
+        """Publish at the levels written, read the planned buckets (every few ticks where
+        they are more than an interval's keys), estimate, decide."""
         # a busy host: the next refresh starts up to busy_s late (its DHT requests queue)
         late_s = self.rng.uniform(0.0, self.busy_s) if self.busy_s else 0.0
         self.schedule(now + self.config.publish_interval_s + late_s, "tick", peer.peer_id)
@@ -226,19 +230,21 @@ class SimSwarm:
         if peer.size.value is None:
             peer.size.update(self._probe_size(peer, now), now, exact=True)
         own = self._own(peer, now)
-        levels = tuple(write_levels(peer.size.value, self.config.records_per_bucket))
-        if publish_due(peer.published, own, levels, now, self.config):
-            expiration = now + record_lifetime_s(peer.cycles_s, self.config)
-            for level in levels:
-                key = bucket_key(PREFIX, level, bucket_of(peer.peer_id, level))
-                self.dht.store(
-                    peer.slot, key, peer.peer_id, own, expiration, self.config.store_replicas
-                )
-            peer.published = (own, levels, now)
+        self._publish(peer, own, now)
+        interval_s = self.config.publish_interval_s
+        if (
+            now - peer.last_read_s
+            < read_interval_s(peer.num_keys_read, self.config) - 0.5 * interval_s
+        ):
+            # no read this tick: the last records, extrapolated (its error counted too)
+            self._decide(peer, self._view(peer, own, now), now)
+            return
+        peer.last_read_s = now
         partners = peer.recent_partners()
         level = peer.size.level(self.config.records_per_bucket)
         plan = plan_read(level, peer.peer_id, partners, self.config, self.rng, peer.num_reads)
         peer.num_reads += 1
+        peer.num_keys_read = len(plan.buckets)
         replicas = self.config.read_replicas
         found = {b: self._read_bucket(peer, level, b, now, replicas) for b in plan.buckets}
         fills = {b: len({r.peer_id for r in records}) for b, records in found.items()}
@@ -249,19 +255,22 @@ class SimSwarm:
             raw, exact = Reprobe.adopt(raw, exact, self._probe_size(peer, now))
         size = peer.size.update(raw, now, exact=exact)
         peer.records, peer.sample = records, read.sample(partners, size)
-        view = estimate(
-            records,
-            own=own,
-            config=self.config,
-            now=now,
-            round_peers=peer.round_peers,
-            partners=peer.partners,
-            sample=peer.sample,
-        )
+        view = self._view(peer, own, now)
         if now >= self.window_start_s:
             self.num_keys_read.append(len(plan.buckets))
             self.size_ratios.append(size / len(self.alive))
         self._decide(peer, view, now)
+
+    def _publish(self, peer: SimPeer, own: PeerProgress, now: float) -> None:
+        levels = tuple(write_levels(peer.size.value, self.config.records_per_bucket))
+        if publish_due(peer.published, own, levels, now, self.config):
+            expiration = now + record_lifetime_s(peer.cycles_s, self.config)
+            for level in levels:
+                key = bucket_key(PREFIX, level, bucket_of(peer.peer_id, level))
+                self.dht.store(
+                    peer.slot, key, peer.peer_id, own, expiration, self.config.store_replicas
+                )
+            peer.published = (own, levels, now)
 
     def _decide(self, peer: SimPeer, view: GlobalProgress, now: float) -> None:
         if not peer.training:
@@ -280,17 +289,20 @@ class SimSwarm:
         and this peer's live numbers (``ProgressTracker.current``; no network)."""
         if not peer.training:
             return
-        view = estimate(
+        view = self._view(peer, self._own(peer, now), now)
+        if view.ready or view.epoch > peer.epoch:
+            self._ready(peer, view, now)
+
+    def _view(self, peer: SimPeer, own: PeerProgress, now: float) -> GlobalProgress:
+        return estimate(
             peer.records,
-            own=self._own(peer, now),
+            own=own,
             config=self.config,
             now=now,
             round_peers=peer.round_peers,
             partners=peer.partners,
             sample=peer.sample,
         )
-        if view.ready or view.epoch > peer.epoch:
-            self._ready(peer, view, now)
 
     # ---- matchmaking discovery ---------------------------------------------------------------
 

@@ -285,5 +285,6 @@ def _settings(config: dict[str, Any], num_processes: int) -> dict[str, Any]:
         "matchmaking_read_replicas": config.get("matchmaking_read_replicas"),
         "matchmaking_store_replicas": config.get("matchmaking_store_replicas"),
         "max_publish_gap_s": config.get("max_publish_gap_s"),
+        "max_keys_read_per_interval": config.get("max_keys_read_per_interval"),
         "shared_address": config.get("shared_address"),
     }

@@ -128,6 +128,15 @@ def add_bench_swarm_command(bench_sub) -> None:
         "as ProgressConfig)",
     )
     parser.add_argument(
+        "--max-keys-read-per-interval",
+        type=positive_int,
+        default=progress_default("max_keys_read_per_interval"),
+        help="progress reads take at most this many bucket keys per interval on average: a "
+        "layout of more keys is read every few intervals (default: "
+        f"{progress_default('max_keys_read_per_interval') or 'every interval'}, as "
+        "ProgressConfig)",
+    )
+    parser.add_argument(
         "--matchmaking-time-s",
         type=positive_float,
         default=None,
@@ -229,6 +238,7 @@ def run_bench_swarm(args: argparse.Namespace) -> int:
                 matchmaking_read_replicas=args.matchmaking_read_replicas,
                 matchmaking_store_replicas=args.matchmaking_store_replicas,
                 max_publish_gap_s=args.max_publish_gap_s,
+                max_keys_read_per_interval=args.max_keys_read_per_interval,
                 matchmaking_time_s=args.matchmaking_time_s,
                 min_deadline_s=args.min_deadline_s,
                 rpc_timeout_s=args.rpc_timeout_s,

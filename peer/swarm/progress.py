@@ -7,13 +7,16 @@ progress bucket, at the two levels its estimate of the swarm's size calls for
 estimates the swarm's epoch, samples toward ``target_batch_size`` and ETA from them
 (:mod:`peer.swarm.progress_estimate`, whose docstring says what a record may and may not steer).
 A peer's DHT traffic per interval does not grow with the swarm: two stores and at most
-``max_buckets_read`` bucket reads of about ``records_per_bucket`` records each.
+``max_buckets_read`` bucket reads of about ``records_per_bucket`` records each, and a layout of
+more keys than ``max_keys_read_per_interval`` is read less often
+(:func:`read_interval_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -47,6 +50,7 @@ __all__ = [
     "Sample",
     "estimate",
     "note_continued",
+    "read_interval_s",
 ]
 
 logger = logging.getLogger(__name__)
@@ -113,6 +117,18 @@ RECORD_CYCLES = 3
 MAX_LIFETIME_RATIO = 10
 
 
+def read_interval_s(num_keys: int, config: ProgressConfig) -> float:
+    """How often the periodic refresh reads ``num_keys`` bucket keys, in seconds: every
+    ``publish_interval_s``, or every few where a read takes more than
+    ``max_keys_read_per_interval`` keys. At 64 light peers (four keys every 2 s) progress
+    reads were 63% of the DHT requests and 81% of their bytes, about four times a 16-peer
+    swarm's per peer."""
+    keys = config.max_keys_read_per_interval
+    if keys is None:
+        return config.publish_interval_s
+    return config.publish_interval_s * max(1.0, num_keys / keys)
+
+
 def record_lifetime_s(cycles_s: Iterable[float], config: ProgressConfig) -> float:
     """How long a record stored now lives, in seconds: ``record_ttl_s``, or
     ``RECORD_CYCLES`` of the longest of this peer's recent refresh cycles ``cycles_s`` if
@@ -162,6 +178,7 @@ class ProgressTracker:
         self._rng = random.Random(seed)
         self._num_reads = 0
         self.num_keys_read = 0
+        self._last_read_s = -math.inf  # monotonic start of the last read (see read_interval_s)
         self._read_lock = asyncio.Lock()
         self._publish_lock = asyncio.Lock()
         # one owned record per level written (two at a time; a new level, a new record)
@@ -235,7 +252,12 @@ class ProgressTracker:
         return await self._read()
 
     async def _tick(self) -> None:
-        await self.refresh()
+        await self._publish()
+        # ticks come an interval after the last one ended: half an interval early is on time
+        interval_s = self.config.publish_interval_s
+        due_s = read_interval_s(self.num_keys_read, self.config) - 0.5 * interval_s
+        if time.monotonic() - self._last_read_s >= due_s:
+            await self._read()
 
     async def _publish(self) -> bool:
         """Store the own record at the levels written now, unless the last one stored there
@@ -309,6 +331,7 @@ class ProgressTracker:
 
     async def _read(self) -> GlobalProgress:
         async with self._read_lock:  # the later read wins, not the slower one
+            self._last_read_s = time.monotonic()
             try:
                 return await self._read_records()
             except DHTError as e:  # the network failed; the next refresh tries again

@@ -79,6 +79,13 @@ class ProgressConfig:
             in which the others count too (see the module docstring). A swarm many times the
             group size cannot be counted by its partners alone.
         max_partner_buckets: of those, at most this many are read for the partners in them.
+        max_keys_read_per_interval: the periodic reads take at most this many bucket keys
+            per ``publish_interval_s``, on average: a layout sampled with more keys is read
+            every ``num_keys / this`` intervals (publishing still runs every interval, and
+            :meth:`ProgressTracker.refresh` always reads). A swarm of up to about 45 peers
+            (two keys) reads every interval as before; 64 peers (four keys) every other one,
+            thousands (eight) every fourth, so a peer's progress traffic stays about what a
+            small swarm's is. None: every interval, however many keys.
         size_window_s: the swarm's estimated size is the mean of the counts of the reads of
             the last this long (each draws other buckets), in seconds.
         max_stranger_claim_ratio: in a sample, a stranger's samples count at most this many
@@ -117,6 +124,7 @@ class ProgressConfig:
     max_buckets_read: int = 8
     max_whole_buckets: int = 2
     max_partner_buckets: int = 3
+    max_keys_read_per_interval: int | None = 2
     size_window_s: float = 20.0
     max_stranger_claim_ratio: float = 4.0
     max_publish_gap_s: float | None = 5.0
@@ -155,6 +163,9 @@ class ProgressConfig:
         ):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        keys = self.max_keys_read_per_interval
+        if keys is not None and (isinstance(keys, bool) or not isinstance(keys, int) or keys < 1):
+            raise ConfigError(f"max_keys_read_per_interval must be None or >= 1, got {keys!r}")
         if self.max_publish_gap_s is not None and not 0 < self.max_publish_gap_s < math.inf:
             raise ConfigError(
                 f"max_publish_gap_s must be None or positive, got {self.max_publish_gap_s}"

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from contextlib import AsyncExitStack
 
 import pytest
 
 from dht.config import get_dht_time
+from dht.errors import ConfigError
 from peer.records.progress import PeerProgress
-from peer.swarm.progress import ProgressConfig, ProgressTracker, publish_due, record_lifetime_s
+from peer.swarm.progress import (
+    ProgressConfig,
+    ProgressTracker,
+    publish_due,
+    read_interval_s,
+    record_lifetime_s,
+)
 from tests.peer.swarm.test_progress import start_nodes
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,3 +134,47 @@ async def test_a_publisher_whose_refresh_cycle_outlasts_the_record_ttl_stays_see
     # with the configured 1-s lifetime, a third of the reads fell between its record's
     # expiry and its refresh and counted a swarm of one
     assert counts == [2] * len(counts), counts
+
+
+def test_a_read_of_more_keys_than_an_interval_allows_comes_every_few_intervals():
+    config = ProgressConfig(target_batch_size=10, publish_interval_s=2.0)
+    assert config.max_keys_read_per_interval == 2
+    assert [read_interval_s(n, config) for n in (0, 1, 2, 4, 8)] == [2.0, 2.0, 2.0, 4.0, 8.0]
+    every = ProgressConfig(target_batch_size=10, max_keys_read_per_interval=None)
+    assert read_interval_s(8, every) == 2.0
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="max_keys_read_per_interval"):
+            ProgressConfig(target_batch_size=10, max_keys_read_per_interval=bad)
+
+
+async def test_a_tracker_whose_reads_take_four_keys_reads_at_every_other_tick():
+    config = ProgressConfig(target_batch_size=1_000_000, publish_interval_s=0.2)
+    async with AsyncExitStack() as stack:
+        (node,) = await start_nodes(stack, 1)
+        tracker = ProgressTracker(dht=node, prefix="run", config=config)
+        publish, read_records = tracker._publish, tracker._read_records
+        ticks, reads = [], []
+
+        async def counted_publish():
+            ticks.append(asyncio.get_running_loop().time())
+            return await publish()
+
+        async def four_keys():
+            reads.append(asyncio.get_running_loop().time())
+            found = await read_records()
+            tracker.num_keys_read = 4  # a layout sampled with four keys (64 peers or so)
+            return found
+
+        tracker._publish, tracker._read_records = counted_publish, four_keys
+        await stack.enter_async_context(tracker)
+        for _ in range(200):
+            if len(reads) >= 4:
+                break
+            await asyncio.sleep(0.05)
+        gaps = [b - a for a, b in itertools.pairwise(reads)]
+        # every 0.4 s (ticks come an interval after the last ended: half an interval early)
+        assert len(reads) >= 4 and min(gaps) >= 0.3 - 0.01, gaps
+        assert len(ticks) > len(reads)
+        num_reads = len(reads)
+        await tracker.refresh()  # a read asked for comes at once
+        assert len(reads) == num_reads + 1
