@@ -120,13 +120,19 @@ MAX_LIFETIME_RATIO = 10
 def read_interval_s(num_keys: int, config: ProgressConfig) -> float:
     """How often the periodic refresh reads ``num_keys`` bucket keys, in seconds: every
     ``publish_interval_s``, or every few where a read takes more than
-    ``max_keys_read_per_interval`` keys. At 64 light peers (four keys every 2 s) progress
-    reads were 63% of the DHT requests and 81% of their bytes, about four times a 16-peer
-    swarm's per peer."""
+    ``max_keys_read_per_interval`` keys, but never so rarely that a record read outgrows
+    ``max_extrapolation_s`` before the next read (it is up to ``publish_gap_s`` old when read).
+
+    At 64 light peers (four keys every 2 s) progress reads were 63% of the DHT requests and
+    81% of their bytes, about four times a 16-peer swarm's per peer. Read every 8 s, 1,000
+    simulated peers' records reached 13 s of age, past the 10-s extrapolation bound: the
+    estimate's error at the 95th percentile went from 0.11 to 0.49."""
     keys = config.max_keys_read_per_interval
+    interval_s = config.publish_interval_s
     if keys is None:
-        return config.publish_interval_s
-    return config.publish_interval_s * max(1.0, num_keys / keys)
+        return interval_s
+    fresh_s = config.max_extrapolation_s - config.publish_gap_s
+    return max(interval_s, min(interval_s * num_keys / keys, fresh_s))
 
 
 def record_lifetime_s(cycles_s: Iterable[float], config: ProgressConfig) -> float:

@@ -81,11 +81,12 @@ class ProgressConfig:
         max_partner_buckets: of those, at most this many are read for the partners in them.
         max_keys_read_per_interval: the periodic reads take at most this many bucket keys
             per ``publish_interval_s``, on average: a layout sampled with more keys is read
-            every ``num_keys / this`` intervals (publishing still runs every interval, and
-            :meth:`ProgressTracker.refresh` always reads). A swarm of up to about 45 peers
-            (two keys) reads every interval as before; 64 peers (four keys) every other one,
-            thousands (eight) every fourth, so a peer's progress traffic stays about what a
-            small swarm's is. None: every interval, however many keys.
+            every ``num_keys / this`` intervals, but at least every ``max_extrapolation_s``
+            less ``publish_gap_s`` seconds, so that no record read outgrows its extrapolation
+            (publishing still runs every interval, and :meth:`ProgressTracker.refresh` always
+            reads). A swarm of up to about 45 peers (two keys) reads every interval as
+            before; 64 peers (four keys) every other one; larger swarms (eight keys) every
+            5 s with the defaults. None: every interval, however many keys.
         size_window_s: the swarm's estimated size is the mean of the counts of the reads of
             the last this long (each draws other buckets), in seconds.
         max_stranger_claim_ratio: in a sample, a stranger's samples count at most this many

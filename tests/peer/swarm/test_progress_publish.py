@@ -139,7 +139,10 @@ async def test_a_publisher_whose_refresh_cycle_outlasts_the_record_ttl_stays_see
 def test_a_read_of_more_keys_than_an_interval_allows_comes_every_few_intervals():
     config = ProgressConfig(target_batch_size=10, publish_interval_s=2.0)
     assert config.max_keys_read_per_interval == 2
-    assert [read_interval_s(n, config) for n in (0, 1, 2, 4, 8)] == [2.0, 2.0, 2.0, 4.0, 8.0]
+    # 8 keys: every 5 s, not 8: a record read is up to 5 s old (the publish gap) and must not
+    # outgrow the 10-s extrapolation bound before the next read
+    assert [read_interval_s(n, config) for n in (0, 1, 2, 4, 8)] == [2.0, 2.0, 2.0, 4.0, 5.0]
+    assert config.max_extrapolation_s - config.publish_gap_s == 5.0
     every = ProgressConfig(target_batch_size=10, max_keys_read_per_interval=None)
     assert read_interval_s(8, every) == 2.0
     for bad in (0, -1, 1.5, True):
