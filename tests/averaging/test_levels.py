@@ -218,13 +218,17 @@ async def test_a_round_that_fits_one_group_has_one_level(make_swarm):
         np.testing.assert_allclose(peer.tensors[0], expected, rtol=1e-5, atol=1e-6)
 
 
-async def test_a_delegate_that_vanishes_leaves_exact_means_or_row_means(make_swarm):
-    num_peers = 9
-    vectors = vectors_for(num_peers, 20_000, 9)
-    weights = [float(w) for w in range(1, num_peers + 1)]
-    # groups of at most 4: three rows of 3 under one key (9 / 2g below the first shard edge)
+async def rows_of_three(make_swarm, seed: int):
+    """9 peers in groups of at most 4: three rows of 3 under one key (9 / 2g is below the first
+    shard edge); the peers, their vectors and their weights (1 to 9)."""
+    vectors = vectors_for(9, 20_000, seed)
     config = fast_config(target_group_size=4, row_grace_s=0.5, matchmaking_time_s=2.0)
     peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+    return peers, vectors, [float(w) for w in range(1, 10)]
+
+
+async def test_a_delegate_that_vanishes_leaves_exact_means_or_row_means(make_swarm):
+    peers, vectors, weights = await rows_of_three(make_swarm, seed=9)
     by_id = {p.peer_id: p for p in peers}
     victim: list[str] = []
 

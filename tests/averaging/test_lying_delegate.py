@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.averaging.conftest import exact_mean, fast_config
-from tests.averaging.test_levels import rows_of, run_round, vectors_for
+from tests.averaging.conftest import exact_mean
+from tests.averaging.test_levels import rows_of, rows_of_three, run_round
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -21,12 +21,7 @@ def _is_spread(group, peer_id: str) -> bool:
 
 
 async def test_a_delegate_that_lies_in_the_spread_reaches_its_own_row_only(make_swarm):
-    num_peers = 9
-    vectors = vectors_for(num_peers, 20_000, 11)
-    weights = [float(w) for w in range(1, num_peers + 1)]
-    # groups of at most 4: three rows of 3 under one key
-    config = fast_config(target_group_size=4, row_grace_s=0.5, matchmaking_time_s=2.0)
-    peers = await make_swarm([[v.copy()] for v in vectors], config=config)
+    peers, vectors, weights = await rows_of_three(make_swarm, seed=11)
     liar: list[str] = []
 
     def lying(peer):
@@ -65,4 +60,4 @@ async def test_a_delegate_that_lies_in_the_spread_reaches_its_own_row_only(make_
         elif "ok" in (result.levels.get("spread"), result.levels.get("top")):
             np.testing.assert_allclose(values, global_mean, rtol=1e-5, atol=1e-6)
             num_exact += 1
-    assert num_exact >= num_peers - len(liar_row) - 1, (num_exact, [r.levels for r in results])
+    assert num_exact >= len(peers) - len(liar_row) - 1, (num_exact, [r.levels for r in results])
