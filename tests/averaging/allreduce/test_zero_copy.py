@@ -18,6 +18,14 @@ pytestmark = pytest.mark.timeout(60)
 NUM_PEERS = 3
 CHUNK_NUMEL = 1 << 16  # 256 KiB chunks: every one is a bulk write
 NUMEL = NUM_PEERS * 4 * CHUNK_NUMEL  # each part is 4 whole chunks
+# Fixed, generous waits for the round traced for memory: tracemalloc slows it several times,
+# and waits learned from the untraced warm-up round (1 s, the floor) dropped a sender of it
+TRACED_CONFIG = fast_config(
+    adaptive_deadlines=False,
+    sender_timeout_s=10.0,
+    reducer_timeout_s=20.0,
+    allreduce_timeout_s=40.0,
+)
 
 
 async def test_chunks_go_to_the_sockets_from_the_tensors_own_memory(make_peers, transport_writes):
@@ -48,7 +56,7 @@ async def test_a_rounds_memory_grows_with_chunks_in_flight_not_with_the_vector(m
     rng = np.random.default_rng(8)
     tensors = [rng.standard_normal(numel).astype(np.float32) for _ in range(NUM_PEERS)]
     weights = [1.0, 2.0, 0.75]
-    peers = await make_peers([[t] for t in tensors], config=fast_config())
+    peers = await make_peers([[t] for t in tensors], config=TRACED_CONFIG)
     await _one_round(peers, weights)  # warm: connections, sessions, pools
     for tensor in tensors:
         tensor[:] = rng.standard_normal(numel)
