@@ -33,7 +33,6 @@ from averaging.rounds import LayoutMemory
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
 from peer.records.progress_read import levels_beside, newest_per_peer, probe_count
-from peer.swarm.progress import publish_due, read_interval_s, record_lifetime_s
 from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
 from peer.swarm.progress_sample import (
     Reprobe,
@@ -41,6 +40,7 @@ from peer.swarm.progress_sample import (
     SizeEstimate,
     plan_read,
 )
+from peer.swarm.progress_schedule import publish_due, read_interval_s, record_lifetime_s
 
 PREFIX = "sim"
 MEAN_RATE = 100.0  # samples/s of the mean peer
@@ -82,10 +82,10 @@ class SimPeer:
     sample: object = None
     mm_key: str = ""
     ready_s: float = 0.0
-    published: tuple | None = None  # what the tracker last stored (progress.publish_due)
+    published: tuple | None = None  # what the tracker last stored (progress_schedule.publish_due)
     cycles_s: deque = field(default_factory=lambda: deque(maxlen=4))  # its refresh cycles
     last_tick_s: float | None = None
-    last_read_s: float = -math.inf  # the last read's start (progress.read_interval_s)
+    last_read_s: float = -math.inf  # the last read's start (progress_schedule.read_interval_s)
     num_keys_read: int = 0  # by the last read
     reprobe: Reprobe | None = None  # set at join (the config's interval)
     met_epoch: int | None = None  # the last epoch at which it met another peer

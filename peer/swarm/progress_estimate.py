@@ -59,7 +59,7 @@ class ProgressConfig:
         record_ttl_s: a record expires this long after it is published, in seconds (a peer
             that vanished drops out of the estimates after at most this long), or after three
             of its publisher's refresh cycles where those run longer (a busy host; at most ten
-            times this; :func:`peer.swarm.progress.record_lifetime_s`).
+            times this; :func:`peer.swarm.progress_schedule.record_lifetime_s`).
         max_samples_per_s: the largest believable rate of one peer; larger claims are clamped.
         max_extrapolation_s: how far past its timestamp a record is extrapolated, in seconds.
         trust_rounds: the members of this peer's last this many rounds are its partners, whose

@@ -11,13 +11,8 @@ import pytest
 from dht.config import get_dht_time
 from dht.errors import ConfigError
 from peer.records.progress import PeerProgress
-from peer.swarm.progress import (
-    ProgressConfig,
-    ProgressTracker,
-    publish_due,
-    read_interval_s,
-    record_lifetime_s,
-)
+from peer.swarm.progress import ProgressConfig, ProgressTracker
+from peer.swarm.progress_schedule import publish_due, read_interval_s, record_lifetime_s
 from tests.peer.swarm.test_progress import start_nodes
 
 pytestmark = pytest.mark.timeout(60)
