@@ -196,6 +196,7 @@ def check_arguments(
 # peer join's settings a library peer takes as keyword arguments (PeerConfig fields)
 _OURS = (
     "diloco_overlap",
+    "min_round_interval",
     "target_group_size",
     "min_group_size",
     "newcomer_wait",

@@ -46,8 +46,9 @@ ratio_iqr, ratio_min, ratio_max, num_pairs, ratios`` (every pair's swarm / basel
 rate, in order), ``samples`` and ``baseline_samples`` (samples seen, windows and untimed starts
 included), ``baseline_loss_at_samples`` (the baseline's loss when it had seen as many samples as
 the swarm: loss per sample seen), ``runs_ratio`` and ``runs_samples_per_s`` (every run's figures
-with ``--repeat``), ``failed_rounds`` and ``round_overhead_s`` (mean seconds per round spent
-outside the all-reduce transfer: matchmaking and waiting for the group),
+with ``--repeat``), ``delay_update`` (the peers' ``--delay-update``), ``failed_rounds`` and
+``round_overhead_s`` (mean seconds per round spent outside the all-reduce transfer:
+matchmaking and waiting for the group),
 ``peak_rss_mb_per_peer`` and ``peak_pss_mb_per_peer`` (each peer's process tree, hivemind's
 processes and its p2pd included; RSS sampled every second, PSS every 10 s, which is enough for
 memory that is flat once training runs; the mean over peers of each one's peak).
@@ -110,6 +111,8 @@ class TrainBenchConfig:
         target_batch_size: samples per optimizer step, in the swarm and in the baseline.
         lr: Adam's learning rate.
         mode: ``grad``, ``params`` or ``diloco``.
+        delay_update: the peers' ``--delay-update`` (``grad`` mode, native backend): each
+            round runs while the next epoch computes, its result applied one epoch late.
         num_threads: the machine's cores to use (baseline threads; peers split them).
         run_baseline: whether to run the baseline (its fields are null otherwise).
         epochs: train this many optimizer steps (swarm epochs) instead of ``seconds``: for
@@ -137,6 +140,7 @@ class TrainBenchConfig:
     target_batch_size: int = 2048
     lr: float = 1e-3
     mode: str = "grad"
+    delay_update: bool = False
     num_threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     run_baseline: bool = True
     epochs: int | None = None
@@ -155,6 +159,8 @@ class TrainBenchConfig:
             raise ValueError("seconds and lr must be > 0")
         if self.baseline not in ("matched", "single"):
             raise ValueError(f"baseline must be matched or single, got {self.baseline!r}")
+        if self.delay_update and (self.mode != "grad" or self.backend != "native"):
+            raise ValueError("delay_update needs mode grad and the native backend")
         if not 0 < self.window_s <= MAX_WINDOW_S:
             raise ValueError(f"window_s must be in (0, {MAX_WINDOW_S}], got {self.window_s}")
 
@@ -204,6 +210,7 @@ def peer_command(
             target_batch_size=config.target_batch_size,
             lr=config.lr,
             mode=config.mode,
+            delay_update=config.delay_update or None,
             seed=index,
             wait_for_peers=config.num_peers,
             metrics_file=metrics_file,
@@ -328,6 +335,7 @@ def _swarm_fields(config: TrainBenchConfig, summaries: list[dict]) -> dict:
         "backend": config.backend,
         "peers": config.num_peers,
         "task": config.task,
+        "delay_update": config.delay_update,
         "seconds": config.seconds
         if config.epochs is None
         else round(max(s["seconds"] for s in summaries), 2),

@@ -44,6 +44,11 @@ def add_bench_train_command(bench_sub) -> None:
         "--mode", choices=["grad", "params", "diloco"], default="grad", help="default: grad"
     )
     parser.add_argument(
+        "--delay-update",
+        action="store_true",
+        help="the peers run each round while the next epoch computes (grad mode, native)",
+    )
+    parser.add_argument(
         "--threads", type=positive_int, default=None, help="cores to use (default: all)"
     )
     parser.add_argument(
@@ -106,6 +111,7 @@ def run_bench_train(args: argparse.Namespace) -> int:
             target_batch_size=args.target_batch_size,
             lr=args.lr,
             mode=args.mode,
+            delay_update=args.delay_update,
             run_baseline=not args.no_baseline,
             epochs=args.epochs,
             lr_schedule=args.lr_schedule,

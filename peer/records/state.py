@@ -2,14 +2,16 @@
 of which epoch, and the digests of its state at its last epochs; and the rules that read digests
 as agreement.
 
-Format version 2 (a msgpack map under the peer's owner subkey; unknown fields are ignored):
-``v`` = 2; ``epoch`` (int in [0, 2**53)) the epoch of the state it serves now; ``address`` its
+Format version 3 (a msgpack map under the peer's owner subkey; unknown fields are ignored):
+``v`` = 3; ``epoch`` (int in [0, 2**53)) the epoch of the state it serves now; ``address`` its
 ``http(s)://host:port`` (None: it serves nothing, client mode, but its digests still count);
 ``digests`` a list of at most 16 maps ``{epoch, digest, digest_bf16}``, newest last: the hex
-SHA-256 of its state at the start of each of its last epochs (:mod:`peer.swarm.state_digest`),
+BLAKE3 digest of its state at the start of each of its last epochs (:mod:`peer.swarm.state_digest`),
 and the same of that state rounded to bfloat16 as a ``bf16`` download delivers it (or None).
 A peer announces right after each round (at most every half second) and every few seconds.
-Version 1 (``{epoch, address}``, no digest) is dropped: its state cannot be checked.
+Version 1 (``{epoch, address}``, no digest) is dropped: its state cannot be checked; so is
+version 2 (the same fields, SHA-256 digests), whose digests no peer of version 3 computes:
+peers of the two versions neither count nor download each other's states.
 
 A downloader accepts a state only if its digest is one that enough distinct peers announce for
 that epoch (:func:`agreed_digests`); the dashboard marks a peer whose newest digest differs from
@@ -32,7 +34,7 @@ from peer.records.buckets import record_key
 from peer.records.schema import Count, PeerUrl, WireModel, owner_of, parse_value
 
 STATE_KEY_SUFFIX = "state"
-STATE_RECORD_VERSION = 2
+STATE_RECORD_VERSION = 3
 MAX_DIGESTS = 16
 # Announcements a bucket holds, about (some 2 KB each: some 64 KB a key).
 STATE_RECORDS_PER_BUCKET = 32
@@ -95,7 +97,7 @@ class _DigestWire(WireModel):
 class StateWire(WireModel):
     """The announcement's value as it travels (see the module docstring)."""
 
-    v: Literal[2]
+    v: Literal[3]
     epoch: Count
     address: PeerUrl | None = None
     digests: list[_DigestWire] = Field(default_factory=list, max_length=MAX_DIGESTS)

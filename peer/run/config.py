@@ -28,7 +28,7 @@ from dht.errors import ConfigError
 from dht.net.config import ReachabilityConfig, TransportConfig
 from dht.options import NETWORK_OPTIONS as NET
 from dht.options import peer_url, read_swarm_key
-from peer.swarm.digest_schedule import MAX_DIGEST_GAP_S, max_stride_problem
+from peer.swarm.digest_schedule import MAX_DIGEST_GAP_S, MAX_STRIDE, max_stride_problem
 from peer.swarm.progress import ProgressConfig
 from peer.train.schedules import LRSchedule, make_lr_schedule
 
@@ -103,6 +103,13 @@ class PeerConfig(BaseModel):
         description="diloco mode: run each outer round in the background while the next inner "
         "steps go on; its outer step lands one round late, the inner progress made meanwhile kept",
     )
+    min_round_interval: float = Field(
+        0.05,
+        ge=0,
+        description="seconds from the end of one round to the start of the next with others, at "
+        "least; a target the swarm reaches sooner is gathered on (keeps rounds' requests within "
+        "each peer's share)",
+    )
     max_epochs: int | None = Field(None, gt=0, description="stop after this many epochs")
     max_steps: int | None = Field(None, gt=0, description="stop after this many local steps")
     max_time: float | None = Field(None, gt=0, description="stop after this many seconds")
@@ -143,9 +150,9 @@ class PeerConfig(BaseModel):
         "none", description="state downloads: float32 tensors as bfloat16 (half the bytes)"
     )
     max_digest_stride: int = Field(
-        1,
-        description="digest the served state every epoch (1), or, when hashing it is costly "
-        "next to an epoch, only epochs that are multiples of a power of two up to this",
+        MAX_STRIDE,
+        description="when hashing the served state is costly next to an epoch, digest only "
+        "epochs that are multiples of a power of two up to this (1: every epoch)",
     )
     max_digest_gap: float = Field(
         MAX_DIGEST_GAP_S,
@@ -304,6 +311,7 @@ class PeerConfig(BaseModel):
             diloco_overlap=self.diloco_overlap,
             target_batch_size=self.target_batch_size,
             averaging_timeout_s=self.matchmaking_time + self.averaging_timeout,
+            min_round_interval_s=self.min_round_interval,
         )
 
     def trainer_config(self) -> TrainerConfig:

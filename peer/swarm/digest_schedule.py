@@ -1,7 +1,9 @@
 """Which of a donor's epochs get a digest: each one while hashing is cheap next to an epoch, a
-deterministic subset when it is not (opt-in: ``StateSyncConfig.max_digest_stride``, ``peer join
---max-digest-stride``; the default, 1, digests every epoch: the subset leaves re-sync and
-newcomers fewer epochs to agree on; its gain is in docs/BENCHMARKS.md).
+deterministic subset when it is not (up to ``StateSyncConfig.max_digest_stride``, ``peer join
+--max-digest-stride``; 1 digests every epoch). The subset leaves replica checks fewer epochs to
+agree on; a downloader asks its donors to digest their newest state at once
+(:mod:`peer.swarm.state_fresh`), so newcomers still get the newest. Its gain is in
+docs/BENCHMARKS.md.
 
 Both digests of a snapshot (:mod:`peer.swarm.state_digest`) hash the state twice: about 10 ms of
 CPU for the 8 MB state of ``peer bench train``'s model and Adam, whose epochs last about 90 ms

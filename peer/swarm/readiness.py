@@ -9,6 +9,8 @@ there skips matchmaking, and one that joined its round late looks for the others
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 
 from peer.swarm.newcomer_hold import NewcomerHold
@@ -24,6 +26,7 @@ class Readiness:
             (``delay_update`` or ``diloco_overlap``).
         newcomer_hold: when alone at its epoch, hold the boundary for a peer catching up
             (:mod:`peer.swarm.newcomer_hold`); None never holds.
+        min_round_interval_s: see ``CollaborativeConfig.min_round_interval_s`` (:meth:`pace_s`).
 
     Attributes:
         num_at_epoch: the peers at this peer's epoch by the estimate counted last (itself
@@ -32,12 +35,31 @@ class Readiness:
         late_epoch: the epoch whose round this peer joined late (see :meth:`behind`); -1 none.
     """
 
-    def __init__(self, *, overlaps: bool, newcomer_hold: NewcomerHold | None):
+    def __init__(
+        self,
+        *,
+        overlaps: bool,
+        newcomer_hold: NewcomerHold | None,
+        min_round_interval_s: float = 0.0,
+    ):
         self._overlaps = overlaps
         self._newcomer_hold = newcomer_hold
+        self._min_round_interval_s = min_round_interval_s
+        self._round_due_s = -math.inf  # no round with others starts sooner
         self.alone = False
         self.late_epoch = -1
         self.num_at_epoch = 1
+
+    def round_ended(self) -> None:
+        """This peer's round just ended (or began in the background): the pace counts from
+        here, so that partners, whose rounds end together, start the next together."""
+        self._round_due_s = time.monotonic() + self._min_round_interval_s
+
+    def pace_s(self) -> float:
+        """Seconds to gather on before a round with others may start (0: now), once
+        :meth:`ready` said yes. A round sends each partner a few requests; rounds back to back
+        at a one-batch target passed the share each peer's server grants another."""
+        return 0.0 if self.alone else max(0.0, self._round_due_s - time.monotonic())
 
     def behind(self, swarm: GlobalProgress, epoch: int) -> bool:
         """Whether to load the swarm's state: more than one epoch behind, or one behind with

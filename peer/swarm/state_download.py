@@ -2,7 +2,9 @@
 
 A downloader reads every announcement (:mod:`peer.records.state`), and the digests that at least
 ``min_agreement`` distinct peers announce for an epoch (fewer only when fewer peers announce at
-all: a lone donor is all a newcomer to a swarm of one has). It tries donors whose current state
+all: a lone donor is all a newcomer to a swarm of one has: :mod:`peer.swarm.state_agreement`),
+asks its first donors to digest their newest state now and waits a moment for it to be agreed
+(:mod:`peer.swarm.state_fresh`). It tries donors whose current state
 is such an agreed digest first (newest epoch first, at random within an epoch, so that newcomers
 spread over donors), then the others. When several donors serve the same agreed state, it first
 downloads one part from each of up to ``max_split_donors`` of them at once
@@ -22,19 +24,13 @@ import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
 
 from dht.errors import DHTError
 from dht.kademlia.node import DHTNode
 from dht.net.transport import Transport
-from peer.records.buckets import read_buckets, sample_bucket_keys
-from peer.records.state import (
-    STATE_RECORDS_PER_BUCKET,
-    StateAnnouncement,
-    agreed_digests,
-    parse_state,
-    state_key,
-)
+from peer.records.state import StateAnnouncement
+from peer.swarm.state_agreement import AGREEMENT_READS, Agreement, Reach, read_agreement
+from peer.swarm.state_fresh import fresh_agreement
 from peer.swarm.state_receive import (
     Assembly,
     Layout,
@@ -57,8 +53,6 @@ from peer.swarm.state_sync import (
 from peer.swarm.state_sync_config import StateSyncConfig
 
 logger = logging.getLogger(__name__)
-# Reads of the announcements (0.5, 1 and 2 s apart) before a state's digest counts as unagreed.
-AGREEMENT_READS = 3
 Verify = Callable[[StateSnapshot], None]
 # What a download may raise because of a donor (its bytes, its answers, its silence).
 DOWNLOAD_ERRORS = (
@@ -71,60 +65,7 @@ DOWNLOAD_ERRORS = (
     RuntimeError,
     RecursionError,
 )
-__all__ = ["Layout", "download_state", "layout_of", "read_announcements"]
-
-
-# Buckets drawn at random on top of this peer's and its anchors' (a read of the announcements
-# costs at most four keys a bucket, whatever the swarm's size)
-RANDOM_BUCKETS = 2
-
-
-@dataclass(frozen=True)
-class Reach:
-    """Which announcements a read covers: the swarm's size as the reader counts it (the layout
-    in use) and the peers whose buckets it must read (donors it was told to use, partners)."""
-
-    num_peers: float = 1.0
-    anchors: frozenset[str] = frozenset()
-
-
-async def read_announcements(
-    dht: DHTNode, prefix: str, reach: Reach = Reach(), rng: random.Random | None = None
-) -> list[StateAnnouncement]:
-    """The other peers' well-formed announcements (malformed ones are dropped and counted): in
-    a small swarm every one; in a large one those of this peer's bucket, its anchors' and a few
-    drawn at random (:func:`peer.records.buckets.sample_bucket_keys`)."""
-    keys = sample_bucket_keys(
-        state_key(prefix),
-        num_peers=reach.num_peers,
-        records_per_bucket=STATE_RECORDS_PER_BUCKET,
-        anchors=[dht.peer_id, *sorted(reach.anchors)],
-        num_random=RANDOM_BUCKETS,
-        rng=rng or random.Random(),
-    )
-    found = await read_buckets(dht, keys, parse=parse_state, newest_by=lambda a: a.epoch)
-    return [a for a in found if a.peer_id != dht.peer_id]
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """The digests enough peers announce: ``(epoch, digest)`` -> number of peers."""
-
-    announcements: list[StateAnnouncement]
-    agreed: dict[tuple[int, str], int]
-    required: int
-
-    def accepts(self, epoch: int, digest: str) -> bool:
-        return (epoch, digest) in self.agreed
-
-
-async def read_agreement(
-    dht: DHTNode, prefix: str, config: StateSyncConfig, reach: Reach = Reach()
-) -> Agreement:
-    announcements = await read_announcements(dht, prefix, reach)
-    required = max(1, min(config.min_agreement, len(announcements)))
-    agreed = agreed_digests(announcements, min_peers=required, bf16=config.compression == "bf16")
-    return Agreement(announcements, agreed, required)
+__all__ = ["Layout", "download_state", "layout_of"]
 
 
 def donor_order(
@@ -243,6 +184,15 @@ async def _download_once(
     download, which counts the bytes allocated)."""
     bf16 = config.compression == "bf16"
     agreement = await read_agreement(dht, prefix, config, reach)
+    order = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng, only=donors)
+    # donors that digest only some epochs: the newest agreed state may be seconds old
+    agreement = await fresh_agreement(
+        transport,
+        order,
+        agreement,
+        config,
+        functools.partial(read_agreement, dht, prefix, config, reach),
+    )
     order = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng, only=donors)
     if not order:
         raise StateSyncError(f"no peer serves state of epoch >= {min_epoch}")

@@ -46,7 +46,7 @@ from typing import Protocol
 from dht.errors import DHTError
 from dht.kademlia.node import DHTNode
 from peer.records.state import ResyncTarget, resync_target
-from peer.swarm.state_download import Reach, read_announcements
+from peer.swarm.state_agreement import Reach, read_announcements
 from peer.swarm.state_sync import REREAD_WINDOW_S, StateServer
 from peer.swarm.state_sync_config import StateSyncConfig
 

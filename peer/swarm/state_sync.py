@@ -11,6 +11,11 @@ and announces ``{epoch, address, digests of its last epochs}`` under its own
 (signed) subkey of ``{prefix}/state`` (:mod:`peer.records.state`) right away (at most every
 ``MIN_ANNOUNCE_GAP_S``) and every ``announce_interval_s``. The downloader's side, which accepts a
 state only when enough peers announce its digest, is :mod:`peer.swarm.state_download`.
+
+A downloader asks its donors to digest now (the ``state.digest_now`` request): each digests its
+newest snapshot at once and every epoch for ``EAGER_S`` after, so that the newest state is agreed
+within an announcement gap, not a schedule's stride later. What one request can cost a donor is
+what the schedule saves (hashing every epoch, the stride-1 cost), for ``EAGER_S``.
 """
 
 from __future__ import annotations
@@ -27,13 +32,10 @@ from typing import Any
 
 import torch
 
-from dht.config import get_dht_time
-from dht.errors import DHTError
 from dht.kademlia.node import DHTNode
-from dht.kademlia.validation import owner_subkey
 from dht.net.shares import OverShare
 from dht.net.transport import IncomingStream, Transport
-from dht.periodic import Periodic
+from dht.owned_record import OwnedRecord
 from peer.records.state import MAX_DIGESTS, EpochDigest, StateAnnouncement, announcement_key
 from peer.swarm.digest_schedule import LINGER_S, DigestSchedule
 from peer.swarm.state_digest import state_digest
@@ -42,6 +44,7 @@ from peer.swarm.state_sync_config import StateSyncConfig
 
 logger = logging.getLogger(__name__)
 STREAM_NAME = "state.get"
+DIGEST_NOW_NAME = "state.digest_now"
 DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -66,6 +69,10 @@ MIN_ANNOUNCE_GAP_S = 0.5
 REREAD_WINDOW_S = 4.0
 # Snapshots waiting for their digest at most (a state copy each; the oldest is dropped).
 PENDING_DIGESTS = 4
+# After a request to digest now, a donor digests every epoch for this long, in seconds: a
+# download's reads of the agreement (REREAD_WINDOW_S) and the download itself (a downloader
+# asks again before each pass over its donors).
+EAGER_S = 10.0
 
 
 class StateSyncError(Exception):
@@ -145,10 +152,20 @@ class StateServer:
             max_stride=config.max_digest_stride, max_gap_s=config.max_digest_gap_s
         )
         self._linger: asyncio.TimerHandle | None = None
+        self._eager_until = -math.inf  # loop time until which every epoch is digested
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._last_announce = -math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._announcer = Periodic(self.announce, config.announce_interval_s, "state-announce")
+        # The periodic announcement and the one after a digest may coincide: OwnedRecord sends
+        # one at a time, each dated after the last, or replicas would refuse the older as stale.
+        self._announcer = OwnedRecord(
+            dht=dht,
+            key=lambda: announcement_key(self.prefix, self.dht.peer_id, self.num_peers()),
+            make_value=self._announcement,
+            ttl_s=config.record_ttl_s,
+            interval_s=config.announce_interval_s,
+            name="state announcement",
+        )
         self.limits = ServeLimits(
             max_streams=config.max_streams,
             max_streams_per_peer=config.max_streams_per_peer,
@@ -157,6 +174,7 @@ class StateServer:
             serve_timeout_s=config.serve_timeout_s,
         )
         transport.add_stream_handler(STREAM_NAME, self._serve)
+        transport.add_rpc_handler(DIGEST_NOW_NAME, self._on_digest_now)
 
     def update(self, snapshot: StateSnapshot) -> None:
         """Digest ``snapshot`` (this peer's state at the start of its epoch) and serve it once
@@ -179,8 +197,13 @@ class StateServer:
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
-        if self._schedule.wants(snapshot.epoch, handed_s):
-            self._queue(snapshot)
+        wanted = self._schedule.wants(snapshot.epoch, handed_s)  # asked always: it times epochs
+        if wanted or asyncio.get_running_loop().time() < self._eager_until:
+            # a request to digest now may have queued it, or a newer one, first (digests and
+            # announcements go newest last)
+            newest = self.snapshot or snapshot
+            if not self._will_announce(snapshot) and not self._will_announce(newest):
+                self._queue(snapshot)
         else:  # digested if still the newest a while later
             self._linger = asyncio.get_running_loop().call_later(
                 LINGER_S, self._linger_over, snapshot
@@ -191,6 +214,17 @@ class StateServer:
         self._linger = None
         if snapshot is self.snapshot and not self._will_announce(snapshot):
             self._queue(snapshot)
+
+    async def _on_digest_now(self, ctx, request: Any) -> dict[str, Any]:
+        """A downloader's ``state.digest_now``: digest the newest snapshot now and every epoch
+        for ``EAGER_S``; answered with the newest snapshot's epoch (None before the first)."""
+        self._eager_until = asyncio.get_running_loop().time() + EAGER_S
+        snapshot = self.snapshot
+        if snapshot is None or self._loop is None:
+            return {"epoch": None}
+        if not self._will_announce(snapshot):
+            self._queue(snapshot)
+        return {"epoch": snapshot.epoch}
 
     def _will_announce(self, snapshot: StateSnapshot) -> bool:
         """Whether ``snapshot``'s digest is announced, or about to be."""
@@ -306,10 +340,15 @@ class StateServer:
 
     async def announce(self) -> None:
         """Publish the epoch served, the address and the digests of the last epochs once (with
-        no address in client mode: the digests still count for agreement)."""
+        no address in client mode: the digests still count for agreement); a failed store is
+        a WARNING and the next announcement tries again."""
+        await self._announcer.publish()
+
+    def _announcement(self, now: float) -> tuple[dict, float] | None:
+        """The record to store at DHT time ``now``; the digested snapshot is served from here on."""
         snapshot = self._digested
         if snapshot is None or not self.digests:
-            return
+            return None
         if snapshot is not self.served:
             self.served = snapshot
             self.limits.moved_on(self._current_ids())
@@ -317,15 +356,7 @@ class StateServer:
         announcement = StateAnnouncement(
             self.dht.peer_id, snapshot.epoch, self.dht.address, tuple(self.digests)
         )
-        try:
-            await self.dht.store(
-                announcement_key(self.prefix, self.dht.peer_id, self.num_peers()),
-                announcement.to_wire(),
-                get_dht_time() + self.config.record_ttl_s,
-                subkey=owner_subkey(self.dht.peer_id),
-            )
-        except DHTError as e:  # the next announcement tries again
-            logger.warning("state announcement failed: %s", str(e) or type(e).__name__)
+        return announcement.to_wire(), now
 
     async def __aenter__(self) -> StateServer:
         self._loop = asyncio.get_running_loop()
@@ -349,4 +380,4 @@ class StateServer:
         executor, self._executor = self._executor, None
         if executor is not None:  # a digest under way ends on its own, its result unread
             executor.shutdown(wait=False, cancel_futures=True)
-        await self._announcer.stop()
+        await self._announcer.close()

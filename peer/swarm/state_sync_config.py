@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dht.errors import ConfigError
-from peer.swarm.digest_schedule import MAX_DIGEST_GAP_S, max_stride_problem
+from peer.swarm.digest_schedule import MAX_DIGEST_GAP_S, MAX_STRIDE, max_stride_problem
 from peer.swarm.state_serve import COMPRESSIONS, MAX_PARTS
 
 
@@ -48,13 +48,15 @@ class StateSyncConfig:
         resync_max_epochs: the most epochs between two re-syncs.
         resync_check_s: how often a peer looks whether its replica differs, in seconds (one
             read of the announcements per epoch at most).
-        max_digest_stride: a donor digests every epoch (1, the default), or, when hashing is
-            costly next to an epoch, only epochs that are multiples of a power of two up to
-            this (:mod:`peer.swarm.digest_schedule`): less CPU, but replica checks and
-            newcomers see fewer epochs to agree on, and an idle donor serves its newest state
-            only after ``LINGER_S``. A power of two.
+        max_digest_stride: when hashing is costly next to an epoch, a donor digests only
+            epochs that are multiples of a power of two up to this
+            (:mod:`peer.swarm.digest_schedule`): less CPU, but replica checks see fewer epochs
+            to agree on (a downloader asks its donors to digest their newest state at once:
+            :mod:`peer.swarm.state_fresh`). 1 digests every epoch. A power of two.
         max_digest_gap_s: with a stride, the most seconds of epochs between two digested
-            epochs (a replica check and a newcomer's agreed state lag by that much at most).
+            epochs (a replica check lags by that much at most).
+        request_timeout_s: bound on a request to a donor to digest its newest state now, in
+            seconds.
     """
 
     announce_interval_s: float = 5.0
@@ -74,8 +76,9 @@ class StateSyncConfig:
     resync_min_epochs: int = 2
     resync_max_epochs: int = 64
     resync_check_s: float = 1.0
-    max_digest_stride: int = 1
+    max_digest_stride: int = MAX_STRIDE
     max_digest_gap_s: float = MAX_DIGEST_GAP_S
+    request_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
@@ -90,6 +93,7 @@ class StateSyncConfig:
             "serve_timeout_s",
             "resync_check_s",
             "max_digest_gap_s",
+            "request_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

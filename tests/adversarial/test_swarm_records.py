@@ -266,7 +266,7 @@ def test_a_published_profile_reads_back():
 hex_digests = st.text("0123456789abcdef", min_size=64, max_size=64)
 state_like = fields(
     {
-        "v": values | st.just(2),
+        "v": values | st.just(3),
         "epoch": values,
         "address": urls | values,
         "digests": st.lists(

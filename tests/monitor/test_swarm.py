@@ -221,6 +221,9 @@ def test_monitor_once_shows_all_three_peers_with_plausible_numbers(swarm):
 
 def test_metrics_endpoint_parses_and_counts(swarm):
     short, url = next(iter(swarm.peers.items()))
+    # the swarm is up once its peers are listed; on a busy host a peer's first step can come
+    # later (seen in CI: a scrape with its phases counting and no step yet)
+    wait_for(lambda: value(scrape(url), "vp_steps_total") > 0, 60, "a step on /metrics")
     before_first_s = time.monotonic()
     first = scrape(url)
     after_first_s = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shutil
 import subprocess
@@ -59,13 +60,26 @@ def make_spec(
     return parse_spec(data)
 
 
-def summaries(run_dir: Path) -> dict[str, StretchSummary]:
-    """Each process's metrics stream (``<name>.jsonl``) added up, by file name."""
+def summaries(
+    run_dir: Path, *, warm_up_s: float = 0.0, cool_down_s: float = 0.0
+) -> dict[str, StretchSummary]:
+    """Each process's metrics stream (``<name>.jsonl``) added up, by file name, leaving out
+    the lines that end within the first ``warm_up_s`` or start within the last ``cool_down_s``
+    seconds of the peer's profiled time."""
     result = {}
     for path in sorted(run_dir.glob("peer-*.jsonl")):
         found = read_metrics([path])
         assert len(found.peers) == 1 and not found.num_bad_lines, (path, found.errors)
-        result[path.stem] = summarize_lines(next(iter(found.peers.values())))
+        lines = next(iter(found.peers.values()))
+        walls_s = [sum(line.phases.values()) for line in lines]
+        ends_s = list(itertools.accumulate(walls_s))
+        last_start_s = (ends_s[-1] if ends_s else 0.0) - cool_down_s
+        kept = [
+            line
+            for line, wall_s, end_s in zip(lines, walls_s, ends_s, strict=True)
+            if end_s > warm_up_s and end_s - wall_s < last_start_s
+        ]
+        result[path.stem] = summarize_lines(kept)
     return result
 
 
@@ -84,7 +98,9 @@ def _launcher(spec: ExperimentSpec):
     if spec.launcher == "netns":
         from experiments.launch.netns import NetnsLauncher
 
-        return NetnsLauncher(spec.network)
+        launcher = NetnsLauncher(spec.network)
+        launcher.check()  # as a sweep does: picks the link emulator (netem or user space)
+        return launcher
     return LocalLauncher()
 
 

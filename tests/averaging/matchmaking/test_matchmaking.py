@@ -96,8 +96,12 @@ async def test_peers_that_start_apart_meet_without_waiting_out_the_bound(make_sw
 
 
 async def test_leader_closes_a_smaller_group_at_the_deadline(make_swarm):
+    # The window holds an announce, a read, a join and a wait of three nodes on one event loop:
+    # 1 s did not on a loaded CI host (all three read each other, and the leader's deadline
+    # came before any follower's wait), so the group can never reach its target of 8 and
+    # closes at the deadline with the three.
     vectors = vectors_for(3, 2_000, 3)
-    config = fast_config(target_group_size=8, min_group_size=2, matchmaking_time_s=1.0)
+    config = fast_config(target_group_size=8, min_group_size=2, matchmaking_time_s=3.0)
     peers = await make_swarm([[v.copy()] for v in vectors], config=config)
     results = await step_all(peers, epoch=0)
     assert [r.status for r in results] == ["ok"] * 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -24,8 +25,17 @@ BENCH_DHT_FIELDS = {
 }
 
 
-def run(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*PEER, *args], capture_output=True, text=True, timeout=timeout_s)
+def run(
+    *args: str, timeout_s: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``peer *args``; ``env``: variables set on top of this process's environment."""
+    return subprocess.run(
+        [*PEER, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=None if env is None else {**os.environ, **env},
+    )
 
 
 @pytest.mark.parametrize(
@@ -225,12 +235,14 @@ def test_bench_train_prints_the_contract_json_from_interleaved_windows():
 def test_a_paused_two_peer_swarm_fails_no_round_and_holds_its_target():
     # the swarm is stopped for up to two baseline windows at a time: no wait of a round may run
     # out during a pause, and the pause must not read as slow training (which made the peers
-    # undercount each other and gather 2-4x the target per epoch)
+    # undercount each other and gather 2-4x the target per epoch). Unpaced (the peers read
+    # VP_MIN_ROUND_INTERVAL as --min-round-interval): these epochs are shorter than the 0.05-s
+    # pace, which would gather more than the target on purpose
     target = 1024
     result = run(
         "bench", "train", "--peers", "2", "--seconds", "6", "--window", "1", "--threads", "2",
         "--target-batch-size", str(target), "--task-option", "hidden_dim=64", "--json",
-        timeout_s=150,
+        timeout_s=150, env={"VP_MIN_ROUND_INTERVAL": "0"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

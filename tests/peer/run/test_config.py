@@ -113,8 +113,9 @@ def test_min_deadline_floors_the_averagers_adaptive_waits():
     assert parse("--min-deadline", "3.5").averager_config().min_deadline_s == 3.5
 
 
-def test_the_digest_schedule_is_opt_in_and_reaches_the_state_server():
-    assert parse().state_sync_config().max_digest_stride == 1
+def test_the_digest_schedule_is_on_by_default_and_reaches_the_state_server():
+    assert parse().state_sync_config().max_digest_stride == 64
+    assert parse("--max-digest-stride", "1").state_sync_config().max_digest_stride == 1
     config = parse("--max-digest-stride", "64", "--max-digest-gap", "4").state_sync_config()
     assert (config.max_digest_stride, config.max_digest_gap_s) == (64, 4.0)
 
@@ -128,3 +129,13 @@ def test_the_train_benchs_peers_wait_out_its_longest_pause():
     floor_s = float(command[command.index("--min-deadline") + 1])
     assert floor_s > 2 * window_s  # the swarm is paused for up to two baseline windows
     assert "--min-deadline" not in peer_command(config, "http://127.0.0.1:1", 0)  # unpaused
+
+
+def test_the_train_benchs_delayed_update_reaches_its_peers_in_grad_mode_only():
+    from peer.bench.train import TrainBenchConfig, peer_command
+
+    command = peer_command(TrainBenchConfig(delay_update=True), "http://127.0.0.1:1", 0)
+    assert parse(*command[command.index("join") + 1 : -1]).delay_update  # (no --json)
+    assert "--delay-update" not in peer_command(TrainBenchConfig(), "http://127.0.0.1:1", 0)
+    with pytest.raises(ValueError, match="delay_update"):
+        TrainBenchConfig(delay_update=True, mode="params")

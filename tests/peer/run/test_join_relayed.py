@@ -15,12 +15,21 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_two_relayed_peers_and_their_relay_equal_one_process():
     seeds = [5, 6, 7]
-    reachable = PeerRun(config(seed=seeds[0], max_epochs=3))
+    # epochs of the target, unpaced, as in test_join's comparison with one process
+    reachable = PeerRun(config(seed=seeds[0], max_epochs=3, min_round_interval=0.0))
     reachable.start()
     runs = [reachable]
     relay = reachable.address
     for seed in seeds[1:]:
-        run = PeerRun(config(seed=seed, max_epochs=3, initial_peers=[relay], relay_via=[relay]))
+        run = PeerRun(
+            config(
+                seed=seed,
+                max_epochs=3,
+                min_round_interval=0.0,
+                initial_peers=[relay],
+                relay_via=[relay],
+            )
+        )
         run.start()
         runs.append(run)
     assert [run.address for run in runs[1:]] == [

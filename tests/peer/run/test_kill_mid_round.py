@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.peer.run.processes import bootstrap_dht, stop_processes
+
 pytestmark = pytest.mark.timeout(240)
 # A 1.9M-parameter model and a target of two local batches: the peers spend most of their time
 # in rounds, so the kill lands in one (or between two rounds a few milliseconds apart).
@@ -47,37 +49,31 @@ def metrics_lines(path: Path) -> list[dict]:
 
 
 def test_a_peer_killed_mid_round_does_not_stop_the_others(tmp_path):
-    bootstrap = subprocess.Popen(
-        [sys.executable, "-m", "peer", "dht"], stdout=subprocess.PIPE, text=True
-    )
     peers: list[subprocess.Popen] = []
-    try:
-        url = bootstrap.stdout.readline().strip()
-        files = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
-        # the victim dies sending a part of its fifth round or so (2/3 of its vector per round)
-        environment = {**os.environ, "VP_TEST_CRASH_AFTER_BYTES": str(3 * NUM_PARAMS * 4)}
-        peers = [
-            subprocess.Popen(
-                peer_command(url, i + 1, files[i], crash=i == 2),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=environment,
+    with bootstrap_dht() as url:
+        try:
+            files = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
+            # the victim dies sending a part of its fifth round or so (2/3 of its vector per round)
+            environment = {**os.environ, "VP_TEST_CRASH_AFTER_BYTES": str(3 * NUM_PARAMS * 4)}
+            peers = [
+                subprocess.Popen(
+                    peer_command(url, i + 1, files[i], crash=i == 2),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=environment,
+                )
+                for i in range(3)
+            ]
+            victim, survivors = peers[2], peers[:2]
+            assert victim.wait(timeout=150) == -signal.SIGKILL
+            epoch_at_kill = max(
+                (line["epoch"] for f in files[:2] for line in metrics_lines(f)), default=0
             )
-            for i in range(3)
-        ]
-        victim, survivors = peers[2], peers[:2]
-        assert victim.wait(timeout=150) == -signal.SIGKILL
-        epoch_at_kill = max(
-            (line["epoch"] for f in files[:2] for line in metrics_lines(f)), default=0
-        )
-        lines_at_kill = [len(metrics_lines(f)) for f in files[:2]]
-        outputs = [peer.communicate(timeout=150) for peer in survivors]
-    finally:
-        for process in [*peers, bootstrap]:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
+            lines_at_kill = [len(metrics_lines(f)) for f in files[:2]]
+            outputs = [peer.communicate(timeout=150) for peer in survivors]
+        finally:
+            stop_processes(peers)
     # the round the victim died in ended without it, for at least one survivor
     dropped = re.compile(r"averaging round \S+ (partial|failed).*dropped (?!nobody)")
     assert any(dropped.search(stderr) for _, stderr in outputs), [e[-1500:] for _, e in outputs]

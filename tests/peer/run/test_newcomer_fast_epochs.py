@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from peer.run.runner import PeerRun
+from tests.peer.run.processes import bootstrap_dht, join_logged, stop_processes
 from tests.peer.run.test_join import config, stop, train_in_thread, wait_for
 
 pytestmark = pytest.mark.timeout(150)
@@ -28,67 +28,55 @@ MAX_ROUNDS_BEFORE_MEETING = 4
 
 
 def swarm_peer(url: str, seed: int, files: Path) -> subprocess.Popen:
-    command = [
-        sys.executable, "-m", "peer", "--log-level", "WARNING", "join",
-        "--initial-peers", url,
+    return join_logged(
+        url, seed, files,
         "--task-option", "hidden_dim=64",
-        "--task-option", "num_eval_batches=0",
         "--target-batch-size", str(FAST["target_batch_size"]),
         "--publish-interval", str(FAST["publish_interval"]),
-        "--torch-threads", "1",
-        "--seed", str(seed),
         "--max-time", "120",
         "--wait-for-peers", "3",
         "--matchmaking-time", "10",
         "--averaging-timeout", "20",
         "--metrics-file", str(files / f"peer{seed}.jsonl"),
         "--metrics-interval", "0.5",
-    ]  # fmt: skip
-    log = (files / f"peer{seed}.log").open("w")
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+    )  # fmt: skip
 
 
 def test_a_newcomer_averages_with_a_swarm_of_short_epochs_within_a_few_rounds(tmp_path):
-    bootstrap = subprocess.Popen(
-        [sys.executable, "-m", "peer", "dht"], stdout=subprocess.PIPE, text=True
-    )
     peers: list[subprocess.Popen] = []
-    newcomer, thread = None, None
-    try:
-        url = bootstrap.stdout.readline().strip()
-        peers = [swarm_peer(url, seed, tmp_path) for seed in (1, 2, 3)]
-        wait_for(
-            lambda: all(swarm_epoch(tmp_path / f"peer{s}.jsonl") >= 3 for s in (1, 2, 3)),
-            "the swarm did not reach epoch 3",
-            90,
-        )
-        newcomer = PeerRun(config(seed=4, initial_peers=[url], **FAST))
-        newcomer.start()  # downloads the swarm's state
-        assert newcomer.hook.epoch >= 2
-        thread = train_in_thread(newcomer)
-        stats = newcomer.hook.stats
-        wait_for(
-            lambda: met(stats.history) or stats.num_rounds >= MAX_ROUNDS_BEFORE_MEETING + 1,
-            "the newcomer finished no round",
-            90,
-        )
-        history = list(stats.history)
-        summary = [(r.epoch, r.status, r.num_peers, r.reason[:60]) for r in history]
-        assert met(history[: MAX_ROUNDS_BEFORE_MEETING + 1]), summary
-        # and it stays with them: most of its later rounds are with the swarm
-        first = next(i for i, r in enumerate(history) if r.ok and r.num_peers >= 2)
-        wait_for(lambda: stats.num_rounds >= first + 6, "the newcomer stopped averaging", 60)
-        later = list(stats.history)[first : first + 6]
-        assert sum(r.ok and r.num_peers >= 2 for r in later) >= 4, [
-            (r.epoch, r.status, r.num_peers) for r in later
-        ]
-    finally:
-        if newcomer is not None:
-            stop(newcomer, thread)
-        for process in [*peers, bootstrap]:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
+    with bootstrap_dht() as url:
+        newcomer, thread = None, None
+        try:
+            peers = [swarm_peer(url, seed, tmp_path) for seed in (1, 2, 3)]
+            wait_for(
+                lambda: all(swarm_epoch(tmp_path / f"peer{s}.jsonl") >= 3 for s in (1, 2, 3)),
+                "the swarm did not reach epoch 3",
+                90,
+            )
+            newcomer = PeerRun(config(seed=4, initial_peers=[url], **FAST))
+            newcomer.start()  # downloads the swarm's state
+            assert newcomer.hook.epoch >= 2
+            thread = train_in_thread(newcomer)
+            stats = newcomer.hook.stats
+            wait_for(
+                lambda: met(stats.history) or stats.num_rounds >= MAX_ROUNDS_BEFORE_MEETING + 1,
+                "the newcomer finished no round",
+                90,
+            )
+            history = list(stats.history)
+            summary = [(r.epoch, r.status, r.num_peers, r.reason[:60]) for r in history]
+            assert met(history[: MAX_ROUNDS_BEFORE_MEETING + 1]), summary
+            # and it stays with them: most of its later rounds are with the swarm
+            first = next(i for i, r in enumerate(history) if r.ok and r.num_peers >= 2)
+            wait_for(lambda: stats.num_rounds >= first + 6, "the newcomer stopped averaging", 60)
+            later = list(stats.history)[first : first + 6]
+            assert sum(r.ok and r.num_peers >= 2 for r in later) >= 4, [
+                (r.epoch, r.status, r.num_peers) for r in later
+            ]
+        finally:
+            if newcomer is not None:
+                stop(newcomer, thread)
+            stop_processes(peers)
 
 
 def met(history) -> bool:

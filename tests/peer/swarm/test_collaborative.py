@@ -18,6 +18,9 @@ from peer.swarm.progress import GlobalProgress
 from peer.train.schedules import make_lr_schedule
 from peer.train.trainer import StepContext
 
+# Every target reached closes an epoch (min_round_interval_s=0): these tests script each
+# epoch's steps, faster than the pace a swarm's rounds keep by default.
+
 TARGET = 8
 
 
@@ -75,7 +78,9 @@ def make(model, *, in_grad=True, lr_schedule=None, state=None):
         optimizer=optimizer,
         averager=NoAveraging(),
         progress=OnePeerSwarm(),
-        config=CollaborativeConfig(target_batch_size=TARGET, accumulate_in_grad=in_grad),
+        config=CollaborativeConfig(
+            min_round_interval_s=0.0, target_batch_size=TARGET, accumulate_in_grad=in_grad
+        ),
         lr_schedule=lr_schedule,
         state=state,
     )
@@ -190,7 +195,9 @@ def test_delayed_update_applies_the_swarm_average_one_epoch_late_without_blockin
         optimizer=optimizer,
         averager=averager,
         progress=TwoPeerSwarm(),
-        config=CollaborativeConfig(target_batch_size=TARGET, delay_update=True),
+        config=CollaborativeConfig(
+            min_round_interval_s=0.0, target_batch_size=TARGET, delay_update=True
+        ),
     )
     batches = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(4)]
     start = [p.detach().clone() for p in model.parameters()]
@@ -308,7 +315,7 @@ def test_a_newcomer_whose_round_found_nobody_because_the_swarm_moved_on_download
         optimizer=optimizer,
         averager=averager,
         progress=swarm,
-        config=CollaborativeConfig(target_batch_size=TARGET),
+        config=CollaborativeConfig(min_round_interval_s=0.0, target_batch_size=TARGET),
         state=state,
     )
     step(hook, model, optimizer, torch.randn(4, 3), torch.randn(4, 2))

@@ -20,11 +20,12 @@ from peer.swarm.digest_schedule import (
     choose_stride,
 )
 from peer.swarm.state_download import download_state, layout_of
-from peer.swarm.state_sync import StateSnapshot, default_digest
+from peer.swarm.state_sync import DIGEST_NOW_NAME, StateSnapshot, default_digest
 from tests.peer.swarm.test_state_sync import CONFIG, peer, trained_state
 
-# the schedule is opt-in (StateSyncConfig.max_digest_stride)
+# the schedule's largest stride (StateSyncConfig's default), and every epoch
 STRIDED = dataclasses.replace(CONFIG, max_digest_stride=64)
+EVERY_EPOCH = dataclasses.replace(CONFIG, max_digest_stride=1)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,9 +150,7 @@ async def test_a_newcomer_asking_for_an_epoch_the_schedule_skipped_gets_it_diges
         donor.digest_fn = _costly
         donor.update(StateSnapshot.capture(1, state))
         await donor.settle()
-        donor._schedule.stride = 1 << 20  # nothing after the first is due: off the grid
-        donor._schedule.measured = lambda cost_s: None
-        donor._schedule._restride = lambda: None
+        _off_the_grid(donor)  # nothing after the first is due
         for epoch in (2, 3):
             donor.update(StateSnapshot.capture(epoch, state))
         await asyncio.sleep(0.05)
@@ -163,12 +162,56 @@ async def test_a_newcomer_asking_for_an_epoch_the_schedule_skipped_gets_it_diges
     assert got.epoch == 3
 
 
+def _off_the_grid(donor) -> None:
+    """From now on ``donor``'s schedule digests no epoch that follows the one before."""
+    donor._schedule.stride = 1 << 20
+    donor._schedule.measured = lambda cost_s: None
+    donor._schedule._restride = lambda: None
+
+
+async def test_a_newcomer_gets_the_donors_newest_state_not_the_last_one_their_schedule_chose(
+    monkeypatch,
+):
+    # two donors announce epoch 1, then step to 4 off their grid: the newest agreed state is
+    # 1, long before either lingers at 4 (60 s here). A download of any epoch asks them to
+    # digest now and waits for epoch 4 to be agreed (it arrived 3 epochs behind before: a
+    # newcomer to a swarm of fast epochs then spent its first rounds alone).
+    monkeypatch.setattr("peer.swarm.state_sync.LINGER_S", 60.0)
+    state = trained_state(4)
+    async with AsyncExitStack() as stack:
+        _, first_node, first = await stack.enter_async_context(peer([], config=STRIDED))
+        _, _, second = await stack.enter_async_context(peer([first_node.address], config=STRIDED))
+        for donor in (first, second):
+            donor.update(StateSnapshot.capture(1, state))
+            await donor.settle()
+            _off_the_grid(donor)
+        for epoch in (2, 3, 4):
+            for donor in (first, second):
+                donor.update(StateSnapshot.capture(epoch, state))
+        await asyncio.sleep(0.05)
+        assert [d.epoch for d in first.digests] == [d.epoch for d in second.digests] == [1]
+        transport, node, _ = await stack.enter_async_context(peer([first_node.address]))
+        got = await download_state(
+            transport, node, "run", min_epoch=1, expected=layout_of(state), config=STRIDED
+        )
+        assert got.epoch == 4
+        assert [d.epoch for d in first.digests] == [d.epoch for d in second.digests] == [1, 4]
+        # asked to digest now, each digests every epoch for a while (a download's rereads)
+        first.update(StateSnapshot.capture(5, state))
+        for _ in range(100):
+            if first.digests[-1].epoch == 5:
+                break
+            await asyncio.sleep(0.05)
+        assert [d.epoch for d in first.digests] == [1, 4, 5]
+    assert all(torch.equal(got.tensors[k], v) for k, v in state.items())
+
+
 async def test_epochs_faster_than_the_announcement_gap_each_get_their_digest():
     # 20 epochs of 30 ms: more than the pending queue holds arrive within one announcement gap
     # (0.5 s); digested as they come, none is dropped for a newer one
     state = trained_state(2)
     async with AsyncExitStack() as stack:
-        _, _, donor = await stack.enter_async_context(peer([]))
+        _, _, donor = await stack.enter_async_context(peer([], config=EVERY_EPOCH))
         for epoch in range(1, 21):
             donor.update(StateSnapshot.capture(epoch, state))
             await asyncio.sleep(0.03)
@@ -181,7 +224,7 @@ async def test_a_snapshot_handed_over_while_the_announcement_is_on_its_way_is_an
     # queued meanwhile found the digest task still running and was left in its queue
     state = trained_state(3)
     async with AsyncExitStack() as stack:
-        _, _, donor = await stack.enter_async_context(peer([]))
+        _, _, donor = await stack.enter_async_context(peer([], config=EVERY_EPOCH))
         announce, announcing = donor.announce, asyncio.Event()
 
         async def slow_announce() -> None:
@@ -199,3 +242,35 @@ async def test_a_snapshot_handed_over_while_the_announcement_is_on_its_way_is_an
             await asyncio.sleep(0.05)
         assert [d.epoch for d in donor.digests] == [1, 2]
         assert donor.served.epoch == 2
+
+
+async def test_a_stranger_asking_to_digest_now_costs_a_donor_one_digest_per_epoch(monkeypatch):
+    # 50 requests at once, then 50 more, at one epoch: its state is hashed once (two digests);
+    # what the requests can buy is the stride-1 hashing the schedule saves, not more
+    monkeypatch.setattr("peer.swarm.state_sync.LINGER_S", 60.0)
+    state = trained_state(5)
+    async with AsyncExitStack() as stack:
+        _, donor_node, donor = await stack.enter_async_context(peer([], config=STRIDED))
+        calls = []
+
+        def counted(snapshot: StateSnapshot, bf16: bool) -> str:
+            calls.append(snapshot.epoch)
+            return default_digest(snapshot, bf16)
+
+        donor.digest_fn = counted
+        donor.update(StateSnapshot.capture(1, state))
+        await donor.settle()
+        _off_the_grid(donor)
+        donor.update(StateSnapshot.capture(2, state))
+        transport, _, _ = await stack.enter_async_context(peer([donor_node.address]))
+        for _ in range(2):
+            answers = await asyncio.gather(
+                *(
+                    transport.call(donor_node.address, DIGEST_NOW_NAME, {"epoch": "x" * 100})
+                    for _ in range(50)
+                )
+            )
+            assert {a["epoch"] for a in answers} == {2}
+            await donor.settle()
+        assert calls == [1, 1, 2, 2]  # the exact and the bf16 digest of each epoch, once
+        assert [d.epoch for d in donor.digests] == [1, 2]

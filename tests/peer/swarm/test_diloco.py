@@ -18,6 +18,9 @@ from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer
 from peer.train.trainer import StepContext
 from tests.peer.swarm.test_collaborative import TwoPeerSwarm, _NoAmp
 
+# Every target reached closes an epoch (min_round_interval_s=0): these tests script each
+# epoch's steps, faster than the pace a swarm's rounds keep by default.
+
 TARGET = 8  # as TwoPeerSwarm's
 BATCH = 2  # four inner steps per epoch
 INNER_LR = 0.25
@@ -77,6 +80,7 @@ def make(overlap: bool, averager: OtherPeer):
     model = Quadratic()
     optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     config = CollaborativeConfig(
+        min_round_interval_s=0.0,
         mode="diloco",
         target_batch_size=TARGET,
         outer_lr=OUTER_LR,
@@ -211,7 +215,7 @@ def test_hand_computed_first_overlapped_round():
 
 def test_diloco_overlap_needs_mode_diloco():
     with pytest.raises(ConfigError, match="diloco_overlap needs mode diloco"):
-        CollaborativeConfig(target_batch_size=8, diloco_overlap=True)
+        CollaborativeConfig(min_round_interval_s=0.0, target_batch_size=8, diloco_overlap=True)
 
 
 class OneAheadSwarm(TwoPeerSwarm):

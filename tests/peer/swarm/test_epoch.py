@@ -24,6 +24,8 @@ from tests.peer.swarm.test_collaborative import (
 )
 
 
+# Every target reached closes an epoch (min_round_interval_s=0): these tests script each
+# epoch's steps, faster than the pace a swarm's rounds keep by default.
 def test_epoch_moves_forward_only_and_tells_its_listeners():
     epoch, seen = Epoch(2), []
     epoch.subscribe(seen.append)
@@ -63,7 +65,9 @@ def test_a_delayed_update_serves_the_next_epoch_once_its_round_landed():
         optimizer=optimizer,
         averager=BackgroundSwarm(swarm_mean, num_steps_late=1),
         progress=TwoPeerSwarm(),
-        config=CollaborativeConfig(target_batch_size=TARGET, delay_update=True),
+        config=CollaborativeConfig(
+            min_round_interval_s=0.0, target_batch_size=TARGET, delay_update=True
+        ),
         epoch=epoch,
     )
     start = [p.detach().clone() for p in model.parameters()]
@@ -88,6 +92,7 @@ def test_an_overlapped_diloco_peer_serves_the_replica_after_the_round_in_flight(
         lambda e: states.append((e, [p.detach().clone() for p in model.parameters()]))
     )
     config = CollaborativeConfig(
+        min_round_interval_s=0.0,
         target_batch_size=TARGET,
         mode="diloco",
         diloco_overlap=True,
@@ -133,7 +138,7 @@ def test_a_catch_up_moves_the_epoch_its_listeners_read():
         optimizer=optimizer,
         averager=NoAveraging(),
         progress=progress,
-        config=CollaborativeConfig(target_batch_size=TARGET),
+        config=CollaborativeConfig(min_round_interval_s=0.0, target_batch_size=TARGET),
         epoch=epoch,
         state=InstantState(),
     )

@@ -1,11 +1,15 @@
-"""The bf16 digest rounds float32 exactly as torch's bfloat16 conversion does (what a ``bf16``
-download delivers), though it rounds in numpy; NaNs are canonical on both digest sides."""
+"""The digest is BLAKE3 over the documented byte sequence; the bf16 digest rounds float32
+exactly as torch's bfloat16 conversion does (what a ``bf16`` download delivers), though it rounds
+in numpy; NaNs are canonical on both digest sides."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 import torch
+from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +31,21 @@ def _torch_bits(bits: np.ndarray) -> np.ndarray:
     rounded = values.to(torch.bfloat16).to(torch.float32).numpy().view(np.uint32).copy()
     rounded[np.isnan(values.numpy())] = 0x7FC00000
     return rounded
+
+
+def test_the_digest_is_blake3_of_the_documented_bytes():
+    # the format other peers compute too (peer.swarm.state_digest's docstring), rebuilt here
+    tensors = {"optim/0/exp_avg": torch.randn(4, 3), "model/w": torch.randn(5).double()}
+    structure = {"0": {"step": 3}}
+    expected = blake3(b"vp-state/2")
+    expected.update(json.dumps([7, structure], sort_keys=True).encode())
+    for name in ("model/w", "optim/0/exp_avg"):  # name order
+        tensor = tensors[name]
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        expected.update(json.dumps([name, dtype, list(tensor.shape)]).encode())
+        expected.update(tensor.numpy().tobytes())
+    assert state_digest(7, tensors, structure=structure) == expected.hexdigest()
+    assert len(expected.hexdigest()) == 64  # what the state record's schema takes
 
 
 @settings(max_examples=200, deadline=None)

@@ -28,6 +28,7 @@ from peer.records.state import (
 from peer.run.runner import PeerRun
 from peer.swarm.state_resync import ReplicaCheck
 from peer.swarm.state_sync_config import StateSyncConfig
+from tests.helpers.digests import assert_equal_lately
 from tests.peer.run.test_join import (
     config,
     start_swarm,
@@ -123,13 +124,7 @@ def test_two_peers_whose_replicas_differ_end_equal(mode):
     # for a round that failed on one side)
     assert resynced in ([0, 0], [0, 1]) if mode == "params" else resynced == [0, 1]
     digests = [{d.epoch: d.digest for d in run.services.state_server.digests} for run in runs]
-    common = sorted(set(digests[0]) & set(digests[1]))
-    # equal again within a few epochs, and so they stayed: the last 8 common epochs of the 16
-    # each peer keeps (of 30 or 40), bit for bit (a digest is a SHA-256 of the whole state)
-    assert len(common) >= 8, digests
-    assert all(digests[0][e] == digests[1][e] for e in common[-8:]), [
-        (e, digests[0][e][:6], digests[1][e][:6]) for e in common
-    ]
+    assert_equal_lately(digests)  # equal again within a few epochs, and so they stayed
 
 
 async def _lie(node: DHTNode, run, stop_event: threading.Event, stored: list[int]) -> None:
@@ -261,7 +256,7 @@ def test_a_diloco_newcomer_takes_the_outer_momentum_and_stays_equal():
         assert outer.state_dict()["state"]  # downloaded: the swarm's momentum, not zero's
         newcomer_thread = train_in_thread(newcomer)
         wait_for(lambda: newcomer.hook.stats.last_group_size == 2, "they never averaged")
-        last_epoch = newcomer.hook.epoch + 10
+        last_epoch = newcomer.hook.epoch + 16  # digests in common, also at a stride of 2
         for run in (first, newcomer):
             run.config = run.config.model_copy(update={"max_epochs": last_epoch})
         for thread in (first_thread, newcomer_thread):
@@ -272,11 +267,7 @@ def test_a_diloco_newcomer_takes_the_outer_momentum_and_stays_equal():
         stop(first, first_thread)
     runs = (first, newcomer)
     digests = [{d.epoch: d.digest for d in run.services.state_server.digests} for run in runs]
-    common = sorted(set(digests[0]) & set(digests[1]))
-    assert len(common) >= 8, ([sorted(d) for d in digests], [r.hook.epoch for r in runs])
-    assert all(digests[0][e] == digests[1][e] for e in common[-8:]), [
-        (e, digests[0][e][:6], digests[1][e][:6]) for e in common
-    ]
+    assert_equal_lately(digests, ([sorted(d) for d in digests], [r.hook.epoch for r in runs]))
     # equal from the download on: nobody had to re-sync
     assert [run.state.num_resyncs for run in runs] == [0, 0]
 
@@ -311,7 +302,7 @@ def test_a_newcomer_to_an_overlapped_swarm_lands_on_the_swarms_replica(mode):
         runs.append(newcomer)
         threads.append(newcomer_thread)
         wait_for(lambda: newcomer.hook.stats.last_group_size == 3, "the three never averaged")
-        last_epoch = max(run.hook.epoch for run in runs) + 4
+        last_epoch = max(run.hook.epoch for run in runs) + 10  # common digests at a stride
         for run in runs:
             run.config = run.config.model_copy(update={"max_epochs": last_epoch})
         for thread in threads:

@@ -192,3 +192,24 @@ async def test_bf16_compression_halves_the_bytes_within_its_bound():
 def test_unknown_compression_is_refused_by_name():
     with pytest.raises(ConfigError, match="compression"):
         StateSyncConfig(compression="zip")
+
+
+async def test_an_announcement_overtaken_by_a_newer_one_is_not_refused(caplog):
+    # The periodic announcement and the one after a digest can be on their way at once. Were
+    # the newer record to reach every replica first, each would refuse the older one: a lost
+    # request and a WARNING of a failed store, with nothing wrong.
+    faults = Faults()
+    async with AsyncExitStack() as stack:
+        _, first_node, donor = await stack.enter_async_context(peer([], faults))
+        for _ in range(3):  # replicas other than the donor, so that stores go over the network
+            await stack.enter_async_context(peer([first_node.address]))
+        await serve(donor, StateSnapshot.capture(3, trained_state(0)))
+        with caplog.at_level("WARNING"):
+            faults.delay_s = 0.5
+            slow = asyncio.create_task(donor.announce())
+            await asyncio.sleep(0.1)
+            faults.delay_s = 0.0
+            await donor.announce()
+            await slow
+    failed = [r.getMessage() for r in caplog.records if "store of" in r.getMessage()]
+    assert not failed, failed

@@ -12,7 +12,8 @@ from dht.http import HttpTransport
 from dht.identity import PeerIdentity
 from dht.kademlia.node import DHTNode
 from dht.net.config import TransportConfig
-from peer.swarm.state_download import download_state, layout_of, read_announcements
+from peer.swarm.state_agreement import read_announcements
+from peer.swarm.state_download import download_state, layout_of
 from peer.swarm.state_sync import StateServer, StateSnapshot
 from tests.peer.swarm.test_state_sync import CONFIG, serve, trained_state
 
