@@ -131,6 +131,12 @@ class Session:
             stop_event=self.stop_event,
             outer=contribution.outer_optimizer,
         )
+        if config.wait_for_peers > 1:
+            self.services.tracker.report_local_progress(start_epoch, 0)
+            self._wait_for_peers()
+        # the stream's first interval starts here: waiting for peers is none of the peer's time,
+        # a download of the swarm's state is
+        self._open_metrics()
         self.epoch = Epoch(self._initial_epoch(start_epoch))
         # the contribution was made over the model before a download replaced it: in diloco
         # its anchor (and replica) would still be the model's initial values, and the first
@@ -159,18 +165,7 @@ class Session:
     def _start(self, epoch: int, last_loss: Callable[[], Any]) -> None:
         services, config = self.services, self.config
         services.tracker.report_local_progress(epoch, 0)
-        if config.wait_for_peers > 1:
-            self._wait_for_peers()
         services.state_server.update(self.state.snapshot(epoch))
-        if config.metrics_file is not None:
-            self.metrics = MetricsStream(
-                config.metrics_file,
-                peer_id=self.dht.peer_id,
-                run_id=config.run_id,
-                clock=self.profiler.clock,
-                counters=services.transport.counters,
-                interval_s=config.metrics_interval,
-            )
         self.loop_thread.run(services.state_server.announce(), timeout_s=CALL_TIMEOUT_S)
         device = getattr(self.counts, "device", None)
 
@@ -198,6 +193,18 @@ class Session:
             num_peers=num_peers,
         )
         services.tracker.report_local_progress(epoch, 0)  # training starts now
+
+    def _open_metrics(self) -> None:
+        config = self.config
+        if config.metrics_file is not None:
+            self.metrics = MetricsStream(
+                config.metrics_file,
+                peer_id=self.dht.peer_id,
+                run_id=config.run_id,
+                clock=self.profiler.clock,
+                counters=self.services.transport.counters,
+                interval_s=config.metrics_interval,
+            )
 
     def _wait_for_peers(self) -> None:
         """Block until ``wait_for_peers`` peers (this one included) publish progress, so that

@@ -3,6 +3,7 @@ thread and HTTP server on 127.0.0.1), checked against a single process."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -141,9 +142,10 @@ def wait_for(condition, what: str, timeout_s: float = 60) -> None:
         time.sleep(0.02)
 
 
-def test_a_newcomer_downloads_the_state_and_joins_the_next_round():
+def test_a_newcomer_downloads_the_state_and_joins_the_next_round(tmp_path):
     # epochs of a second or more here, so that the newcomer can catch one
     slow = {"target_batch_size": 8192, "publish_interval": 0.1}
+    metrics_path = tmp_path / "newcomer.jsonl"
     (first,) = start_swarm([config(seed=1, **slow)])
     first_thread = train_in_thread(first)
     newcomer, newcomer_thread = None, None
@@ -152,10 +154,21 @@ def test_a_newcomer_downloads_the_state_and_joins_the_next_round():
             lambda: (first.services.state_server.served or StateSnapshot(0, {})).epoch >= 2,
             "the first peer did not announce (and serve) the state of epoch 2",
         )
-        newcomer = PeerRun(config(seed=2, initial_peers=[first.address], **slow))
+        newcomer = PeerRun(
+            config(seed=2, initial_peers=[first.address], metrics_file=metrics_path, **slow)
+        )
         newcomer.start()
         epoch = newcomer.hook.epoch
         assert epoch >= 2
+        # its metrics stream has the download: every second the clock charged to it, and the
+        # state's bytes (a stream opened after the download lost both; the verdict named the
+        # all-reduce of the few seconds after it)
+        newcomer.metrics.report(epoch=epoch, step=0, loss=None)
+        (line,) = [json.loads(text) for text in metrics_path.read_text().splitlines()]
+        downloaded_s = newcomer.profiler.clock.snapshot().seconds["state_sync"]
+        assert downloaded_s > 0 and line["phases"]["state_sync"] == pytest.approx(downloaded_s)
+        state_bytes = sum(p.numel() * p.element_size() for p in newcomer.model.parameters())
+        assert line["net"]["recv"] >= state_bytes
         # what it loaded is the first peer's state of that epoch, bit for bit: the same digest
         # (the first peer may have moved on meanwhile; it keeps its last epochs' digests)
         digests = newcomer.services.state_server.digests
