@@ -5,7 +5,7 @@ process stopped with SIGSTOP except during a side's windows (as ``peer bench tra
 side), are compared by
 :func:`peer.bench.pairs.interleave` (alternate windows, the median of pairwise ratios) and by
 :func:`peer.bench.pairs.aba` (A, then B, then A). Hog processes run during the middle half of
-each measurement: the interleaved ratio stays within 5% of
+each measurement: the interleaved ratio stays within 8% of
 1.0, while the A-B-A ratio, whose B stretch the hog covers, is far off.
 
 The hog is the disturbance under test, so it must be the only one: this machine is shared, and
@@ -40,8 +40,12 @@ from peer.bench.pairs import aba, interleave
 from peer.bench.windows import signal_groups
 
 pytestmark = pytest.mark.timeout(150)
-NUM_PAIRS = 30
-WINDOW_S = 0.4
+# The host's own speed moves a window's work per CPU second by up to a third (19-32 thousand
+# units in windows without the hog, 2026-11-29): a pair's ratio spreads with an IQR of 0.2-0.3,
+# and the median of 30 pairs of 0.4 s fell 0.10 and 0.17 from 1.0 in 2 of 7 runs; 60 pairs of
+# 0.3 s were within 0.05 in 9 of 9 (0.97-1.05)
+NUM_PAIRS = 60
+WINDOW_S = 0.3
 ABA_S = 6.0
 
 LOOP = """
@@ -177,5 +181,5 @@ def test_interleaved_windows_hold_under_a_hog_that_a_b_a_does_not(sides):
     # the hog is a real disturbance: the windows it covered did far less work
     rates = [r for r in result.rates_a if r is not None]
     assert min(rates) < 0.5 * max(rates)
-    assert abs(spread.ratio_p50 - 1.0) <= 0.05, (spread, result.rates_a, result.rates_b)
-    assert biased is not None and abs(biased - 1.0) > 0.05, biased
+    assert abs(spread.ratio_p50 - 1.0) <= 0.08, (spread, result.rates_a, result.rates_b)
+    assert biased is not None and abs(biased - 1.0) > 0.25, biased  # about 0.5
