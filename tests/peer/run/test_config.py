@@ -114,10 +114,11 @@ def test_min_deadline_floors_the_averagers_adaptive_waits():
 
 
 def test_the_digest_schedule_is_on_by_default_and_reaches_the_state_server():
-    assert parse().state_sync_config().max_digest_stride == 64
+    default = parse().state_sync_config()
+    assert (default.max_digest_stride, default.max_digest_gap_s) == (64, 4.0)
     assert parse("--max-digest-stride", "1").state_sync_config().max_digest_stride == 1
-    config = parse("--max-digest-stride", "64", "--max-digest-gap", "4").state_sync_config()
-    assert (config.max_digest_stride, config.max_digest_gap_s) == (64, 4.0)
+    config = parse("--max-digest-stride", "8", "--max-digest-gap", "1").state_sync_config()
+    assert (config.max_digest_stride, config.max_digest_gap_s) == (8, 1.0)
 
 
 def test_the_train_benchs_peers_wait_out_its_longest_pause():
