@@ -50,7 +50,10 @@ class _MalformedHttpFilter(logging.Filter):
             self.num_dropped += 1
             return False
         self._last_s = now
-        record.msg = f"{record.msg}: {exc.code} {exc.message}"[:300]
+        # the message is final here: it quotes the request, whose bytes are the caller's and
+        # may hold a '%s' that formatting with the record's arguments would choke on
+        record.msg = f"{record.getMessage()}: {exc.code} {exc.message}"[:300]
+        record.args = ()
         record.exc_info, record.exc_text = None, None
         record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True

@@ -15,6 +15,7 @@ import pytest
 
 from dht.errors import RemoteError
 from dht.net.config import TransportConfig
+from dht.net.refusals import HTTP_PARSER_LOGGER
 from dht.net.wire import FRAME_BIN, FRAME_ERROR, FRAME_HEADER, MessageLimits, pack
 from tests.adversarial.harness_net import (
     WireClient,
@@ -188,6 +189,25 @@ async def test_malformed_timestamps_are_a_4xx_with_a_printable_reason(node, clie
     head = answer.split(b"\r\n\r\n", 1)[0]
     assert all(32 <= byte < 127 for line in head.split(b"\r\n") for byte in line), head
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    await still_serves(client, node)
+
+
+async def test_a_header_the_parser_refuses_is_one_readable_warning(node, client, caplog):
+    """aiohttp's parser refuses a control character in a header itself, and its message quotes
+    the header: a '%s' in it once made the record unformattable (every handler's getMessage
+    raised, and a handler that let that through turned the 400 into a 500)."""
+    for limit in HTTP_PARSER_LOGGER.filters:  # one such line a second: this one is not dropped
+        limit._last_s = -float("inf")
+    host, port = host_port(node.address)
+    request = http_request("/v2/rpc/echo", {}, pack(1)).replace(
+        b"\r\n\r\n", b"\r\nx-vp-ts: \x1e%s%d\r\n\r\n", 1
+    )
+    answer = await raw_http(host, port, request, read_timeout_s=5)
+    assert status_line(answer) == 400, answer[:300]
+    (record,) = [r for r in caplog.records if r.name == HTTP_PARSER_LOGGER.name]
+    assert record.levelno == logging.WARNING
+    assert "400 Invalid header value char" in record.getMessage()
+    assert "%s%d" in record.getMessage()
     await still_serves(client, node)
 
 
