@@ -42,8 +42,8 @@ from peer.bench.windows import signal_groups
 pytestmark = pytest.mark.timeout(150)
 # The host's own speed moves a window's work per CPU second by up to a third (19-32 thousand
 # units in windows without the hog, 2026-11-29): a pair's ratio spreads with an IQR of 0.2-0.3,
-# and the median of 30 pairs of 0.4 s fell 0.10 and 0.17 from 1.0 in 2 of 7 runs; 60 pairs of
-# 0.3 s were within 0.05 in 9 of 9 (0.97-1.05)
+# and the median of 30 pairs of 0.4 s fell 0.10 and 0.17 from 1.0 in 2 of 7 runs; 60 pairs
+# were within 0.05 in 10 of 10 (0.97-1.02 at 0.3 s, 0.99-1.05 at 0.4 s)
 NUM_PAIRS = 60
 WINDOW_S = 0.3
 ABA_S = 6.0
