@@ -65,7 +65,7 @@ def test_six_peers_average_to_the_exact_weighted_mean():
             # one group of 6, one level: 2 * 5 vectors of 100 float32 values, over 6 peers
             assert detail["bandwidth_bound_bytes_per_peer"] == round(4 * 100 * 2 * 5 / 6)
     # six peers on loopback that wait for each other form one group (a split would show here)
-    assert whole, report["round_details"]
+    assert whole, json.dumps(report["round_details"])
     assert report["layout_split_fraction"] == 0.0  # all under the one key of a small swarm
     assert report["bytes_sent_per_peer_per_round"] > 0
     assert report["bandwidth_bound_bytes_per_peer_per_round"] > 0
@@ -81,7 +81,7 @@ def test_six_peers_average_to_the_exact_weighted_mean():
 def test_six_peers_with_the_read_savings_on_one_address_still_meet_and_the_report_says_so():
     result = _run(
         [sys.executable, "-m", "peer", "bench", "swarm", "--peers", "6", "--size", "100",
-         "--rounds", "2", "--epoch-s", "3", "--peers-per-process", "3", "--read-replicas", "3",
+         "--rounds", "4", "--epoch-s", "3", "--peers-per-process", "3", "--read-replicas", "3",
          "--store-replicas", "4", "--max-publish-gap-s", "4", "--matchmaking-read-replicas", "2",
          "--matchmaking-store-replicas", "3", "--shared-address", "--json"],
         timeout_s=100,
@@ -93,8 +93,11 @@ def test_six_peers_with_the_read_savings_on_one_address_still_meet_and_the_repor
     assert report["matchmaking_read_replicas"] == 2
     assert report["shared_address"] is True  # every peer on 127.0.0.1, as before
     assert not report["timed_out"] and not report["errors"]
+    # A round of all six, as without the savings. Four rounds, not two: in CI's full suite one
+    # peer's first round split (groups of 3, one peer alone) and the peer then skipped the
+    # second to catch up, so neither of two rounds held all six.
     whole = [d for d in report["round_details"] if d["group_sizes"] == [6]]
-    assert whole, report["round_details"]  # a round of all six, as without the savings
+    assert whole, json.dumps(report["round_details"])
     assert all(d["exact_rel_err_max"] < 1e-5 for d in whole)
 
 
