@@ -24,7 +24,8 @@ from peer.swarm.catch_up import StateCatchUp
 from peer.swarm.contribution import Contribution
 from peer.swarm.epoch import Epoch
 from peer.swarm.newcomer_hold import NewcomerHold
-from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer, make_contribution
+from peer.swarm.optimizer import CollaborativeOptimizer
+from peer.swarm.optimizer_config import CollaborativeConfig, make_contribution
 from peer.swarm.progress import GlobalProgress
 from peer.swarm.services import open_services
 

@@ -35,7 +35,7 @@ from peer.train.schedules import LRSchedule, make_lr_schedule
 if TYPE_CHECKING:  # torch-importing modules: kept out of `peer dht` and `peer --help`
     from peer.profiling.profiler import ProfilerConfig
     from peer.swarm.newcomer_hold import NewcomerHoldConfig
-    from peer.swarm.optimizer import CollaborativeConfig
+    from peer.swarm.optimizer_config import CollaborativeConfig
     from peer.swarm.state_sync_config import StateSyncConfig
     from peer.train.trainer import TrainerConfig
 
@@ -303,7 +303,7 @@ class PeerConfig(BaseModel):
         return NewcomerHoldConfig(wait_s=self.newcomer_wait, round_s=self.matchmaking_time)
 
     def collaborative_config(self) -> CollaborativeConfig:
-        from peer.swarm.optimizer import CollaborativeConfig
+        from peer.swarm.optimizer_config import CollaborativeConfig
 
         return CollaborativeConfig(
             mode=self.mode,

@@ -13,7 +13,8 @@ from torch import nn
 from averaging.result import RoundResult
 from peer.profiling.phases import PhaseClock
 from peer.records.progress import PeerProgress
-from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer
+from peer.swarm.optimizer import CollaborativeOptimizer
+from peer.swarm.optimizer_config import CollaborativeConfig
 from peer.swarm.progress import GlobalProgress
 from peer.train.schedules import make_lr_schedule
 from peer.train.trainer import StepContext

@@ -14,7 +14,8 @@ from torch import nn
 from averaging.result import RoundResult
 from dht.errors import ConfigError
 from peer.profiling.phases import PhaseClock
-from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer
+from peer.swarm.optimizer import CollaborativeOptimizer
+from peer.swarm.optimizer_config import CollaborativeConfig
 from peer.train.trainer import StepContext
 from tests.peer.swarm.test_collaborative import TwoPeerSwarm, _NoAmp
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from peer.run.runner import PeerRun
 from peer.swarm.epoch import Epoch
-from peer.swarm.optimizer import CollaborativeConfig, CollaborativeOptimizer
+from peer.swarm.optimizer import CollaborativeOptimizer
+from peer.swarm.optimizer_config import CollaborativeConfig
 from tests.peer.run.test_join import config
 from tests.peer.swarm.test_collaborative import (
     TARGET,
