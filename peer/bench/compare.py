@@ -192,7 +192,8 @@ def allreduce_cells(config: CompareConfig) -> list[list[Cell]]:
 
 
 def train_cells(config: CompareConfig) -> list[list[Cell]]:
-    from peer.bench.train import TrainBenchConfig, run_train_bench
+    from peer.bench.train import run_train_bench
+    from peer.bench.train_config import TrainBenchConfig
 
     rows = []
     threads = {} if config.threads is None else {"num_threads": config.threads}

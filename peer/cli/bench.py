@@ -94,7 +94,8 @@ def add_bench_train_command(bench_sub) -> None:
 
 
 def run_bench_train(args: argparse.Namespace) -> int:
-    from peer.bench.train import TrainBenchConfig, run_train_bench_repeated
+    from peer.bench.train import run_train_bench_repeated
+    from peer.bench.train_config import TrainBenchConfig
 
     for option in args.task_option:
         if "=" not in option:

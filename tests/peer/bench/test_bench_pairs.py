@@ -136,7 +136,7 @@ def test_repeated_train_bench_reports_the_run_with_the_median_ratio(monkeypatch)
 
 
 def test_the_matched_baseline_has_the_swarms_shape():
-    from peer.bench.train import TrainBenchConfig
+    from peer.bench.train_config import TrainBenchConfig
     from peer.bench.train_windows import baseline_shapes
 
     # (torch threads, data seed) per plain loop: peer i's threads and seed

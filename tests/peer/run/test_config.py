@@ -122,7 +122,8 @@ def test_the_digest_schedule_is_on_by_default_and_reaches_the_state_server():
 
 
 def test_the_train_benchs_peers_wait_out_its_longest_pause():
-    from peer.bench.train import TrainBenchConfig, peer_command
+    from peer.bench.train import peer_command
+    from peer.bench.train_config import TrainBenchConfig
 
     config = TrainBenchConfig(seconds=8, window_s=1.5)
     _, window_s = config.windows()
@@ -133,7 +134,8 @@ def test_the_train_benchs_peers_wait_out_its_longest_pause():
 
 
 def test_the_train_benchs_delayed_update_reaches_its_peers_in_grad_mode_only():
-    from peer.bench.train import TrainBenchConfig, peer_command
+    from peer.bench.train import peer_command
+    from peer.bench.train_config import TrainBenchConfig
 
     command = peer_command(TrainBenchConfig(delay_update=True), "http://127.0.0.1:1", 0)
     assert parse(*command[command.index("join") + 1 : -1]).delay_update  # (no --json)
