@@ -26,7 +26,7 @@ from typing import Any
 from averaging.config import AveragerConfig
 from dht.kademlia.config import read_replicas_problem, store_replicas_problem
 from peer.bench.swarm_summary import summarize
-from peer.swarm.progress_estimate import progress_default
+from peer.swarm.progress_config import progress_default
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _NUM_INITIAL_PEERS = 4  # a process's peers join through this many peers started before

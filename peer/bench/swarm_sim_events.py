@@ -33,7 +33,8 @@ from averaging.rounds import LayoutMemory
 from peer.bench.swarm_sim_dht import CostModel, SimDHT
 from peer.records.progress import PROBE_LEVELS, PeerProgress, bucket_key, bucket_of, write_levels
 from peer.records.progress_read import levels_beside, newest_per_peer, probe_count
-from peer.swarm.progress_estimate import GlobalProgress, ProgressConfig, estimate
+from peer.swarm.progress_config import ProgressConfig
+from peer.swarm.progress_estimate import GlobalProgress, estimate
 from peer.swarm.progress_sample import (
     Reprobe,
     SampleRead,

@@ -11,7 +11,7 @@ import sys
 from averaging.config import AveragerConfig
 from dht.errors import ConfigError
 from dht.options import positive_float, positive_int
-from peer.swarm.progress_estimate import progress_default
+from peer.swarm.progress_config import progress_default
 
 
 def _at_least_2(text: str) -> int:

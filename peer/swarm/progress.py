@@ -28,12 +28,8 @@ from dht.owned_record import OwnedRecord
 from dht.periodic import Periodic
 from peer.records.progress import PeerProgress, bucket_key, bucket_of, write_levels
 from peer.records.progress_read import probe_size
-from peer.swarm.progress_estimate import (
-    GlobalProgress,
-    ProgressConfig,
-    Sample,
-    estimate,
-)
+from peer.swarm.progress_config import ProgressConfig
+from peer.swarm.progress_estimate import GlobalProgress, Sample, estimate
 from peer.swarm.progress_sample import (
     Reprobe,
     SampleRead,

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from peer.records.progress import PeerProgress, bucket_of, read_level
 from peer.records.progress_read import ValueReader, newest_per_peer, read_bucket
-from peer.swarm.progress_estimate import ProgressConfig, Sample
+from peer.swarm.progress_config import ProgressConfig
+from peer.swarm.progress_estimate import Sample
 
 
 @dataclass(frozen=True)

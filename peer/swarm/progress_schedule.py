@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from peer.records.progress import PeerProgress
-from peer.swarm.progress_estimate import ProgressConfig
+from peer.swarm.progress_config import ProgressConfig
 
 # the last record stored at every level written: (record, levels, monotonic s when stored)
 Published = tuple[PeerProgress, tuple[int, ...], float]
