@@ -27,6 +27,16 @@ CONTRACT = {
 }  # fmt: skip
 
 
+# Two rounds of 10-s epochs with 3 s of matchmaking. With 3-s epochs and the bench's 5 s of
+# matchmaking, a peer left out of one round (a starved host: once in CI's full suite, once in
+# about 80 of my runs) stayed out: it looked for a group until its matchmaking time ran out (the
+# light peers do not stop looking when the swarm moves on, as peer join's optimizer does),
+# entered the next epoch seconds late, and the others, whose last read still had it an epoch
+# behind, planned that round for 5 and closed it at 5. Of 4 rounds it was alone in 2 and skipped
+# the other 2 to catch up. Here such a peer is back, published and read within the next epoch.
+SLOW_EPOCHS = ("--rounds", "2", "--epoch-s", "10", "--matchmaking-time-s", "3")
+
+
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     process = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -40,12 +50,12 @@ def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
-@pytest.mark.timeout(110)
+@pytest.mark.timeout(160)
 def test_six_peers_average_to_the_exact_weighted_mean():
     result = _run(
         [sys.executable, "-m", "peer", "bench", "swarm", "--peers", "6", "--size", "100",
-         "--rounds", "2", "--epoch-s", "3", "--peers-per-process", "3", "--json"],
-        timeout_s=100,
+         *SLOW_EPOCHS, "--peers-per-process", "3", "--json"],
+        timeout_s=150,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -54,17 +64,17 @@ def test_six_peers_average_to_the_exact_weighted_mean():
     assert report["rounds"] == 2 and not report["timed_out"] and not report["errors"]
     assert report["shared_address"] is False  # each peer on 127.1.x.y of its own
     assert 0.0 <= report["in_group_fraction"] <= 1.0
-    whole = []
     for detail in report["round_details"]:
-        assert detail["in_group"] <= detail["ready"] <= 6
+        n = detail["ready"]
+        assert detail["in_group"] <= n <= 6
         assert sum(detail["group_sizes"]) >= detail["in_group"]
-        if detail["group_sizes"] == [detail["ready"]] == [detail["in_group"]]:
-            whole.append(detail)
+        if detail["group_sizes"] == [n] == [detail["in_group"]]:  # every ready peer, one group
             assert detail["replica_spread"] < 1e-5
             assert detail["exact_rel_err_max"] < 1e-5
-            # one group of 6, one level: 2 * 5 vectors of 100 float32 values, over 6 peers
-            assert detail["bandwidth_bound_bytes_per_peer"] == round(4 * 100 * 2 * 5 / 6)
+            # one group of n, one level: 2 * (n - 1) vectors of 100 float32 values, over n peers
+            assert detail["bandwidth_bound_bytes_per_peer"] == round(4 * 100 * 2 * (n - 1) / n)
     # six peers on loopback that wait for each other form one group (a split would show here)
+    whole = [d for d in report["round_details"] if d["group_sizes"] == [6]]
     assert whole, json.dumps(report["round_details"])
     assert report["layout_split_fraction"] == 0.0  # all under the one key of a small swarm
     assert report["bytes_sent_per_peer_per_round"] > 0
@@ -77,14 +87,14 @@ def test_six_peers_average_to_the_exact_weighted_mean():
     assert 6 * report["cpu_s_per_peer_per_s"] == pytest.approx(report["cpu_cores_used"], abs=0.006)
 
 
-@pytest.mark.timeout(110)
+@pytest.mark.timeout(160)
 def test_six_peers_with_the_read_savings_on_one_address_still_meet_and_the_report_says_so():
     result = _run(
         [sys.executable, "-m", "peer", "bench", "swarm", "--peers", "6", "--size", "100",
-         "--rounds", "4", "--epoch-s", "3", "--peers-per-process", "3", "--read-replicas", "3",
+         *SLOW_EPOCHS, "--peers-per-process", "3", "--read-replicas", "3",
          "--store-replicas", "4", "--max-publish-gap-s", "4", "--matchmaking-read-replicas", "2",
          "--matchmaking-store-replicas", "3", "--shared-address", "--json"],
-        timeout_s=100,
+        timeout_s=150,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -93,9 +103,7 @@ def test_six_peers_with_the_read_savings_on_one_address_still_meet_and_the_repor
     assert report["matchmaking_read_replicas"] == 2
     assert report["shared_address"] is True  # every peer on 127.0.0.1, as before
     assert not report["timed_out"] and not report["errors"]
-    # A round of all six, as without the savings. Four rounds, not two: in CI's full suite one
-    # peer's first round split (groups of 3, one peer alone) and the peer then skipped the
-    # second to catch up, so neither of two rounds held all six.
+    # a round of all six, as without the savings
     whole = [d for d in report["round_details"] if d["group_sizes"] == [6]]
     assert whole, json.dumps(report["round_details"])
     assert all(d["exact_rel_err_max"] < 1e-5 for d in whole)
