@@ -369,8 +369,8 @@ async def test_rows_formed_apart_by_more_than_the_top_rounds_bound_still_meet(ma
     weights = [float(w) for w in range(1, num_peers + 1)]
     # rows of 3 + 3 under one key; the second row's peers start 3 s after the first's, longer
     # than the whole second level may take counted from the first row's forming
-    # a second of grace and 2-s requests: with 0.5 s and 1 s, a late row's leader on a busy host
-    # (the full suite) closed at two before its third peer's join came, and that peer was alone
+    # a second of grace and 2-s requests: with 0.5 s and 1 s, on a busy host (the full suite) a
+    # late peer saw 4 others and found no group, as if its row had closed at two before its join
     config = fast_config(
         target_group_size=3,
         row_grace_s=1.0,
