@@ -36,6 +36,7 @@ from dht.identity import PeerIdentity
 from dht.kademlia.node import DHTNode
 from dht.net.config import TransportConfig
 from peer.bench.swarm_vectors import peer_rate, peer_vector
+from peer.swarm.moved_on import moved_on, stop_when_moved_on
 from peer.swarm.progress import GlobalProgress, ProgressConfig, ProgressTracker
 
 PREFIX = "bench.swarm"
@@ -202,8 +203,11 @@ class SwarmPeer:
         if num_at_epoch <= 1:  # nobody else at this epoch: no matchmaking for a group of one
             result = RoundResult("alone", "nobody else at the epoch")
         else:
+            # as the optimizer: stop looking once the swarm has left this epoch, or a peer left
+            # out enters the next epoch late, is planned for as one behind, and is left out again
             result = await self.averager.step(
                 weight, epoch=epoch, timeout_s=self.spec.step_timeout_s,
+                stop_when=stop_when_moved_on(moved_on(self.tracker, epoch)),
                 **self._group_hint(num_at_epoch),
             )  # fmt: skip
         round_s = time.monotonic() - start

@@ -17,12 +17,11 @@ from averaging.result import RoundResult
 from dht.errors import DHTError
 from dht.runtime import EventLoopThread
 from peer.profiling.phases import PhaseClock
+from peer.swarm.moved_on import stop_when_moved_on
 from peer.swarm.round import failed
 
 # How much longer than the round's own bound the training thread waits for it.
 FACADE_SLACK_S = 5.0
-# The reason of a round that stopped looking because the swarm had left its epoch.
-MOVED_ON = "the swarm moved on to epoch"
 
 
 class SwarmAverager:
@@ -35,7 +34,7 @@ class SwarmAverager:
     else balanced rows whose means are averaged again so that every row ends with the same
     model (:mod:`averaging.levels`). ``moved_on`` (the swarm's epoch once it has left the
     round's epoch for good, else None) ends a search for a group as soon as it says so: an
-    "alone" result whose reason starts with :data:`MOVED_ON` (nobody is coming).
+    "alone" result whose reason starts with :data:`peer.swarm.moved_on.MOVED_ON` (nobody is coming).
     """
 
     def __init__(
@@ -70,7 +69,7 @@ class SwarmAverager:
                     epoch=epoch,
                     timeout_s=timeout_s,
                     expected_peers=max(1, expected_peers),
-                    stop_when=None if moved_on is None else _stop_when(moved_on),
+                    stop_when=None if moved_on is None else stop_when_moved_on(moved_on),
                 )
             except AveragingError as e:
                 return failed(epoch, str(e) or type(e).__name__)
@@ -96,14 +95,6 @@ class SwarmAverager:
         )
         future = self.loop_thread.submit(asyncio.wait_for(step, timeout_s + FACADE_SLACK_S))
         return PendingRound(self, future, epoch)
-
-
-def _stop_when(moved_on: Callable[[], int | None]) -> Callable[[], str | None]:
-    def stop_when() -> str | None:
-        swarm_epoch = moved_on()
-        return None if swarm_epoch is None else f"{MOVED_ON} {swarm_epoch}"
-
-    return stop_when
 
 
 class PendingRound:

@@ -45,10 +45,11 @@ from averaging.result import RoundResult
 from peer.swarm.contribution import Contribution
 from peer.swarm.epoch import Epoch
 from peer.swarm.estimate_gate import EstimateGate
+from peer.swarm.moved_on import moved_on
 from peer.swarm.newcomer_hold import NewcomerHold
 from peer.swarm.optimizer_config import CollaborativeConfig, make_contribution
 from peer.swarm.progress import GlobalProgress
-from peer.swarm.readiness import Readiness, local_step_s, moved_on
+from peer.swarm.readiness import Readiness, local_step_s
 from peer.swarm.round import (
     EpochStats,
     PendingRound,

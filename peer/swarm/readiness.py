@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 
 from peer.swarm.newcomer_hold import NewcomerHold
 from peer.swarm.progress import GlobalProgress
-from peer.swarm.round import ProgressSource
 
 
 class Readiness:
@@ -113,22 +111,3 @@ def local_step_s(swarm: GlobalProgress, batch_samples: int) -> float:
     unknown)."""
     own_rate = swarm.peers[0].samples_per_s if swarm.peers else 0.0
     return batch_samples / own_rate if own_rate > 0 else 0.0
-
-
-def has_left(swarm: GlobalProgress, epoch: int) -> bool:
-    """Whether the swarm has left ``epoch`` for good: two or more epochs on, or one on with
-    nobody else's record still at ``epoch`` (as :meth:`Readiness.behind` reads it)."""
-    if swarm.epoch <= epoch:
-        return False
-    return swarm.epoch > epoch + 1 or not any(peer.epoch == epoch for peer in swarm.peers[1:])
-
-
-def moved_on(progress: ProgressSource, epoch: int) -> Callable[[], int | None]:
-    """Asked on the event loop while a round of ``epoch`` looks for a group: the swarm's epoch
-    once it has left ``epoch`` (nobody will come any more), else None."""
-
-    def check() -> int | None:
-        swarm = progress.current()
-        return swarm.epoch if has_left(swarm, epoch) else None
-
-    return check
