@@ -22,8 +22,8 @@ demo: $(BIN)/.installed
 # runs on more workers than cores; tests that share a machine-wide resource run in one group,
 # and the few that read the host's timing closely run afterwards, alone (tests/conftest.py).
 # PYTEST_WORKERS=0 runs the first part in one process too. -rs names every skipped test and why.
-# Four workers keep both cores busy (97% over the first part, which took 12:56 and 13:51 on 2026-11-29
-# against 15:44-17:36 with three).
+# Four workers keep both cores busy (97% over the first part, which took 12:56 and 13:51 on
+# 2026-11-29 against 15:44-17:36 with three).
 PYTEST_WORKERS ?= 4
 test: $(BIN)/.installed lint
 	$(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadgroup -m "not serial" --durations=40

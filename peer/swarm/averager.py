@@ -34,7 +34,8 @@ class SwarmAverager:
     else balanced rows whose means are averaged again so that every row ends with the same
     model (:mod:`averaging.levels`). ``moved_on`` (the swarm's epoch once it has left the
     round's epoch for good, else None) ends a search for a group as soon as it says so: an
-    "alone" result whose reason starts with :data:`peer.swarm.moved_on.MOVED_ON` (nobody is coming).
+    "alone" result whose reason starts with :data:`peer.swarm.moved_on.MOVED_ON` (nobody is
+    coming).
     """
 
     def __init__(

@@ -26,7 +26,8 @@ class CurrentProgress(Protocol):
 
 def has_left(swarm: GlobalProgress, epoch: int) -> bool:
     """Whether the swarm has left ``epoch`` for good: two or more epochs on, or one on with
-    nobody else's record still at ``epoch`` (as :meth:`Readiness.behind` reads it)."""
+    nobody else's record still at ``epoch`` (as
+    :meth:`peer.swarm.readiness.Readiness.behind` reads it)."""
     if swarm.epoch <= epoch:
         return False
     return swarm.epoch > epoch + 1 or not any(peer.epoch == epoch for peer in swarm.peers[1:])

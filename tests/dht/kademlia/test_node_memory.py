@@ -48,14 +48,6 @@ def farthest(swarm, key):
     return max(swarm.nodes, key=lambda n: n.node_id ^ key_id)
 
 
-async def eventually(predicate, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if predicate():
-                return
-            await asyncio.sleep(0.01)
-
-
 async def test_values_of_every_kind_are_found_from_every_node(memory_swarm):
     swarm = await memory_swarm(20)
     values = {

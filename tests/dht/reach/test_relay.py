@@ -17,6 +17,7 @@ from dht.net.session import digest
 from dht.net.wire import pack
 from dht.reach.relay_server import ATTACH_PATH, forwarded_headers
 from tests.dht.net.test_transport import echo, halve, roundtrip
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,14 +48,6 @@ async def test_rpc_and_full_duplex_stream_through_a_relay_are_exact(make_transpo
     assert hidden.counters.per_peer[caller.peer_id].recv >= values.nbytes
     assert caller.peer_id not in relay.counters.per_peer  # the relay was no party to it
     assert relay.relay.num_relayed_bytes >= 2 * values.nbytes
-
-
-async def wait_until(predicate, *, timeout_s: float) -> None:
-    async with asyncio.timeout(timeout_s):
-        for _ in iter(int, 1):  # until the predicate holds (the timeout bounds it)
-            if predicate():
-                return
-            await asyncio.sleep(0.01)
 
 
 class Reached:
