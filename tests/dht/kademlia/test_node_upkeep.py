@@ -20,7 +20,8 @@ from dht.kademlia.routing import DHTID, MAX_ID, PeerInfo
 from dht.kademlia.storage import Record
 from dht.net.wire import pack
 from dht.tools.memory import LatencyModel, MemoryNetwork, MemoryTransport
-from tests.dht.kademlia.test_node_memory import FakeClock, closest, eventually, holders
+from tests.dht.kademlia.test_node_memory import FakeClock, closest, holders
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,10 +74,10 @@ async def test_full_bucket_pings_its_oldest_node(oldest_alive):
         a.protocol.note_contact(as_peer[3])
         bucket = a.routing.bucket_of(newcomer.node_id)
         if oldest_alive:
-            await eventually(lambda: list(bucket.nodes)[-1] == oldest.node_id)
+            await wait_until(lambda: list(bucket.nodes)[-1] == oldest.node_id, timeout_s=10.0)
             assert newcomer.node_id in bucket.replacements and newcomer.node_id not in a.routing
         else:
-            await eventually(lambda: newcomer.node_id in a.routing)
+            await wait_until(lambda: newcomer.node_id in a.routing, timeout_s=10.0)
             assert oldest.node_id not in a.routing and middle.node_id in a.routing
     finally:
         for node in nodes:
@@ -92,7 +93,7 @@ async def test_republish_restores_values_on_the_closest_nodes(memory_swarm):
     record = Record(pack("kept"), get_dht_time() + 100)
     keeper.storage.store(key_id, record)  # held by one node only, as after heavy churn
     expected = closest(swarm, "republished", 4) | {keeper.peer_id}
-    await eventually(lambda: expected <= holders(swarm, "republished"))
+    await wait_until(lambda: expected <= holders(swarm, "republished"), timeout_s=10.0)
     for peer_id in expected:
         node = next(n for n in swarm.nodes if n.peer_id == peer_id)
         assert node.storage.get(key_id) == record
