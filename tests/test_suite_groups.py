@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NETNS_FILES, PROCESS_HEAVY_FILES, SERIAL_FILES
+from tests.conftest import NETNS_FILES, PROCESS_HEAVY_FILES, SERIAL_FILES, SERIAL_MARKED_FILES
 
 TESTS = Path(__file__).resolve().parent
 # What a test file calls to make network namespaces, directly or through the launchers.
@@ -43,6 +43,18 @@ def test_every_file_that_makes_namespaces_is_in_the_netns_group():
         if MAKES_NAMESPACES.search(path.read_text())
     }
     assert found - NETNS_FILES - MAKES_NONE == set()
+
+
+def test_every_file_with_a_serial_test_is_collected_in_the_serial_part():
+    """``-m serial`` imports only the files the two lists name (tests/conftest.py), so a test
+    marked ``serial`` in a file of neither would run in no part of ``make test``."""
+    marked = {
+        path.relative_to(TESTS).as_posix()
+        for path in TESTS.rglob("test_*.py")
+        if "mark.serial" in path.read_text() and path.name != "test_suite_groups.py"
+    }
+    assert marked == SERIAL_MARKED_FILES
+    assert not SERIAL_MARKED_FILES & SERIAL_FILES
 
 
 @pytest.mark.timeout(150)
