@@ -94,19 +94,21 @@ def run_sweep(
     """
     console = console or Console(stderr=True)
     configs = expand(spec)
-    launcher = make_launcher(spec)
-    launcher.check()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "spec.toml").write_text(spec_text, encoding="utf-8")
-    configs = calibrated(spec, configs, out_dir, console)
-    outcomes: dict[str, Outcome | None] = {}
-    screen = SweepScreen(console, spec.name, len(configs), watch)
-    sweep = _Sweep(spec, out_dir, launcher, force, screen, len(configs))
-    with sigterm_as_interrupt(), launcher, screen:
-        for position, config in enumerate(configs, start=1):
-            screen.begin(config.name)
-            outcomes[config.name] = sweep.one(config, position)
-            screen.end()
+    # closed however the sweep ends, a failed check included (the ssh launcher's control
+    # directory stayed behind in /tmp after every unreachable host)
+    with sigterm_as_interrupt(), make_launcher(spec) as launcher:
+        launcher.check()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "spec.toml").write_text(spec_text, encoding="utf-8")
+        configs = calibrated(spec, configs, out_dir, console)
+        outcomes: dict[str, Outcome | None] = {}
+        screen = SweepScreen(console, spec.name, len(configs), watch)
+        sweep = _Sweep(spec, out_dir, launcher, force, screen, len(configs))
+        with screen:
+            for position, config in enumerate(configs, start=1):
+                screen.begin(config.name)
+                outcomes[config.name] = sweep.one(config, position)
+                screen.end()
     return outcomes
 
 

@@ -325,7 +325,8 @@ class NetnsLauncher(Launcher):
         return NetnsSession(run_dir, self.prefix, num_peers, self.network, emulator=self.emulator)
 
     def close(self) -> None:
-        cleanup_all(self.prefix)
+        if shutil.which("ip") is not None:  # a check that found no `ip` made no namespace
+            cleanup_all(self.prefix)
         allowed, self._allowed_before = self._allowed_before, None
         if allowed is not None:
             allow_congestion_controls(allowed)

@@ -105,7 +105,11 @@ def _quantile(values: list[float], q: float) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     steady_allocator()
-    directory = Path(tempfile.mkdtemp(prefix="vp-lone-overhead-"))
+    with tempfile.TemporaryDirectory(prefix="vp-lone-overhead-") as name:
+        return _run_in(args, Path(name))
+
+
+def _run_in(args: argparse.Namespace, directory: Path) -> dict:
     peer = PeerRun(
         PeerConfig(
             task="synthetic",

@@ -4,6 +4,7 @@ their metrics streams come back."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -70,8 +71,12 @@ def test_unreachable_host_is_refused_before_anything_starts(tmp_path: Path, sshd
     spec = tmp_path / "spec.toml"
     text = _inventory(sshd, tmp_path / "remote").replace(f"port = {sshd.port}", "port = 1")
     spec.write_text(tiny_spec("nossh", launcher="ssh", stop="max_time_s = 3") + text)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     result = peer_cli("experiment", "run", str(spec), "--out", str(tmp_path / "out"),
-                      timeout_s=60)  # fmt: skip
+                      timeout_s=60, env={**os.environ, "TMPDIR": str(scratch)})  # fmt: skip
     assert result.returncode == 1
     assert "cannot connect" in result.stderr
     assert not list((tmp_path / "out").glob("*/status.json"))
+    # the launcher's ssh control directory went with it
+    assert list(scratch.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,10 +11,15 @@ import pytest
 
 
 @pytest.mark.timeout(120)
-def test_lone_overhead_prints_its_fields_for_a_few_short_blocks():
+def test_lone_overhead_prints_its_fields_for_a_few_short_blocks(tmp_path):
     command = [sys.executable, "-m", "peer.bench.lone_overhead", "--threads", "1"]
     command += ["--blocks", "2", "--steps", "20", "--target-batch-size", "256"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=100, check=True)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=100, check=True, env=env
+    )
+    # its metrics directory went with it (torch keeps a cache of its own there)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("vp-")] == []
     fields = json.loads(result.stdout.strip().splitlines()[-1])
     assert fields["num_pairs"] == 2 and fields["steps_per_block"] == 20
     assert fields["step_us_plain"] > 0 and fields["step_us_peer"] > 0
