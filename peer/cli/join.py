@@ -54,12 +54,13 @@ def dashboard_companion(config, stop: threading.Event):
 
 
 def run_join(args: argparse.Namespace) -> int:
+    config = load_config(args)  # before torch is imported: a bad option answers at once
+
     from dht.gc_policy import settle as settle_gc
     from peer.run.make import make_peer_run
     from peer.swarm.progress import note_continued
     from peer.train.tasks import TaskError
 
-    config = load_config(args)
     stop = threading.Event()
     try:
         run = make_peer_run(config, stop_event=stop)

@@ -136,6 +136,22 @@ def test_join_rejects_bad_input_with_one_line():
         assert len(lines) == 1 and needle in lines[0], result.stderr
 
 
+def test_join_refuses_a_bad_option_before_it_imports_torch():
+    """A mistyped value answers in a fraction of a second: importing torch took 2 s of CPU."""
+    code = (
+        "import sys\n"
+        "from peer.cli.main import main\n"
+        "sys.argv = ['peer', 'join', '--target-batch-size', '-5']\n"
+        "code = main()\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
+    assert "--target-batch-size" in result.stderr
+
+
 ALLREDUCE_FIELDS = {
     "backend",
     "peers",
