@@ -6,10 +6,10 @@ a machine whose load drifts affects every kind alike:
 
 * ``on``: :meth:`peer.train.trainer.Trainer.run`, as a peer trains, with a
   :class:`peer.profiling.profiler.Profiler`'s clock, a trace file, the metrics stream and a rolling
-  summary
-  every ``sample_interval_s``: everything a peer with ``--trace`` and ``--metrics-file`` does per
-  step (the DHT record is built from the same rolling summary on the event loop, off the
-  training thread);
+  summary every ``sample_interval_s``: everything a peer with ``--trace`` and ``--metrics-file``
+  does per step, at a peer's default intervals (``--profile-interval``, ``--metrics-interval``;
+  a peer builds its summaries on the event loop, the bench between two steps, which costs the
+  training thread at least as much);
 * ``off``: the same trainer with profiling off (:class:`peer.profiling.phases.NullClock`, no trace,
   no
   metrics stream, no summaries);
@@ -50,7 +50,7 @@ import torch
 
 from dht.net.transport import ByteCounters
 from peer.bench.pairs import RatioSpread, pairwise_ratios, spread
-from peer.profiling.metrics_stream import MetricsStream
+from peer.profiling.metrics_stream import METRICS_INTERVAL_S, MetricsStream
 from peer.profiling.phases import PHASES, NullClock
 from peer.profiling.profiler import Profiler, ProfilerConfig, StepProgress
 from peer.train.allocator import steady_allocator
@@ -72,8 +72,10 @@ class ProfilerBenchConfig:
         num_threads: torch intra-op threads.
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
         num_batches: distinct batches drawn up front and cycled through.
-        sample_interval_s: seconds between rolling summaries in profiled blocks.
-        metrics_interval_s: seconds between metrics lines in profiled blocks.
+        sample_interval_s: seconds between rolling summaries in profiled blocks (a peer's
+            ``--profile-interval`` by default).
+        metrics_interval_s: seconds between metrics lines in profiled blocks (a peer's
+            ``--metrics-interval`` by default).
     """
 
     repetitions: int = 200
@@ -82,13 +84,16 @@ class ProfilerBenchConfig:
     num_threads: int = 1
     device: str = "cpu"
     num_batches: int = 16
-    sample_interval_s: float = 0.5
-    metrics_interval_s: float = 1.0
+    sample_interval_s: float = ProfilerConfig.interval_s
+    metrics_interval_s: float = METRICS_INTERVAL_S
 
     def __post_init__(self) -> None:
         for name in ("repetitions", "steps_per_block", "num_threads", "num_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("sample_interval_s", "metrics_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
 
@@ -247,6 +252,8 @@ def run_profiler_bench(config: ProfilerBenchConfig | None = None) -> dict:
         "fractions": {p: round(s / wall_s, 4) for p, s in bench.profiled_seconds.items()},
         "repetitions": config.repetitions,
         "steps_per_block": steps,
+        "sample_interval_s": config.sample_interval_s,
+        "metrics_interval_s": config.metrics_interval_s,
         "threads": config.num_threads,
         "device": str(bench.device),
         "task": TASK,

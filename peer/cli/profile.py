@@ -7,7 +7,7 @@ import json
 import sys
 
 from dht.errors import ConfigError
-from dht.options import positive_int
+from dht.options import positive_float, positive_int
 
 
 def add_profile_command(sub) -> None:
@@ -116,6 +116,18 @@ def add_bench_profiler_command(bench_sub) -> None:
     )
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (1)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
+    parser.add_argument(
+        "--sample-interval",
+        type=positive_float,
+        default=None,
+        help="seconds between rolling summaries (default: a peer's --profile-interval, 5)",
+    )
+    parser.add_argument(
+        "--metrics-interval",
+        type=positive_float,
+        default=None,
+        help="seconds between metrics lines (default: a peer's --metrics-interval, 5)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(run=run_bench_profiler)
 
@@ -124,11 +136,20 @@ def run_bench_profiler(args: argparse.Namespace) -> int:
     from peer.bench.profiler import ProfilerBenchConfig, run_profiler_bench
 
     try:
+        intervals = {
+            name: value
+            for name, value in (
+                ("sample_interval_s", args.sample_interval),
+                ("metrics_interval_s", args.metrics_interval),
+            )
+            if value is not None
+        }
         config = ProfilerBenchConfig(
             repetitions=args.repetitions,
             steps_per_block=args.steps,
             num_threads=args.threads,
             device=args.device,
+            **intervals,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

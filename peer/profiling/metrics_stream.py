@@ -22,6 +22,9 @@ import torch
 from dht.net.transport import ByteCounters
 from peer.profiling.phases import PhaseClock
 
+# Seconds between two lines by default (``peer join --metrics-interval``).
+METRICS_INTERVAL_S = 5.0
+
 
 class MetricsStream:
     """Writes the JSON Lines metrics of one peer; ``close`` is safe twice.
@@ -42,7 +45,7 @@ class MetricsStream:
         run_id: str,
         clock: PhaseClock,
         counters: ByteCounters,
-        interval_s: float = 5.0,
+        interval_s: float = METRICS_INTERVAL_S,
     ):
         self._file: IO[str] | None = Path(path).open("a", encoding="utf-8")
         self._peer_id, self._run_id = peer_id, run_id

@@ -26,6 +26,7 @@ from peer.profiling.profiler import Profiler, ProfilerConfig, StepProgress
 from peer.profiling.summary import diagnose, nonnegative
 from peer.records.buckets import read_every_record
 from peer.records.profile import PROFILE_RECORDS_PER_BUCKET, parse_profile, profile_key
+from peer.run.config import PeerConfig
 from peer.run.runner import PeerRun
 from peer.train.tasks import Task
 from peer.train.tasks.base import seeded_build, worker_generator
@@ -325,6 +326,9 @@ def test_bench_profiler_prints_the_contract_json():
         assert low <= fields[f"{name}_ratio"] <= high
         assert 0 <= fields[f"{name}_ratio_iqr"] <= high - low + 1e-4
     assert fields["num_pairs"] == 4
+    # summaries and metrics lines at a peer's default intervals (peer join's)
+    assert fields["sample_interval_s"] == PeerConfig().profile_interval
+    assert fields["metrics_interval_s"] == PeerConfig().metrics_interval
     assert fields["step_ms_off"] > 0 and fields["step_ms_profiled"] > 0
     fractions = fields["fractions"]
     assert set(fractions) == set(PHASES)
