@@ -107,7 +107,8 @@ async def test_forty_peers_estimate_the_swarm_from_a_bounded_sample():
         # more peers to sample level 3, and the largest error past its bound)
         levels = [read_level(t.size, CONFIG.records_per_bucket) for t in trackers]
         assert sum(level >= 3 for level in levels) >= 0.9 * NUM_PEERS, levels
-        assert all(t._sample is not None for t in trackers)
+        # ... and those few read level 2 whole, with no sample (a loaded CI run had one)
+        assert sum(t._sample is not None for t in trackers) >= 0.9 * NUM_PEERS
         assert all(t.num_keys_read <= CONFIG.max_buckets_read for t in trackers)
         # each saw a part of the swarm, and estimated the whole
         assert statistics.median(len(v.peers) for v in views) < 0.8 * NUM_PEERS
