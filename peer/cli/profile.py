@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -136,21 +137,16 @@ def run_bench_profiler(args: argparse.Namespace) -> int:
     from peer.bench.profiler import ProfilerBenchConfig, run_profiler_bench
 
     try:
-        intervals = {
-            name: value
-            for name, value in (
-                ("sample_interval_s", args.sample_interval),
-                ("metrics_interval_s", args.metrics_interval),
-            )
-            if value is not None
-        }
         config = ProfilerBenchConfig(
             repetitions=args.repetitions,
             steps_per_block=args.steps,
             num_threads=args.threads,
             device=args.device,
-            **intervals,
         )
+        if args.sample_interval is not None:
+            config = dataclasses.replace(config, sample_interval_s=args.sample_interval)
+        if args.metrics_interval is not None:
+            config = dataclasses.replace(config, metrics_interval_s=args.metrics_interval)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     result = run_profiler_bench(config)
