@@ -29,7 +29,7 @@ from dht.net.config import TransportConfig
 from tests.averaging.peer_worker import peer_values
 from tests.helpers.child import JsonLinesChild
 
-__all__ = ["exact_mean", "fast_config", "make_group", "peer_values"]
+__all__ = ["exact_mean", "fast_config", "make_group", "peer_values", "steady_config"]
 
 WORKER = Path(__file__).with_name("peer_worker.py")
 FAST = {
@@ -45,6 +45,14 @@ FAST = {
 def fast_config(**changes: Any) -> AveragerConfig:
     """Short timeouts, so that failure paths end quickly in tests."""
     return AveragerConfig(**{**FAST, **changes})
+
+
+def steady_config(**changes: Any) -> AveragerConfig:
+    """Waits for tests that expect every member to arrive: on a loaded machine a member's first
+    connection came after ``fast_config``'s 2-s sender wait, and the round was partial."""
+    return fast_config(
+        **{"sender_timeout_s": 10.0, "reducer_timeout_s": 20.0, "group_wait_s": 10.0, **changes}
+    )
 
 
 def sharded_round_config(group_size: int) -> AveragerConfig:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from averaging.rules.compression import fp16_error_bound, uint8_error_bound
-from tests.averaging.conftest import exact_mean, fast_config, make_group
+from tests.averaging.conftest import exact_mean, make_group, steady_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,7 +56,7 @@ async def test_exact_weighted_mean(make_peers, num_peers, shapes):
     expected = exact_mean([flat_of(ts) for ts in tensor_lists], weights)
     # the exact mean is under test, not the waits: 8 peers on one loop of a crowded host took
     # over the fast config's 2 s to connect their 56 streams (every sender dropped, CI)
-    config = fast_config(sender_timeout_s=10.0, reducer_timeout_s=20.0, group_wait_s=10.0)
+    config = steady_config()
     peers = await make_peers(tensor_lists, config=config)
 
     results = await run_group(peers, make_group(peers, weights, chunk_numel=1024))
@@ -76,7 +76,7 @@ async def test_one_tensor_is_averaged_in_its_own_memory(make_peers):
     tensor_lists = [[torch.from_numpy(rng.standard_normal(4000).astype(np.float32))] for _ in "ab"]
     originals = [ts[0] for ts in tensor_lists]
     expected = exact_mean([ts[0].numpy() for ts in tensor_lists], [1.0, 3.0])
-    peers = await make_peers(tensor_lists, config=fast_config())
+    peers = await make_peers(tensor_lists, config=steady_config())
     await run_group(peers, make_group(peers, [1.0, 3.0], chunk_numel=1024))
     for original in originals:
         np.testing.assert_allclose(original.numpy(), expected, rtol=1e-5, atol=1e-6)
@@ -106,7 +106,7 @@ async def test_compressed_average_within_documented_bound(make_peers, compressio
         (rng.standard_normal(size) * rng.uniform(0.1, 100)).astype(np.float32) for _ in weights
     ]
     tensor_lists = [[v.copy()] for v in vectors]
-    peers = await make_peers(tensor_lists, config=fast_config())
+    peers = await make_peers(tensor_lists, config=steady_config())
     group = make_group(peers, weights, compression=compression, chunk_numel=8192)
     expected = exact_mean(vectors, weights)
 
@@ -135,7 +135,7 @@ async def test_client_mode_peer_sends_and_receives_the_average(make_peers):
     vectors = [rng.standard_normal(30_000).astype(np.float32) for _ in range(4)]
     weights = [1.0, 2.0, 3.0, 4.0]
     expected = exact_mean(vectors, weights)
-    peers = await make_peers([[v.copy()] for v in vectors], config=fast_config(), client_mode={3})
+    peers = await make_peers([[v.copy()] for v in vectors], config=steady_config(), client_mode={3})
     assert peers[3].address is None
 
     results = await run_group(peers, make_group(peers, weights, chunk_numel=4096))
@@ -154,7 +154,7 @@ async def test_peer_with_weight_zero_still_reduces_its_part(make_peers):
     vectors = [rng.standard_normal(20_000).astype(np.float32) for _ in range(3)]
     weights = [2.0, 0.0, 1.0]
     expected = exact_mean(vectors, weights)
-    peers = await make_peers([[v.copy()] for v in vectors], config=fast_config())
+    peers = await make_peers([[v.copy()] for v in vectors], config=steady_config())
 
     results = await run_group(peers, make_group(peers, weights, chunk_numel=2048))
 
@@ -170,7 +170,7 @@ async def test_peer_with_weight_zero_still_reduces_its_part(make_peers):
 async def test_two_rounds_back_to_back_with_the_same_peers(make_peers):
     rng = np.random.default_rng(5)
     peers = await make_peers(
-        [[np.zeros(9_999, np.float32)] for _ in range(3)], config=fast_config()
+        [[np.zeros(9_999, np.float32)] for _ in range(3)], config=steady_config()
     )
     for _ in range(2):
         vectors = [rng.standard_normal(9_999).astype(np.float32) for _ in peers]
