@@ -84,8 +84,8 @@ class Optimizer(OptimizerState, torch.optim.Optimizer):
         **options: the rest of ``peer join``'s settings that apply to a library peer
             (``diloco_overlap``: with ``mode="diloco"``, each outer round runs in the
             background while the next inner steps go on, its outer step one round late;
-            ``target_group_size``, ``min_group_size``, ``newcomer_wait``, ``min_deadline``,
-            ``publish_interval``, ``wait_for_peers``, ``wait_for_peers_timeout``,
+            ``target_group_size``, ``min_group_size``, ``newcomer_wait``, ``split_wait``,
+            ``min_deadline``, ``publish_interval``, ``wait_for_peers``, ``wait_for_peers_timeout``,
             ``lr_schedule``, ``warmup_epochs``, ``schedule_epochs``, ``min_lr_ratio``,
             ``metrics_file``, ``metrics_interval``, ``trace``, ``trace_max_mb``,
             ``profile_interval``, ``profile_window``), ``summary``

@@ -200,6 +200,7 @@ _OURS = (
     "target_group_size",
     "min_group_size",
     "newcomer_wait",
+    "split_wait",
     "min_deadline",
     "publish_interval",
     "wait_for_peers",

@@ -28,6 +28,7 @@ from peer.swarm.optimizer import CollaborativeOptimizer
 from peer.swarm.optimizer_config import CollaborativeConfig, make_contribution
 from peer.swarm.progress import GlobalProgress
 from peer.swarm.services import open_services
+from peer.swarm.split_hold import SplitHold
 
 logger = logging.getLogger(__name__)
 # Bound on each start and stop call to the network thread, in seconds.
@@ -154,6 +155,7 @@ class Session:
             lr_schedule=config.lr_schedule_fn(),
             state=self.state if on_behind is None else _CatchUp(on_behind),
             newcomer_hold=NewcomerHold(config.newcomer_hold_config()),
+            split_hold=SplitHold(config.split_hold_config()),
             replicas=self.state,  # the library's too: a replica that differs re-syncs
         )
 

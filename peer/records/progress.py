@@ -14,7 +14,9 @@ use.
 Wire format (a msgpack map under the publisher's owner subkey; unknown fields are ignored):
 ``epoch`` int in [0, 2**53), ``samples`` int in [0, 2**53), ``samples_per_s`` finite float in
 [0, 1e12], ``time`` the publisher's DHT time (finite, in [0, 1e11]), ``address`` an
-``http(s)://host:port`` URL or None, ``client_mode`` bool. A record that does not fit is dropped
+``http(s)://host:port`` URL or None, ``client_mode`` bool, ``arriving`` bool (optional, false
+when absent: the peer announces ``epoch`` ahead of the state download that puts it there, see
+:mod:`peer.swarm.arrival`). A record that does not fit is dropped
 and counted (:mod:`peer.records.schema`). Torch-free, like everything in :mod:`peer.records`.
 """
 
@@ -104,6 +106,8 @@ class PeerProgress:
     time: float
     address: str | None
     client_mode: bool
+    # announced ahead of a state download (peer.swarm.arrival): the peer is not there yet
+    arriving: bool = False
 
 
 class ProgressWire(WireModel):
@@ -115,6 +119,7 @@ class ProgressWire(WireModel):
     time: Seconds
     address: PeerUrl | None = None
     client_mode: bool = False
+    arriving: bool = False
 
 
 class HivemindProgressWire(ProgressWire):
@@ -138,5 +143,12 @@ def parse_record(
         return None
     rate = min(wire.samples_per_s, max_samples_per_s)
     return PeerProgress(
-        peer_id, wire.epoch, wire.samples, rate, wire.time, wire.address, wire.client_mode
+        peer_id,
+        wire.epoch,
+        wire.samples,
+        rate,
+        wire.time,
+        wire.address,
+        wire.client_mode,
+        wire.arriving,
     )

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # torch-importing modules: kept out of `peer dht` and `peer -
     from peer.profiling.profiler import ProfilerConfig
     from peer.swarm.newcomer_hold import NewcomerHoldConfig
     from peer.swarm.optimizer_config import CollaborativeConfig
+    from peer.swarm.split_hold import SplitHoldConfig
     from peer.swarm.state_sync_config import StateSyncConfig
     from peer.train.trainer import TrainerConfig
 
@@ -145,6 +146,12 @@ class PeerConfig(BaseModel):
     )
     newcomer_wait: float = Field(
         10.0, ge=0, description="seconds a peer alone at its epoch holds it for a peer catching up"
+    )
+    split_wait: float = Field(
+        60.0,
+        ge=0,
+        description="seconds a peer two or more epochs ahead of most of the swarm holds its "
+        "epoch for them to arrive, so that the replicas meet at one epoch (0: never)",
     )
     state_compression: Literal["none", "bf16"] = Field(
         "none", description="state downloads: float32 tensors as bfloat16 (half the bytes)"
@@ -301,6 +308,11 @@ class PeerConfig(BaseModel):
 
         # a peer behind may spend a whole matchmaking wait in a round that reports nothing
         return NewcomerHoldConfig(wait_s=self.newcomer_wait, round_s=self.matchmaking_time)
+
+    def split_hold_config(self) -> SplitHoldConfig:
+        from peer.swarm.split_hold import SplitHoldConfig
+
+        return SplitHoldConfig(wait_s=self.split_wait)
 
     def collaborative_config(self) -> CollaborativeConfig:
         from peer.swarm.optimizer_config import CollaborativeConfig

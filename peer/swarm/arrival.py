@@ -8,13 +8,16 @@ and arrives late again, every epoch.
 
 So when the swarm's round of E will start before a download could end (its estimate reached the
 target, or its ETA is shorter than ``LATE_FACTOR`` downloads), the peer arrives at E + 1
-instead: its record says E + 1 at once (the peers at E do not count it, so their round of E
-waits for nobody), it waits for the swarm to leave E, then downloads the state of E + 1. The
-swarm's peers read its record during all of E + 1 and count it in E + 1's ``expected_peers``:
-their group waits for it (the download's time). It joins with the very state they hold, so in
-``grad`` mode every replica stays the same. A swarm that is not about to start a round gets the
-download of E at once (no waiting), and that peer's record says E during the download, which
-puts it into E's round as well (:meth:`peer.swarm.catch_up.StateCatchUp.download`).
+instead: its record says E + 1 at once, marked as an arrival (the peers at E do not count it, so
+their round of E waits for nobody; and no peer takes it for the swarm's epoch, nor for a peer
+there when it decides its own arrival: arrivals counted as positions pulled whole rows into
+arriving further and further ahead of where anyone was), it waits for the swarm to leave E, then
+downloads the state of E + 1. The swarm's peers read its record during all of E + 1 and count it
+in E + 1's ``expected_peers``: their group waits for it (the download's time). It joins with the
+very state they hold, so in ``grad`` mode every replica stays the same. A swarm that is not
+about to start a round gets the download of E at once (no waiting), and that peer's record says
+E during the download, which puts it into E's round as well
+(:meth:`peer.swarm.catch_up.StateCatchUp.download`).
 
 Only a swarm of two or more peers at E is skipped that way: a lone peer holds its boundary for
 a peer behind it instead (:mod:`peer.swarm.newcomer_hold`), and one record ahead of a single
@@ -43,7 +46,8 @@ def arrives_late(swarm: GlobalProgress, epoch: int, *, download_s: float) -> boo
     """Whether a download of ``epoch``'s state (taking about ``download_s``) would end after the
     peers there started its round: two or more are there (``swarm.peers[1:]``), and the swarm
     reached its target or will within ``LATE_FACTOR`` downloads."""
-    if swarm.epoch != epoch or sum(peer.epoch == epoch for peer in swarm.peers[1:]) < 2:
+    there = sum(peer.epoch == epoch and not peer.arriving for peer in swarm.peers[1:])
+    if swarm.epoch != epoch or there < 2:
         return False
     return swarm.ready or swarm.eta_next_epoch_s < LATE_FACTOR * download_s
 

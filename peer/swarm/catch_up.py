@@ -206,7 +206,7 @@ class StateCatchUp:
             self._download_s,
             epoch + 1,
         )
-        tracker.report_local_progress(epoch + 1, 0)
+        tracker.report_local_progress(epoch + 1, 0, arriving=True)
         self._publish()
         wait_until_left(
             tracker.current, epoch, timeout_s=self._round_s, stop_event=self._stop_event
@@ -376,7 +376,7 @@ class StateCatchUp:
         if epoch is None:
             return await self._unless_stopped(work)
         tracker = self.services.tracker
-        tracker.report_local_progress(epoch, 0)
+        tracker.report_local_progress(epoch, 0, arriving=True)
         publish = asyncio.ensure_future(
             asyncio.wait_for(tracker.refresh(), ARRIVAL_REFRESH_TIMEOUT_S)
         )

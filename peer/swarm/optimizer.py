@@ -58,6 +58,7 @@ from peer.swarm.round import (
     TensorAverager,
     alone,
 )
+from peer.swarm.split_hold import SplitHold
 from peer.swarm.state_resync import Resyncer
 from peer.train.trainer import StepContext
 
@@ -88,6 +89,8 @@ class CollaborativeOptimizer:
             catches up).
         newcomer_hold: when alone at its epoch, hold the boundary for a peer catching up
             (:mod:`peer.swarm.newcomer_hold`); None never holds.
+        split_hold: when ahead of most of the swarm, hold the boundary until they arrive
+            (:mod:`peer.swarm.split_hold`); None never holds.
         replicas: replaces this peer's replica when it differs from the swarm's agreed one
             (:mod:`peer.swarm.state_resync`); None never re-syncs.
     """
@@ -106,6 +109,7 @@ class CollaborativeOptimizer:
         state: StateSource | None = None,
         newcomer_hold: NewcomerHold | None = None,
         replicas: Resyncer | None = None,
+        split_hold: SplitHold | None = None,
     ):
         self.optimizer = optimizer
         self.averager = averager
@@ -125,6 +129,7 @@ class CollaborativeOptimizer:
             overlaps=self._overlaps,
             newcomer_hold=newcomer_hold,
             min_round_interval_s=config.min_round_interval_s,
+            split_hold=split_hold,
         )
         self._pending: PendingRound | None = None
         self._pending_epoch = 0

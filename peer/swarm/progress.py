@@ -91,7 +91,8 @@ class ProgressTracker:
         self.config = config
         self._samples_per_s = 0.0
         self._rate_time_s = 0.0  # seconds the rate averages over (up to publish_interval_s)
-        self._last_report: tuple[float, int, int] | None = None  # (monotonic s, epoch, samples)
+        # (monotonic s, epoch, samples, arriving)
+        self._last_report: tuple[float, int, int, bool] | None = None
         self._num_continued = _num_continued[0]  # stops of the process seen by the last report
         self.global_progress = estimate(
             [], own=self._own_record(), config=config, now=get_dht_time()
@@ -126,8 +127,9 @@ class ProgressTracker:
     def size(self) -> float | None:
         return self._size.value
 
-    def report_local_progress(self, epoch: int, samples: int) -> None:
+    def report_local_progress(self, epoch: int, samples: int, *, arriving: bool = False) -> None:
         """This peer is at ``epoch`` with ``samples`` accumulated toward its target.
+        ``arriving``: it announces ``epoch`` ahead of the state download that puts it there.
 
         Call it at every epoch change and before :meth:`current`; in between, every few local
         steps is enough: the record is dated when its numbers were true, and readers extrapolate
@@ -135,7 +137,7 @@ class ProgressTracker:
         """
         now = time.monotonic()
         if self._last_report is not None:
-            last_time, last_epoch, last_samples = self._last_report
+            last_time, last_epoch, last_samples, _ = self._last_report
             # The rate is how fast samples accumulate within an epoch: others extrapolate this
             # peer's count with it. A report across an epoch change spans the round, when
             # nothing accumulates; counting it would make the swarm overshoot every target.
@@ -157,14 +159,15 @@ class ProgressTracker:
                 instant = new_samples / elapsed_s
                 self._samples_per_s += weight * (instant - self._samples_per_s)
         # one tuple, swapped at once: the loop thread reads a consistent report
-        self._last_report = (now, epoch, samples)
+        self._last_report = (now, epoch, samples, arriving)
         self._num_continued = _num_continued[0]
 
     def _own_record(self) -> PeerProgress:
         report, now = self._last_report, get_dht_time()
         epoch = samples = 0
+        arriving = False
         if report is not None:
-            reported_s, epoch, samples = report
+            reported_s, epoch, samples, arriving = report
             now -= max(0.0, time.monotonic() - reported_s)
         return PeerProgress(
             self.dht.peer_id,
@@ -174,6 +177,7 @@ class ProgressTracker:
             now,
             self.dht.address,
             self.dht.address is None,
+            arriving,
         )
 
     async def refresh(self) -> GlobalProgress:
@@ -255,6 +259,8 @@ class ProgressTracker:
             "address": own.address,
             "client_mode": own.client_mode,
         }
+        if own.arriving:  # absent means false: the usual record stays as it was
+            value["arriving"] = True
         # expiring from now, not from the record's date (the last report, which a long round
         # can leave far behind): every refresh extends the record, and is newer than the last
         return value, now

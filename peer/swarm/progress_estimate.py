@@ -23,12 +23,14 @@ A record is a claim, so a minority of peers (or one stranger with a fresh key) m
   the partners' mean (or, with no partner at the epoch, the median of the peers at it): one
   stranger moves the estimate by at most that many peers' worth times its weight.
 * The swarm's epoch moves ahead of this peer's when at least two partners (or the only one) are
-  there, or a strict majority of the other peers seen is, or (a swarm split in two: peers that
-  started apart, a partition that healed) a third of them is at least two epochs ahead. Rounds
-  form among peers at one epoch, so nothing else would ever merge two groups of peers that run
-  at different epochs; a third, not a majority, because the group ahead may well be the smaller
-  one (the first peers of a run, which trained before the others came); at least three of
-  them, so that two fresh keys in a small swarm do not (a split of two ahead stays split).
+  there (a record that announces an arrival ahead of its download does not count:
+  :mod:`peer.swarm.arrival`), or a strict majority of the other peers seen is, or (a swarm split
+  in two: peers that started apart, a partition that healed) a third of them is at least two
+  epochs ahead. Rounds form among peers at one epoch, so nothing else would ever merge two
+  groups of peers that run at different epochs; a third, not a majority, because the group ahead
+  may well be the smaller one (the first peers of a run, which trained before the others came);
+  at least three of them, so that two fresh keys in a small swarm do not (a split of two ahead
+  stays split).
 * Rates count at most ``max_rate_ratio`` times the median rate of the peers counted; a partner
   that left the last round with this peer cannot claim more samples than its rate allows over
   the time since that round ended (plus ``epoch_skew_s``); no record counts beyond the target.
@@ -169,7 +171,11 @@ def estimate(
     round_peers = round_peers or {}
     others = [_after_round(r, round_peers) for r in records if r.peer_id != own.peer_id]
     trusted = [r for r in others if r.peer_id in partners]
-    epoch = _swarm_epoch(own.epoch, others, trusted)
+    # an arrival is a promise, not a position: counted as a position, the records of peers
+    # arriving one epoch ahead pulled their partners into arriving further ahead, and 32 `peer
+    # join` peers announced epochs up to 25 while none had passed 12
+    there = [r for r in others if not r.arriving]
+    epoch = _swarm_epoch(own.epoch, there, [r for r in trusted if not r.arriving])
     if sample is not None:
         return _sampled(others, trusted, own, epoch, config, now, round_peers, sample)
     counted = trusted or others  # no partner here: a newcomer counts everyone it sees

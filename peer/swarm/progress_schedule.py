@@ -35,7 +35,11 @@ def publish_due(
     if last is None or config.publish_gap_s <= config.publish_interval_s:
         return True
     record, last_levels, stored_s = last
-    if levels != last_levels or own.epoch != record.epoch or own.address != record.address:
+    if levels != last_levels or (own.epoch, own.address, own.arriving) != (
+        record.epoch,
+        record.address,
+        record.arriving,
+    ):
         return True
     if now_s - stored_s >= config.publish_gap_s - 0.5 * config.publish_interval_s:
         return True  # the next tick would be past the gap

@@ -14,6 +14,7 @@ import time
 
 from peer.swarm.newcomer_hold import NewcomerHold
 from peer.swarm.progress import GlobalProgress
+from peer.swarm.split_hold import SplitHold
 
 
 class Readiness:
@@ -25,6 +26,8 @@ class Readiness:
         newcomer_hold: when alone at its epoch, hold the boundary for a peer catching up
             (:mod:`peer.swarm.newcomer_hold`); None never holds.
         min_round_interval_s: see ``CollaborativeConfig.min_round_interval_s`` (:meth:`pace_s`).
+        split_hold: when ahead of most of the swarm, hold the boundary until they arrive
+            (:mod:`peer.swarm.split_hold`); None never holds.
 
     Attributes:
         num_at_epoch: the peers at this peer's epoch by the estimate counted last (itself
@@ -39,9 +42,11 @@ class Readiness:
         overlaps: bool,
         newcomer_hold: NewcomerHold | None,
         min_round_interval_s: float = 0.0,
+        split_hold: SplitHold | None = None,
     ):
         self._overlaps = overlaps
         self._newcomer_hold = newcomer_hold
+        self._split_hold = split_hold
         self._min_round_interval_s = min_round_interval_s
         self._round_due_s = -math.inf  # no round with others starts sooner
         self.alone = False
@@ -93,10 +98,15 @@ class Readiness:
         if swarm.epoch > epoch:
             return True  # the swarm moved on: average what we have, or fall back and resync
         if swarm.ready and self.alone and self._newcomer_hold is not None:
-            return not self._newcomer_hold.should_hold(swarm, epoch)
+            if self._newcomer_hold.should_hold(swarm, epoch):
+                return False
         if swarm.ready or self.alone or samples == 0:
-            return swarm.ready
-        return swarm.eta_next_epoch_s <= 0.5 * local_step_s(swarm, batch_samples)
+            ready = swarm.ready
+        else:
+            ready = swarm.eta_next_epoch_s <= 0.5 * local_step_s(swarm, batch_samples)
+        if ready and self._split_hold is not None:
+            return not self._split_hold.should_hold(swarm, epoch)
+        return ready
 
     def count_at(self, swarm: GlobalProgress, epoch: int) -> None:
         """Count the peers at ``epoch`` by ``swarm``'s estimate."""

@@ -14,11 +14,15 @@ from peer.swarm.progress import GlobalProgress
 TARGET = 1000
 
 
-def swarm(epoch: int, others: list[int], *, samples: int, eta_s: float) -> GlobalProgress:
-    """The newcomer's estimate: itself (behind, at epoch 0) first, then the others' epochs."""
+def swarm(
+    epoch: int, others: list[int], *, samples: int, eta_s: float, arriving: int = 0
+) -> GlobalProgress:
+    """The newcomer's estimate: itself (behind, at epoch 0) first, then the others' epochs (the
+    first ``arriving`` of them announced ahead of their downloads)."""
     own = PeerProgress("me", 0, 0, 0.0, 0.0, None, False)
     peers = [own] + [
-        PeerProgress(f"p{i}", e, 0, 100.0, 0.0, None, False) for i, e in enumerate(others)
+        PeerProgress(f"p{i}", e, 0, 100.0, 0.0, None, False, i < arriving)
+        for i, e in enumerate(others)
     ]
     return GlobalProgress(epoch, samples, TARGET, 300.0, eta_s, len(peers), 0, tuple(peers))
 
@@ -33,6 +37,9 @@ def swarm(epoch: int, others: list[int], *, samples: int, eta_s: float) -> Globa
         (swarm(5, [5], samples=TARGET, eta_s=0.0), False),  # a lone peer holds for it instead
         (swarm(5, [5, 4, 4], samples=TARGET, eta_s=0.0), False),  # one at 5 only
         (swarm(6, [6, 6, 6], samples=TARGET, eta_s=0.0), False),  # not the epoch asked for
+        # two of the three only announced their arrival: one peer is there, no round to miss
+        (swarm(5, [5, 5, 5], samples=TARGET, eta_s=0.0, arriving=2), False),
+        (swarm(5, [5, 5, 5], samples=TARGET, eta_s=0.0, arriving=1), True),
     ],
 )
 def test_a_download_arrives_late_only_at_a_swarm_about_to_start_its_round(estimate, late):

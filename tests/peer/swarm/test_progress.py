@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from contextlib import AsyncExitStack
 from types import SimpleNamespace
@@ -85,15 +86,48 @@ def test_one_peer_cannot_drag_the_swarm_ahead_but_two_can():
     assert estimate([record(1, 4, 10)], own=own, config=config, now=1000).epoch == 4
 
 
+def test_arrivals_announced_ahead_of_a_download_move_no_peers_epoch():
+    config = ProgressConfig(target_batch_size=100)
+    own = record(0, 3, 10)
+    partners = frozenset({f"{1:064x}", f"{2:064x}"})
+    ahead = [record(1, 4, 0), record(2, 4, 0), record(3, 4, 0)]
+    arriving = [dataclasses.replace(r, arriving=True) for r in ahead]
+    for kwargs in ({}, {"partners": partners}):
+        assert estimate(ahead, own=own, config=config, now=1000, **kwargs).epoch == 4
+        # the same records, announced as arrivals: no partner and no majority is there yet
+        swarm = estimate(arriving, own=own, config=config, now=1000, **kwargs)
+        assert swarm.epoch == 3
+        assert swarm.num_at(4) == 3  # still seen there: the round of epoch 4 expects them
+
+
+async def test_an_arrival_travels_in_the_record_and_is_stored_again_when_it_ends():
+    config = ProgressConfig(target_batch_size=1000)  # stored again only when it tells more
+    async with AsyncExitStack() as stack:
+        nodes = await start_nodes(stack, 2)
+        reader = ProgressTracker(dht=nodes[0], prefix="run", config=config)
+        writer = ProgressTracker(dht=nodes[1], prefix="run", config=config)
+        writer.report_local_progress(5, 0, arriving=True)
+        await writer.refresh()
+        seen = (await reader.refresh()).peers
+        assert [(p.epoch, p.arriving) for p in seen[1:]] == [(5, True)]
+        writer.report_local_progress(5, 0)  # it arrived: same epoch, no longer a promise
+        await writer.refresh()
+        seen = (await reader.refresh()).peers
+        assert [(p.epoch, p.arriving) for p in seen[1:]] == [(5, False)]
+
+
 def test_malformed_and_implausible_records():
     key = owner_subkey("ab" * 32)
     good = {"epoch": 1, "samples": 5, "samples_per_s": 1e12, "time": 1.0}
     assert parse_record(key, good, 1000.0).samples_per_s == 1000.0
+    assert not parse_record(key, good, 1000.0).arriving  # absent: an ordinary record
+    assert parse_record(key, {**good, "arriving": True}, 1000.0).arriving
     for bad in (
         {"epoch": "x"},
         {**good, "samples": -1},
         {**good, "samples_per_s": math.nan},
         {**good, "address": 5},
+        {**good, "arriving": "yes"},
         "not a dict",
     ):
         assert parse_record(key, bad, 1000.0) is None
