@@ -76,9 +76,12 @@ def test_matchmaking_bound_tiny_target_batch_and_a_larger_one_helps(tmp_path: Pa
     # matchmaking 10-20% of the time), and a model small enough that the all-reduce stays
     # cheaper than the matchmaking (hidden_dim 64 made the verdict name the all-reduce)
     matchmaking = {}
-    for target in (32, 131072):
+    # the larger target runs longer: its rounds come seconds apart on a loaded host, and in 16 s
+    # (9 s of steady state) a full CI run saw three, one of them a partner's long wait, and
+    # 0.51 of the small target's share
+    for target, stop_s in ((32, 16), (131072, 24)):
         spec = make_spec(
-            task="synthetic", options={"hidden_dim": 8, "num_eval_batches": 0}, stop_s=16,
+            task="synthetic", options={"hidden_dim": 8, "num_eval_batches": 0}, stop_s=stop_s,
             train={"peers": 2, "batch_size": 32, "target_batch_size": target},
             launcher="netns", network={"latency_ms": 10},
         )  # fmt: skip
