@@ -8,19 +8,9 @@ from dht.errors import ConfigError
 from peer.records.progress import PeerProgress
 from peer.swarm.newcomer_hold import NewcomerHold, NewcomerHoldConfig
 from peer.swarm.progress import GlobalProgress
+from tests.peer.swarm.clocks import NOW, Clocks
 
 pytestmark = pytest.mark.timeout(30)
-NOW = 1_000_000.0
-
-
-class Clocks:
-    def __init__(self) -> None:
-        self.monotonic_s = 50.0
-        self.dht_s = NOW
-
-    def advance(self, seconds: float) -> None:
-        self.monotonic_s += seconds
-        self.dht_s += seconds
 
 
 def swarm(*others: tuple[str, int, float]) -> GlobalProgress:

@@ -10,21 +10,11 @@ from peer.swarm.newcomer_hold import NewcomerHold, NewcomerHoldConfig
 from peer.swarm.progress import GlobalProgress
 from peer.swarm.readiness import Readiness
 from peer.swarm.split_hold import MIN_BACKOFF_EPOCHS, SplitHold, SplitHoldConfig
+from tests.peer.swarm.clocks import NOW, Clocks
 
 pytestmark = pytest.mark.timeout(30)
-NOW = 1_000_000.0
 TARGET = 8192
 RATE = 1024.0  # the swarm's samples per second: an epoch takes 8 s
-
-
-class Clocks:
-    def __init__(self) -> None:
-        self.monotonic_s = 50.0
-        self.dht_s = NOW
-
-    def advance(self, seconds: float) -> None:
-        self.monotonic_s += seconds
-        self.dht_s += seconds
 
 
 def swarm(
