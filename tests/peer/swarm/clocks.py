@@ -10,6 +10,10 @@ class Clocks:
         self.monotonic_s = 50.0
         self.dht_s = NOW
 
+    def injected(self) -> dict:
+        """The keyword arguments that give a hold these clocks."""
+        return {"monotonic": lambda: self.monotonic_s, "dht_time": lambda: self.dht_s}
+
     def advance(self, seconds: float) -> None:
         self.monotonic_s += seconds
         self.dht_s += seconds

@@ -21,12 +21,7 @@ def swarm(*others: tuple[str, int, float]) -> GlobalProgress:
 
 def make(wait_s: float = 10.0) -> tuple[NewcomerHold, Clocks]:
     clocks = Clocks()
-    hold = NewcomerHold(
-        NewcomerHoldConfig(wait_s=wait_s),
-        monotonic=lambda: clocks.monotonic_s,
-        dht_time=lambda: clocks.dht_s,
-    )
-    return hold, clocks
+    return NewcomerHold(NewcomerHoldConfig(wait_s=wait_s), **clocks.injected()), clocks
 
 
 def test_holds_for_a_fresh_peer_behind_until_it_arrives():

@@ -30,12 +30,7 @@ def swarm(
 
 def make(wait_s: float = 60.0) -> tuple[SplitHold, Clocks]:
     clocks = Clocks()
-    hold = SplitHold(
-        SplitHoldConfig(wait_s=wait_s),
-        monotonic=lambda: clocks.monotonic_s,
-        dht_time=lambda: clocks.dht_s,
-    )
-    return hold, clocks
+    return SplitHold(SplitHoldConfig(wait_s=wait_s), **clocks.injected()), clocks
 
 
 def split(epoch: int, behind: int, num_behind: int, num_with: int, at: float) -> GlobalProgress:
@@ -124,16 +119,8 @@ def test_readiness_holds_a_ready_peer_ahead_and_lets_it_go_when_they_arrive():
 
 def test_a_lone_peer_ahead_of_several_holds_once_the_newcomer_hold_lets_go():
     clocks = Clocks()
-    newcomer = NewcomerHold(
-        NewcomerHoldConfig(wait_s=5.0),
-        monotonic=lambda: clocks.monotonic_s,
-        dht_time=lambda: clocks.dht_s,
-    )
-    hold = SplitHold(
-        SplitHoldConfig(wait_s=60.0),
-        monotonic=lambda: clocks.monotonic_s,
-        dht_time=lambda: clocks.dht_s,
-    )
+    newcomer = NewcomerHold(NewcomerHoldConfig(wait_s=5.0), **clocks.injected())
+    hold = SplitHold(SplitHoldConfig(wait_s=60.0), **clocks.injected())
     readiness = Readiness(overlaps=False, newcomer_hold=newcomer, split_hold=hold)
     assert not readiness.ready(split(10, 7, 3, 0, NOW), 10, samples=TARGET)
     assert newcomer.num_holds == 1 and hold.num_holds == 0
