@@ -175,7 +175,7 @@ def estimate(
     # arriving one epoch ahead pulled their partners into arriving further ahead, and 32 `peer
     # join` peers announced epochs up to 25 while none had passed 12
     there = [r for r in others if not r.arriving]
-    epoch = _swarm_epoch(own.epoch, there, [r for r in trusted if not r.arriving])
+    epoch = _swarm_epoch(own.epoch, there, [r for r in there if r.peer_id in partners])
     if sample is not None:
         return _sampled(others, trusted, own, epoch, config, now, round_peers, sample)
     counted = trusted or others  # no partner here: a newcomer counts everyone it sees
