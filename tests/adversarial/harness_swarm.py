@@ -46,13 +46,18 @@ STOP_TIMEOUT_S = 60.0
 
 @dataclass
 class PeerProcess:
-    """One honest ``peer join`` process and its metrics stream."""
+    """One honest ``peer join`` process, its metrics stream and its log (a file: a peer that
+    logs at INFO would fill a pipe nobody reads until it stops, and block on it)."""
 
     name: str
     process: subprocess.Popen
     metrics: Path
+    log: Path
     stdout: str = ""
-    stderr: str = ""
+
+    @property
+    def stderr(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
 
     def lines(self) -> list[dict]:
         """The metrics stream so far (a line being written is skipped)."""
@@ -105,13 +110,17 @@ class Swarm:
             self.bootstrap.kill()
             self.bootstrap.wait(timeout=30)
 
-    def add_peer(self, *extra: str, seed: int | None = None) -> PeerProcess:
-        """Start one honest ``peer join`` (it stops at its own ``--max-time`` or on SIGTERM)."""
+    def add_peer(
+        self, *extra: str, seed: int | None = None, log_level: str = "WARNING"
+    ) -> PeerProcess:
+        """Start one honest ``peer join`` (it stops at its own ``--max-time`` or on SIGTERM);
+        its log at ``log_level`` goes to ``peer{index}.log`` (its ``stderr``)."""
         index = len(self.peers)
         metrics = self.directory / f"peer{index}.jsonl"
+        log = self.directory / f"peer{index}.log"
         options = [f"--task-option={option}" for option in TASK_OPTIONS]
         command = [
-            sys.executable, "-m", "peer", "--log-level", "WARNING", "join",
+            sys.executable, "-m", "peer", "--log-level", log_level, "join",
             "--host", "127.0.0.1", "--port", "0",
             "--initial-peers", self.url,
             "--run-id", RUN_ID,
@@ -124,10 +133,9 @@ class Swarm:
             *self.peer_args,
             *extra,
         ]  # fmt: skip
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        peer = PeerProcess(f"peer{index}", process, metrics)
+        with log.open("w") as log_file:  # the child holds its own descriptor
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True)
+        peer = PeerProcess(f"peer{index}", process, metrics, log)
         self.peers.append(peer)
         return peer
 
@@ -136,8 +144,8 @@ class Swarm:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not condition():
             for peer in self.peers:
-                if peer.process.poll() is not None and not peer.stderr:
-                    peer.stdout, peer.stderr = peer.process.communicate()
+                if peer.process.poll() is not None and not peer.stdout:
+                    peer.stdout = peer.process.communicate()[0]
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError(f"{what}; stderr: {[p.stderr[-1500:] for p in self.peers]}")
             await asyncio.sleep(0.2)
@@ -149,8 +157,7 @@ class Swarm:
             if peer.process.poll() is None:
                 peer.process.send_signal(signal.SIGTERM)
         for peer in peers:
-            out, err = peer.process.communicate(timeout=STOP_TIMEOUT_S)
-            peer.stdout, peer.stderr = peer.stdout + out, peer.stderr + err
+            peer.stdout += peer.process.communicate(timeout=STOP_TIMEOUT_S)[0]
 
     def check_healthy(self, *, epoch_before_attack: int, min_epochs_after: int = 2) -> None:
         """The assertions of the module docstring, for every honest peer (stopped first)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 
 import pytest
 import torch
@@ -76,6 +77,73 @@ async def test_forged_progress_neither_stops_nor_steers_the_swarm(tmp_path):
     epochs = max(s["epoch"] for s in summaries)
     samples = sum(s["num_samples"] for s in summaries)
     assert epochs <= samples / TARGET + 2, summaries
+
+
+_CATCH_UP = re.compile(r"the swarm is at epoch (\d+), this peer at (\d+): downloading state")
+_HOLD = re.compile(r"epoch (\d+): \d+ of the \d+ peers seen are \d+ or more epochs behind; holding")
+_HOLD_RAN_OUT = re.compile(r"epoch (\d+): most peers seen are still behind .*no hold for (\d+)")
+
+
+async def test_forged_arrivals_and_laggards_neither_move_nor_stall_the_swarm(tmp_path):
+    """Three fresh keys, a majority of the records two honest peers read, first announce that
+    they arrive five epochs ahead: an arrival is a promise, not a position
+    (:mod:`peer.swarm.arrival`), so no honest peer takes the swarm's epoch from them and none
+    tries to download it (the same records without the flag move the swarm's epoch there). The
+    keys then claim, freshly stamped, to be three epochs behind: a majority behind, so the
+    honest peers hold their epoch boundary for them (:mod:`peer.swarm.split_hold`), but each
+    hold ends after ``--split-wait`` and the next waits out the announced backoff, so the swarm
+    trains on, in step."""
+    split_wait = ("--split-wait", "2")
+    with Swarm(tmp_path, (*COMMON, *split_wait)) as swarm:
+        honest = [
+            swarm.add_peer("--max-time", "120", "--wait-for-peers", "2", log_level="INFO")
+            for _ in range(2)
+        ]
+        await swarm.wait_until(
+            lambda: min(p.epoch() for p in honest) >= 2, "the swarm did not reach epoch 2"
+        )
+        before = max(p.epoch() for p in honest)
+        async with Attacker(swarm.url) as attacker:
+            sybils = [await attacker.another_key() for _ in range(3)]
+
+            async def forge(seconds: float, record) -> int:
+                num_stored, loop = 0, asyncio.get_running_loop()
+                deadline = loop.time() + seconds
+                while loop.time() < deadline:
+                    epoch = max((r.epoch for r in await attacker.progress()), default=before)
+                    for node in sybils:
+                        num_stored += await attacker.store_progress(record(epoch), node=node)
+                    await asyncio.sleep(0.2)
+                return num_stored
+
+            def arrival(epoch: int) -> dict:
+                return {"epoch": epoch + 5, "samples": 0, "samples_per_s": 100.0,
+                        "time": get_dht_time(), "arriving": True}  # fmt: skip
+
+            def laggard(epoch: int) -> dict:
+                return {"epoch": max(epoch - 3, 0), "samples": 0, "samples_per_s": 100.0,
+                        "time": get_dht_time()}  # fmt: skip
+
+            assert await forge(10, arrival) > 20
+            assert await forge(15, laggard) > 20
+            await wait_equal_replicas(attacker, [p.peer_id for p in honest])
+            swarm.stop()
+            swarm.check_healthy(epoch_before_attack=before, min_epochs_after=4)
+    logs = [p.stderr for p in honest]
+    # the arrivals moved no one: catch-ups, if any, are of a partner a round ahead
+    catch_ups = [(int(a), int(b)) for log in logs for a, b in _CATCH_UP.findall(log)]
+    assert all(swarm_epoch - epoch <= 2 for swarm_epoch, epoch in catch_ups), catch_ups
+    # the laggards held the honest peers; a hold ended when it ran out (or when a partner that
+    # stepped on put this peer's epoch forward), and one that ran out kept its backoff
+    num_holds = num_ran_out = 0
+    for log in logs:
+        holds = [int(e) for e in _HOLD.findall(log)]
+        ran_out = [(int(e), int(b)) for e, b in _HOLD_RAN_OUT.findall(log)]
+        num_holds, num_ran_out = num_holds + len(holds), num_ran_out + len(ran_out)
+        for epoch, backoff in ran_out:
+            later = [e for e in holds if e > epoch]
+            assert all(e >= epoch + backoff for e in later), (holds, ran_out)
+    assert num_holds >= 1 and num_ran_out >= 1, logs[0][-3000:]  # the attack reached the hold
 
 
 def _snapshot(epoch: int, *, poison: bool) -> StateSnapshot:
