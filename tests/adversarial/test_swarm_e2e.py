@@ -124,8 +124,8 @@ async def test_forged_arrivals_and_laggards_neither_move_nor_stall_the_swarm(tmp
                 return {"epoch": max(epoch - 3, 0), "samples": 0, "samples_per_s": 100.0,
                         "time": get_dht_time()}  # fmt: skip
 
-            assert await forge(10, arrival) > 20
-            assert await forge(15, laggard) > 20
+            assert await forge(6, arrival) > 20
+            assert await forge(12, laggard) > 20
             await wait_equal_replicas(attacker, [p.peer_id for p in honest])
             swarm.stop()
             swarm.check_healthy(epoch_before_attack=before, min_epochs_after=4)
