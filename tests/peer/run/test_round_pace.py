@@ -20,6 +20,9 @@ pytestmark = pytest.mark.timeout(150)
 NUM_EPOCHS = 200
 # what a peer logs when another peer's requests were refused, or a round missed a peer
 TROUBLE = re.compile(r"refused|averaging round \S+ (partial|failed|alone)|re-sync")
+# a request that reaches a peer already closing (the first to finish stops its node while the
+# other still asks it): shutdown, not a round's refusal (a CI run saw one, after both had trained)
+CLOSING = "this DHT node is closed"
 
 
 def join(url: str, seed: int, files: Path) -> subprocess.Popen:
@@ -42,5 +45,10 @@ def test_two_peers_at_a_one_batch_target_average_every_round_without_refusals(tm
             stop_processes(peers)
     logs = {seed: (tmp_path / f"peer{seed}.log").read_text() for seed in (1, 2)}
     assert codes == [0, 0], logs
-    trouble = [line for log in logs.values() for line in log.splitlines() if TROUBLE.search(line)]
+    trouble = [
+        line
+        for log in logs.values()
+        for line in log.splitlines()
+        if TROUBLE.search(line) and CLOSING not in line
+    ]
     assert not trouble, trouble
