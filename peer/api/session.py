@@ -304,6 +304,7 @@ class Session:
                 self.log_rounds(lambda: None if last_loss is None else float(last_loss))
                 if self.metrics is not None:
                     self.metrics.report(epoch=hook.epoch, step=self.counts.step, loss=last_loss)
+                self.profiler.stop_publishing(timeout_s=max(timeout_s, 1.0))
                 if summary:
                     self.profiler.print_summary()
         finally:

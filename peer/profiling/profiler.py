@@ -378,14 +378,24 @@ class Profiler:
         # rounds run on the loop thread: its waits for a CPU in them are no communication
         self.clock.watch_threads(loop=loop_thread.run(_native_id(), timeout_s=timeout_s))
 
-    def close(self, *, timeout_s: float = 30.0) -> None:
-        """Stop publishing (before the DHT node closes) and finish the trace; safe twice."""
+    def stop_publishing(self, *, timeout_s: float = 30.0) -> None:
+        """Publish no more records (the last one stays until its TTL); safe twice.
+
+        A peer calls this when its training ends: a window that reaches into the time after it
+        (evaluating, printing, leaving) would give a peer that is done a bottleneck it never had
+        while training.
+        """
         publisher, self.publisher = self.publisher, None
         try:
             if publisher is not None and self._loop_thread is not None:
                 self._loop_thread.run(publisher.close(), timeout_s=timeout_s)
         except Exception:  # the publisher is auxiliary: its failure must not block leaving
             logger.exception("the profile publisher failed")
+
+    def close(self, *, timeout_s: float = 30.0) -> None:
+        """Stop publishing (before the DHT node closes) and finish the trace; safe twice."""
+        try:
+            self.stop_publishing(timeout_s=timeout_s)
         finally:
             if self.trace is not None:
                 self.clock.snapshot()  # closes the open stretch, so the trace gets it

@@ -189,6 +189,7 @@ class PeerRun(RunSkeleton):
     def _after_training(self) -> None:
         self.hook.flush()  # a delayed update still in flight
         self._log_rounds()
+        self.profiler.stop_publishing(timeout_s=START_TIMEOUT_S)
 
     def close(self) -> None:
         """Leave the swarm and stop the loop thread; safe to call twice."""
