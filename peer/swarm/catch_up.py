@@ -341,6 +341,7 @@ class StateCatchUp:
                             wait_s=wait_s,
                             num_peers=self.services.tracker.global_progress.num_peers,
                             wait_for_epoch=wait_for_epoch,
+                            partners=self.services.tracker.partners,
                         ),
                     )
                 )

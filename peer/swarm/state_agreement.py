@@ -10,7 +10,7 @@ swarm's size.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dht.kademlia.node import DHTNode
 from peer.records.buckets import read_buckets, sample_bucket_keys
@@ -61,14 +61,16 @@ async def read_announcements(
 
 @dataclass(frozen=True)
 class Agreement:
-    """The digests enough peers announce: ``(epoch, digest)`` -> number of peers."""
+    """The digests enough peers announce: ``(epoch, digest)`` -> number of peers; and past the
+    newest of them, the digests this peer's partners announce (``vouched``, same form)."""
 
     announcements: list[StateAnnouncement]
     agreed: dict[tuple[int, str], int]
     required: int
+    vouched: dict[tuple[int, str], int] = field(default_factory=dict)
 
     def accepts(self, epoch: int, digest: str) -> bool:
-        return (epoch, digest) in self.agreed
+        return (epoch, digest) in self.agreed or (epoch, digest) in self.vouched
 
     @property
     def newest_epoch(self) -> int:
@@ -76,12 +78,40 @@ class Agreement:
         return max((epoch for epoch, _ in self.agreed), default=-1)
 
 
+def partner_vouched(
+    announcements: list[StateAnnouncement],
+    agreed: dict[tuple[int, str], int],
+    partners: frozenset[str],
+    *,
+    bf16: bool,
+) -> dict[tuple[int, str], int]:
+    """The digests ``partners`` announce for epochs past the newest agreed one.
+
+    Replicas that all differ (every peer of a small swarm stepped alone in one epoch, each on
+    its own gradient) never agree again by themselves: no digest of theirs has two voters, so
+    without a partner's word none of them could take another's state, and each would train
+    apart for good. A partner (averaged with this peer in its last rounds) has the trust the
+    re-sync rule already gives it (:func:`peer.records.state.resync_target`); where a quorum
+    speaks for an epoch or a later one, the quorum alone counts.
+    """
+    newest = max((epoch for epoch, _ in agreed), default=-1)
+    theirs = [a for a in announcements if a.peer_id in partners]
+    votes = agreed_digests(theirs, min_peers=1, bf16=bf16)
+    return {pair: count for pair, count in votes.items() if pair[0] > newest}
+
+
 async def read_agreement(
-    dht: DHTNode, prefix: str, config: StateSyncConfig, reach: Reach = Reach()
+    dht: DHTNode,
+    prefix: str,
+    config: StateSyncConfig,
+    reach: Reach = Reach(),
+    partners: frozenset[str] = frozenset(),
 ) -> Agreement:
     """The announcements and the digests ``config.min_agreement`` of them agree on (fewer when
-    fewer peers announce at all)."""
+    fewer peers announce at all), and past those the digests ``partners`` announce."""
     announcements = await read_announcements(dht, prefix, reach)
     required = max(1, min(config.min_agreement, len(announcements)))
-    agreed = agreed_digests(announcements, min_peers=required, bf16=config.compression == "bf16")
-    return Agreement(announcements, agreed, required)
+    bf16 = config.compression == "bf16"
+    agreed = agreed_digests(announcements, min_peers=required, bf16=bf16)
+    vouched = partner_vouched(announcements, agreed, partners, bf16=bf16) if partners else {}
+    return Agreement(announcements, agreed, required, vouched)

@@ -78,8 +78,9 @@ def donor_order(
 ) -> list[StateAnnouncement]:
     """Donors to try: those serving an agreed state of ``min_epoch`` or later first (the state
     most peers announce first, then the newest), then others at ``min_epoch`` or later (their
-    digest may be on its way), then the rest; at random within each. ``only``: just these
-    peers."""
+    digest may be on its way), then those serving a state only a partner vouches for (a last
+    resort: one partner's word against peers whose digest may be a moment away), then the
+    rest; at random within each. ``only``: just these peers."""
     donors = [
         a
         for a in agreement.announcements
@@ -90,11 +91,13 @@ def donor_order(
     def priority(donor: StateAnnouncement) -> tuple[int, int, int]:
         latest = donor.latest
         digest = None if latest is None else (latest.digest_bf16 if bf16 else latest.digest)
-        votes = 0
+        votes, vouched = 0, False
         if latest is not None and latest.epoch == donor.epoch and digest is not None:
             votes = agreement.agreed.get((donor.epoch, digest), 0)
-        recent = donor.epoch >= min_epoch
-        return (0 if recent and votes else 1 if recent else 2, -votes, -donor.epoch)
+            vouched = (donor.epoch, digest) in agreement.vouched
+        if donor.epoch < min_epoch:
+            return (3, 0, -donor.epoch)
+        return (0 if votes else 2 if vouched else 1, -votes, -donor.epoch)
 
     return sorted(donors, key=priority)
 
@@ -116,6 +119,7 @@ async def download_state(
     wait_s: float = 0.0,
     num_peers: float = 1.0,
     wait_for_epoch: int | None = None,
+    partners: frozenset[str] = frozenset(),
 ) -> StateSnapshot:
     """Download a verified state of ``min_epoch`` or later, trying donors in turn.
 
@@ -131,6 +135,8 @@ async def download_state(
     ``wait_for_epoch``: wait (up to ``wait_s``) for a state of this later epoch first, then take
     one of ``min_epoch`` or later (with rounds in the background, donors serve the state of
     their epoch once the round before it lands).
+    ``partners``: the peers this one averaged with lately; a digest one of them announces is
+    accepted for an epoch past every agreed one (``state_agreement.partner_vouched``).
 
     Raises:
         StateSyncError: no donor, or ``max_attempts`` donors failed (each one's reason in it);
@@ -154,7 +160,8 @@ async def download_state(
                 digest_of=digest_of,
                 verify=verify,
                 donors=donors,
-                reach=Reach(num_peers, frozenset(donors or ())),
+                reach=Reach(num_peers, frozenset(donors or ()) | partners),
+                partners=partners,
             )
         except NotServedYet as e:
             if loop.time() + MIN_ANNOUNCE_GAP_S > deadline:
@@ -179,11 +186,13 @@ async def _download_once(
     verify: Verify | None,
     donors: Collection[str] | None,
     reach: Reach,
+    partners: frozenset[str],
 ) -> StateSnapshot:
     """One pass of :func:`download_state` over the donors (``template``: a fresh one for each
     download, which counts the bytes allocated)."""
     bf16 = config.compression == "bf16"
-    agreement = await read_agreement(dht, prefix, config, reach)
+    read = functools.partial(read_agreement, dht, prefix, config, reach, partners)
+    agreement = await read()
     order = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng, only=donors)
     # donors that digest only some epochs: the newest agreed state may be seconds old
     agreement = await fresh_agreement(
@@ -191,7 +200,7 @@ async def _download_once(
         order,
         agreement,
         config,
-        functools.partial(read_agreement, dht, prefix, config, reach),
+        read,
     )
     order = donor_order(agreement, min_epoch=min_epoch, bf16=bf16, rng=rng, only=donors)
     if not order:
@@ -201,9 +210,7 @@ async def _download_once(
         nonlocal agreement
         async with asyncio.timeout(config.download_timeout_s):
             snapshot = await fetch(template())
-            agreement = await _check_digest(
-                snapshot, dht, prefix, config, agreement, digest_of, reach
-            )
+            agreement = await _check_digest(snapshot, read, agreement, digest_of, bf16)
             if verify is not None:
                 await asyncio.to_thread(verify, snapshot)
         return snapshot
@@ -254,23 +261,21 @@ def _reason(error: BaseException) -> str:
 
 async def _check_digest(
     snapshot: StateSnapshot,
-    dht: DHTNode,
-    prefix: str,
-    config: StateSyncConfig,
+    read: Callable[[], Awaitable[Agreement]],
     agreement: Agreement,
     digest_of: DigestFn,
-    reach: Reach,
+    bf16: bool,
 ) -> Agreement:
-    """The agreement (read again if the state is newer than it), once ``snapshot``'s digest is
-    in it; :class:`StateRejected` if it is not."""
-    digest = await asyncio.to_thread(digest_of, snapshot, config.compression == "bf16")
+    """The agreement (read again with ``read`` if the state is newer than it), once
+    ``snapshot``'s digest is in it; :class:`StateRejected` if it is not."""
+    digest = await asyncio.to_thread(digest_of, snapshot, bf16)
     for attempt in range(AGREEMENT_READS):
         if agreement.accepts(snapshot.epoch, digest):
             break
         # the donor may have moved on since the read: peers announce a new epoch's digest
         # within a moment (MIN_ANNOUNCE_GAP_S, plus the time to compute it)
         await asyncio.sleep(MIN_ANNOUNCE_GAP_S * 2**attempt)
-        agreement = await read_agreement(dht, prefix, config, reach)
+        agreement = await read()
     if not agreement.accepts(snapshot.epoch, digest):
         votes = sum(
             1

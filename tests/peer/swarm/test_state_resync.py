@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import threading
 from types import SimpleNamespace
 
@@ -22,10 +23,13 @@ from peer.records.state import (
     EpochDigest,
     ResyncTarget,
     StateAnnouncement,
+    agreed_digests,
     announcement_key,
     resync_target,
 )
 from peer.run.runner import PeerRun
+from peer.swarm.state_agreement import Agreement, partner_vouched
+from peer.swarm.state_download import donor_order
 from peer.swarm.state_resync import ReplicaCheck
 from peer.swarm.state_sync_config import StateSyncConfig
 from tests.helpers.digests import assert_equal_lately
@@ -78,18 +82,45 @@ def test_the_rule_digest_by_digest():
     assert target([announced("m", 5, 3), announced("a", 5, 3)]) is None
 
 
+def test_a_download_takes_a_partners_word_only_past_every_agreed_epoch():
+    def announcing(peer: str, *pairs: tuple[int, int]) -> StateAnnouncement:
+        digests = tuple(EpochDigest(epoch, digest(value)) for epoch, value in pairs)
+        return StateAnnouncement(peer, pairs[-1][0], "http://127.0.0.1:1", digests)
+
+    # "a" and "b" agree at epoch 4, then every peer's replica is its own
+    announcements = [
+        announcing("a", (4, 1), (5, 2), (6, 3)),
+        announcing("b", (4, 1), (5, 4)),
+        announcing("c", (6, 5)),
+    ]
+    agreed = agreed_digests(announcements, min_peers=2)
+    assert agreed == {(4, digest(1)): 2}
+    # a partner's digests count past epoch 4, a stranger's ("c") never
+    vouched = partner_vouched(announcements, agreed, frozenset({"a"}), bf16=False)
+    assert vouched == {(5, digest(2)): 1, (6, digest(3)): 1}
+    agreement = Agreement(announcements, agreed, 2, vouched)
+    assert agreement.accepts(6, digest(3)) and not agreement.accepts(6, digest(5))
+    assert agreement.newest_epoch == 4  # what a download waits for stays the quorum's
+    # a partner's word is the last resort: peers whose digest may be a moment away come first
+    order = donor_order(agreement, min_epoch=5, bf16=False, rng=random.Random(0))
+    assert [donor.peer_id for donor in order] == ["c", "b", "a"]  # newest first, then "a"
+    # where a quorum speaks for an epoch (or a later one), a partner's other digest does not
+    agreed = {(6, digest(5)): 2}
+    assert partner_vouched(announcements, agreed, frozenset({"a", "b"}), bf16=False) == {}
+
+
 def look_often(run) -> None:
     """Look at the announcements every 0.2 s (a second by default) in these short runs."""
     replicas = run.state.replicas
     replicas.config = dataclasses.replace(replicas.config, resync_check_s=0.2)
 
 
-def perturb(run) -> None:
+def perturb(run, by: float = 1e-3) -> None:
     """Set this peer's replica apart, as a state loaded from elsewhere would: the model moves,
     and its epoch starts from there (in ``diloco`` the next pseudo-gradient is measured from
     the moved model, so the round does not average the move away)."""
     with torch.no_grad():
-        next(iter(run.model.parameters())).add_(1e-3)
+        next(iter(run.model.parameters())).add_(by)
     run.hook.contribution.discard()
 
 
@@ -125,6 +156,30 @@ def test_two_peers_whose_replicas_differ_end_equal(mode):
     assert resynced in ([0, 0], [0, 1]) if mode == "params" else resynced == [0, 1]
     digests = [{d.epoch: d.digest for d in run.services.state_server.digests} for run in runs]
     assert_equal_lately(digests)  # equal again within a few epochs, and so they stayed
+
+
+def test_three_peers_whose_replicas_all_differ_end_equal():
+    # Every replica apart from every other, as when each peer of a small swarm stepped alone in
+    # one epoch (a CI run: the epoch's matchmaking records were not stored, every round was
+    # alone): no digest has the two voters a download wants, so only a partner's word (the
+    # trust the re-sync rule gives) lets the two that lose the tie take the third's state
+    slow = dict(
+        mode="grad", max_epochs=30, target_batch_size=4096, publish_interval=0.1, min_deadline=4.0
+    )
+    runs = start_swarm([config(seed=seed, **slow) for seed in (11, 22, 33)])
+    for run in runs:
+        look_often(run)
+    perturb(runs[1], by=1e-3)
+    perturb(runs[2], by=2e-3)
+    results = train_together(runs)
+    assert all(result is not None for result in results)
+    # the two whose digests lost the tie (the smallest peer id wins it) re-synced
+    keeper = min(runs, key=lambda run: run.peer_id)
+    assert keeper.state.num_resyncs == 0
+    assert all(run.state.num_resyncs >= 1 for run in runs if run is not keeper)
+    digests = [{d.epoch: d.digest for d in run.services.state_server.digests} for run in runs]
+    assert_equal_lately([digests[0], digests[1]])
+    assert_equal_lately([digests[0], digests[2]])
 
 
 async def _lie(node: DHTNode, run, stop_event: threading.Event, stored: list[int]) -> None:
