@@ -287,6 +287,14 @@ async def _check_digest(
             f"the state of epoch {snapshot.epoch} has digest {digest[:12]}, which {votes} "
             f"peer(s) announce; {agreement.required} must"
         )
+    if (snapshot.epoch, digest) not in agreement.agreed:
+        logger.info(
+            "the state of epoch %d (digest %s) is vouched for by a partner alone: no digest of "
+            "that epoch or a later one has %d voters",
+            snapshot.epoch,
+            digest[:12],
+            agreement.required,
+        )
     return agreement
 
 
