@@ -64,6 +64,7 @@ SERIAL_MARKED_FILES = {
     "adversarial/test_net_relay_shares.py",
     "adversarial/test_net_request_shares.py",
     "peer/bench/test_bench_method.py",
+    "verdicts/test_verdicts.py",
 }
 _TESTS = Path(__file__).resolve().parent
 

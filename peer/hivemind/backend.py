@@ -242,6 +242,10 @@ class HivemindPeerRun(RunSkeleton):
         )
         self.records.add_round(dataclasses.replace(entry, group_size=group_size))
 
+    def _after_training(self) -> None:
+        if self.records is not None:
+            self.records.stop_profiles()
+
     def _resume(self) -> int:
         return self._resume_checkpoint()
 

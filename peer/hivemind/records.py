@@ -148,6 +148,7 @@ class HivemindRecordPublisher:
         self._version = 0
         self._published: tuple[int, int, float] | None = None  # version, epoch, monotonic s
         self._stop = threading.Event()
+        self._profiles_stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
     def add_round(self, entry: RoundEntry) -> None:
@@ -246,7 +247,7 @@ class HivemindRecordPublisher:
         try:
             while True:
                 self.publish_progress()
-                if time.monotonic() >= next_profile_s:
+                if not self._profiles_stopped.is_set() and time.monotonic() >= next_profile_s:
                     next_profile_s = time.monotonic() + self.profile_interval_s
                     self.publish_profile()
                 self.publish_rounds()
@@ -260,6 +261,11 @@ class HivemindRecordPublisher:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="vp-hm-records", daemon=True)
             self._thread.start()
+
+    def stop_profiles(self) -> None:
+        """Publish no more profile records: the peer's training ended (the rolling window
+        would reach into the time after it; see ``Profiler.stop_publishing``)."""
+        self._profiles_stopped.set()
 
     def close(self) -> None:
         """Stop publishing (waits for a store in flight, at most its timeout); safe twice."""
