@@ -113,5 +113,5 @@ async def read_agreement(
     required = max(1, min(config.min_agreement, len(announcements)))
     bf16 = config.compression == "bf16"
     agreed = agreed_digests(announcements, min_peers=required, bf16=bf16)
-    vouched = partner_vouched(announcements, agreed, partners, bf16=bf16) if partners else {}
+    vouched = partner_vouched(announcements, agreed, partners, bf16=bf16)
     return Agreement(announcements, agreed, required, vouched)

@@ -139,7 +139,9 @@ POISONS = {
 }
 
 
-async def download_with_checks(transport, node, model, optimizer, *, min_epoch: int):
+async def download_with_checks(
+    transport, node, model, optimizer, *, min_epoch: int, partners: frozenset[str] = frozenset()
+):
     def verify(snapshot):
         loadable_metadata(snapshot, model=model, optimizer=optimizer, with_optimizer=True)
 
@@ -156,6 +158,7 @@ async def download_with_checks(transport, node, model, optimizer, *, min_epoch: 
         max_extra_bytes=1 << 24,
         digest_of=digest,
         verify=verify,
+        partners=partners,
     )
 
 
@@ -214,6 +217,49 @@ async def test_a_state_only_its_own_donor_vouches_for_is_not_taken():
         assert got.epoch == 5 and digest(got) == digest(honest)
         with pytest.raises(StateSyncError, match="every donor failed"):
             await download_with_checks(transport, node, model, optimizer, min_epoch=6)
+
+
+async def test_a_partners_word_counts_only_past_every_agreed_epoch():
+    """A liar that was in the downloader's groups (a partner) serves a poisoned state (finite,
+    shaped, wrong values) alone: while two honest donors agree on a state of the epoch asked
+    for, or of a later one, the downloader takes theirs; only past every agreed epoch does the
+    partner's word count (docs/SECURITY.md, "What remains possible")."""
+    honest = snapshot_of(*model_and_optimizer(0), epoch=5)
+    liar_model, liar_optimizer = model_and_optimizer(0)
+    with torch.no_grad():
+        for param in liar_model.parameters():
+            param.mul_(1e6)
+    bad = snapshot_of(liar_model, liar_optimizer, epoch=50)
+    model, optimizer = model_and_optimizer(1)
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(donor([], honest))
+        await stack.enter_async_context(donor([first.address], honest))
+        liar = await stack.enter_async_context(donor([first.address], bad))
+        transport, node = await stack.enter_async_context(node_at([first.address]))
+        await stack.enter_async_context(transport)
+        await stack.enter_async_context(node)
+        partner = frozenset({liar.peer_id})
+        # the agreed state is tried before a partner's newer one
+        got = await download_with_checks(
+            transport, node, model, optimizer, min_epoch=5, partners=partner
+        )
+        assert got.epoch == 5 and digest(got) == digest(honest)
+        # past every agreed epoch a stranger is refused; a partner is taken at its word
+        with pytest.raises(StateSyncError, match="every donor failed"):
+            await download_with_checks(transport, node, model, optimizer, min_epoch=6)
+        got = await download_with_checks(
+            transport, node, model, optimizer, min_epoch=6, partners=partner
+        )
+        assert got.epoch == 50 and digest(got) == digest(bad)
+        # two peers agreeing on a later epoch (not serving it here): the partner's word on an
+        # epoch before it no longer counts, even with no other donor left
+        later = snapshot_of(*model_and_optimizer(0), epoch=60)
+        for _ in range(2):
+            stack.push_async_callback((await vouch([first.address], 60, digest(later))).close)
+        with pytest.raises(StateSyncError, match="every donor failed"):
+            await download_with_checks(
+                transport, node, model, optimizer, min_epoch=6, partners=partner
+            )
 
 
 async def test_hyperparameters_come_from_the_local_optimizer():
