@@ -27,7 +27,10 @@ class MatchmakingDHT(Protocol):
         subkey=None,
         *,
         replicas: int | None = None,
-    ) -> bool: ...
+        timeout_s: float | None = None,
+    ) -> bool:
+        """Whether a replica took the value; ``timeout_s`` bounds the store: at it, the
+        replicas that accepted by then count."""
 
     async def get_outcome(
         self,

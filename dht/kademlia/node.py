@@ -242,7 +242,12 @@ class DHTNode:
         return max(1, min(int(replicas), self.config.num_replicas))
 
     async def replicate(
-        self, key_id: int, requests: list[StoreRequest], replicas: int | None = None
+        self,
+        key_id: int,
+        requests: list[StoreRequest],
+        replicas: int | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> Replication:
         """Store records (all under ``key_id``) on the ``replicas`` closest nodes (None:
         ``num_replicas``).
@@ -250,10 +255,16 @@ class DHTNode:
         Finds run until the ``alpha`` closest nodes answered (none when the nodes that took
         the key's last store are remembered: :mod:`dht.kademlia.replica_sets`); then stores go
         to all of the closest seen at once, and their answers, which name closer nodes if there
-        are any, carry the lookup on until the closest have all answered a store.
+        are any, carry the lookup on until the closest have all answered a store. With
+        ``timeout_s`` the finds take at most half of it and the stores the rest; at the bound,
+        the replicas that accepted by then count.
         """
         num_replicas = self._num_replicas(replicas)
-        candidates, hops = await self._store_candidates(key_id)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        candidates, hops = await self._store_candidates(
+            key_id, timeout_s=None if timeout_s is None else timeout_s / 2
+        )
         here = self._is_replica(key_id, candidates, num_replicas)
         num_remote = num_replicas - here
         accepted_by: dict[int, bool] = {}
@@ -275,7 +286,7 @@ class DHTNode:
                 k=num_remote,
                 alpha=num_remote,
                 stop_on_value=False,
-                timeout_s=self.config.lookup_timeout_s,
+                timeout_s=self._left_s(deadline, self.config.lookup_timeout_s),
             )
             closest = stored.nearest
             if len(closest) == num_remote and not stored.timed_out:
@@ -291,16 +302,27 @@ class DHTNode:
             num_accepted += any(local)
         return Replication(num_accepted, len(closest) + here, hops)
 
-    async def _store_candidates(self, key_id: int) -> tuple[list[PeerInfo], int]:
+    async def _store_candidates(
+        self, key_id: int, *, timeout_s: float | None = None
+    ) -> tuple[list[PeerInfo], int]:
         """Where a store of ``key_id`` starts, and the lookup's depth: the nodes that took its
         last store and the own closest known (no lookup; see :mod:`dht.kademlia.replica_sets`),
-        else a lookup's closest candidates."""
+        else a lookup's closest candidates (those known at ``timeout_s``, if it runs out)."""
         k = self.config.bucket_size
         seeds = self.replica_sets.seeds(key_id, self.routing.nearest(key_id, k), k)
         if seeds is not None:
             return seeds, 1
-        found = await self.lookup(key_id, want_value=False, converge_on=self.config.alpha)
+        found = await self.lookup(
+            key_id, want_value=False, converge_on=self.config.alpha, timeout_s=timeout_s
+        )
         return found.candidates, found.hops
+
+    @staticmethod
+    def _left_s(deadline: float | None, bound_s: float) -> float:
+        """Seconds until ``deadline`` (None: no deadline), at most ``bound_s``."""
+        if deadline is None:
+            return bound_s
+        return max(0.0, min(bound_s, deadline - asyncio.get_running_loop().time()))
 
     # ---- store -------------------------------------------------------------------------------
 
@@ -312,6 +334,7 @@ class DHTNode:
         subkey: Subkey | None = None,
         *,
         replicas: int | None = None,
+        timeout_s: float | None = None,
     ) -> bool:
         """Store ``value`` (anything msgpack can pack) under ``key`` until ``expiration_time``.
 
@@ -320,6 +343,10 @@ class DHTNode:
         With ``replicas``, the value goes to that many closest nodes (at most ``num_replicas``;
         None: all of them): a record rewritten every few seconds and read from the closest few
         (``get(..., replicas=)``) needs no more, and each one less is one request less.
+        With ``timeout_s`` the store ends within about that many seconds, and the replicas that
+        accepted by then count: a bound around the call instead would throw their answers away
+        (on a busy host, where one slow replica holds up the store, the value is then stored
+        and reported lost).
 
         Returns:
             True if at least one replica accepted the value.
@@ -327,7 +354,9 @@ class DHTNode:
         Raises:
             BadMessageError: the value cannot be packed or exceeds ``max_value_bytes``.
         """
-        outcome = await self.store_outcome(key, value, expiration_time, subkey, replicas=replicas)
+        outcome = await self.store_outcome(
+            key, value, expiration_time, subkey, replicas=replicas, timeout_s=timeout_s
+        )
         return outcome.ok
 
     async def store_outcome(
@@ -338,6 +367,7 @@ class DHTNode:
         subkey: Subkey | None = None,
         *,
         replicas: int | None = None,
+        timeout_s: float | None = None,
     ) -> StoreOutcome:
         """Like :meth:`store`, with the number of replicas that accepted and why not."""
         key_id = DHTID.from_key(key)
@@ -354,7 +384,9 @@ class DHTNode:
             logger.warning("store of %r refused here: %s", key, record)
             return StoreOutcome(False, 0, 0, 0, record)
         self.cache.invalidate(key_id)
-        done = await self.replicate(key_id, [StoreRequest(key_id, subkey, record)], replicas)
+        done = await self.replicate(
+            key_id, [StoreRequest(key_id, subkey, record)], replicas, timeout_s=timeout_s
+        )
         if done.num_accepted:
             return StoreOutcome(True, done.num_accepted, done.num_replicas, done.hops)
         reason = "no replica found" if not done.num_replicas else "every replica refused or failed"
