@@ -125,6 +125,9 @@ def result_of(
     """The result of one all-reduce over ``group`` as this peer saw it (``outcome``)."""
     reasons = [f"dropped {p[:8]}: {why}" for p, why in outcome.dropped.items()]
     reasons += [f"part of {p[:8]} lost: {why}" for p, why in outcome.failed_parts.items()]
+    reasons += [
+        f"late to {p[:8]}: its part came back without our values" for p in outcome.late_parts
+    ]
     if outcome.timed_out:
         reasons.append("allreduce_timeout_s reached")
     dropped = tuple(dict.fromkeys([*outcome.dropped, *outcome.failed_parts]))

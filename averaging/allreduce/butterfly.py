@@ -39,6 +39,8 @@ class AllReduceOutcome:
         averaged_numel: values replaced by an average that includes another peer's values.
         dropped: peers this peer dropped as their reducer, with the reason.
         failed_parts: reducers whose part did not come back (whole or in part), with the reason.
+        late_parts: reducers that had dropped this peer for connecting late: their averages came
+            back without its values (its replica still ends equal to the group's).
         timed_out: the all-reduce ran into ``allreduce_timeout_s``.
         stats: bytes moved and CPU seconds spent.
     """
@@ -47,12 +49,13 @@ class AllReduceOutcome:
     averaged_numel: int = 0
     dropped: dict[str, str] = field(default_factory=dict)
     failed_parts: dict[str, str] = field(default_factory=dict)
+    late_parts: set[str] = field(default_factory=set)
     timed_out: bool = False
     stats: WorkStats = field(default_factory=WorkStats)
 
     @property
     def complete(self) -> bool:
-        return not (self.dropped or self.failed_parts or self.timed_out)
+        return not (self.dropped or self.failed_parts or self.late_parts or self.timed_out)
 
 
 async def run_allreduce(
@@ -161,5 +164,7 @@ def _collect(outcome: AllReduceOutcome, reducers, senders) -> None:
         outcome.averaged_numel += result.averaged_numel
         if result.error is not None:
             outcome.failed_parts.setdefault(result.reducer, result.error)
+        elif result.late:
+            outcome.late_parts.add(result.reducer)
         elif not result.done:
             outcome.failed_parts.setdefault(result.reducer, "unfinished at allreduce_timeout_s")

@@ -34,6 +34,7 @@ class InboundSender:
     row: int  # its row in a robust window (this peer's is 0)
     last_progress: float
     connected: bool = False
+    late: bool = False  # connected after it was dropped for not connecting: averages only
     delivered: int = 0
     dropped_reason: str | None = None
     drop_event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -115,6 +116,11 @@ class InboundStreams:
             for task in (*tasks, dropped):
                 task.cancel()
             await asyncio.wait({*tasks, dropped})
+
+    async def serve_late(self, sender: InboundSender, stream) -> None:
+        """Write every average back to a ``late`` sender; its chunks are not read (it stops
+        sending once it has every average: the stream then ends)."""
+        await self._write(sender, stream)
 
     async def _recv_into(self, stream, buffer: memoryview) -> int:
         async with asyncio.timeout(self._timeout_s):

@@ -14,6 +14,12 @@ Down (reducer to sender): the reply header ``{"ok": true}``, then for each chunk
 chunk header ``[index][nbytes][num_contributors]`` and the averaged payload; ``nbytes = 0`` (no
 payload) says that nobody's contribution to that chunk arrived, so the sender keeps its own
 values there. A reducer that drops a sender ends its reply with an error frame.
+
+A sender whose stream opens after the reducer dropped it for not connecting in time (a process
+that got no CPU for a second, on a crowded host) gets the reply header ``{"ok": true, "late":
+true}`` instead of a refusal: its chunks are not read and count nowhere, and every average comes
+back as to the others, so that its replica ends equal to the group's and not apart from it for
+good. A sender that knows no ``late`` refuses the reply, as it would have been refused.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from averaging.rules.compression import Compression
 PROTOCOL_VERSION = 2  # 2: weights are the bounded ones of the group (averaging.bounds)
 CHUNK_HEADER = struct.Struct("<III")
 REPLY_OK = {"ok": True}
+REPLY_LATE = {"ok": True, "late": True}  # the averages only: this sender's values count nowhere
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 from averaging.allreduce.accumulator import make_window
 from averaging.allreduce.deadlines import CONNECT, SENDER, Deadlines
 from averaging.allreduce.inbound import InboundSender, InboundStreams
-from averaging.allreduce.protocol import REPLY_OK, PartHeader
+from averaging.allreduce.protocol import REPLY_LATE, REPLY_OK, PartHeader
 from averaging.bounds import value_limit
 from averaging.config import AveragerConfig
 from averaging.errors import ProtocolViolation, describe_failure
@@ -31,6 +31,7 @@ from averaging.rules.robust import Aggregation
 from averaging.work import Worker
 
 logger = logging.getLogger(__name__)
+_NO_CONNECTION = "no connection"  # the drop reason of a sender that did not connect in time
 
 
 class PartReducer:
@@ -104,6 +105,7 @@ class PartReducer:
         self._averaged = [loop.create_future() for _ in range(part.num_chunks)]
         self._changed = asyncio.Event()
         self._closed = False
+        self._over = asyncio.Event()  # closed, and the streams still open had their time
         self._streams = InboundStreams(
             part=part,
             codec=codec,
@@ -160,7 +162,7 @@ class PartReducer:
             self.drop(sender.peer_id, f"no chunk within sender_timeout_s={self._timeout_s}")
         else:
             self._deadlines.ran_out(CONNECT)
-            self.drop(sender.peer_id, f"no connection within connect_s={self._connect_s:.3g}")
+            self.drop(sender.peer_id, f"{_NO_CONNECTION} within connect_s={self._connect_s:.3g}")
 
     async def _wait_for_chunk(self, chunk: int) -> None:
         loop = asyncio.get_running_loop()
@@ -290,10 +292,12 @@ class PartReducer:
             )
         if header.weight != sender.weight:
             raise ProtocolViolation(f"weight {header.weight} differs from the group's record")
-        if self._closed or sender.dropped:
-            raise ProtocolViolation(f"sender was dropped: {sender.dropped_reason or 'round over'}")
         if sender.connected:
             raise ProtocolViolation("a second stream for the same part")
+        late = sender.dropped and sender.dropped_reason.startswith(_NO_CONNECTION)
+        if self._closed or (sender.dropped and not late):
+            raise ProtocolViolation(f"sender was dropped: {sender.dropped_reason or 'round over'}")
+        sender.late = late  # too late to count: it gets the averages, as everyone does
         return sender
 
     async def serve(self, stream, header: PartHeader) -> None:
@@ -312,6 +316,9 @@ class PartReducer:
             raise
         sender.connected = True
         self._deadlines.observe_connection(asyncio.get_running_loop().time() - self._started_at)
+        if sender.late:
+            await self._serve_late(sender, stream)
+            return
         self._progress(sender)
         try:
             await stream.reply(REPLY_OK)
@@ -325,9 +332,38 @@ class PartReducer:
             sender.done_event.set()
             self._changed.set()
 
+    async def _serve_late(self, sender: InboundSender, stream) -> None:
+        """Every average to a sender dropped for connecting late, so that its replica ends
+        equal to the group's; it stays dropped (its values count nowhere)."""
+        logger.info(
+            "part %d: late sender %s gets the averages", self.part.index, sender.peer_id[:8]
+        )
+        tasks = {asyncio.create_task(self._over.wait())}
+        try:
+            await stream.reply(REPLY_LATE)
+            writing = asyncio.create_task(self._streams.serve_late(sender, stream))
+            tasks.add(writing)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if not writing.done():  # an average that will never come: the round ran out
+                raise ProtocolViolation("late sender: the round is over")
+            if writing.exception() is not None:
+                raise writing.exception()
+        except ProtocolViolation:
+            raise
+        except Exception as e:
+            raise ProtocolViolation(f"late sender: {describe_failure(e, self._timeout_s)}") from e
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            sender.done_event.set()
+            self._changed.set()
+
     async def close(self) -> None:
         """End every stream still open (the round is over) and wait for their handlers."""
         self._closed = True
+        if not all(future.done() for future in self._averaged):
+            self._over.set()  # averages that will not come: a late sender's writes end now
         for sender in self._senders.values():
             self.drop(sender.peer_id, "the round is over")
         waits = [
@@ -342,3 +378,4 @@ class PartReducer:
                 for task in waits:
                     task.cancel()
                 await asyncio.wait(waits)
+        self._over.set()  # a late sender still writing waits on averages that will not come

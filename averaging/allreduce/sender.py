@@ -14,7 +14,13 @@ import numpy as np
 
 from averaging.allreduce.accumulator import checked
 from averaging.allreduce.deadlines import REDUCER, Deadlines
-from averaging.allreduce.protocol import CHUNK_HEADER, REPLY_OK, PartHeader, pack_chunk_header
+from averaging.allreduce.protocol import (
+    CHUNK_HEADER,
+    REPLY_LATE,
+    REPLY_OK,
+    PartHeader,
+    pack_chunk_header,
+)
 from averaging.allreduce.protocol import unpack_chunk_header as parse_chunk_header
 from averaging.bounds import FLOAT32_MAX
 from averaging.config import AveragerConfig
@@ -43,6 +49,8 @@ class PartExchange:
         error: why the exchange stopped early (None if every chunk came back, or if it was
             still going when the round's time ran out: then ``done`` is False).
         done: the exchange ended, in success or failure.
+        late: the reducer had dropped this peer for connecting late: the averages came back,
+            without this peer's values.
     """
 
     reducer: str
@@ -50,6 +58,7 @@ class PartExchange:
     averaged_numel: int = 0
     error: str | None = None
     done: bool = False
+    late: bool = False
 
 
 class PartSender:
@@ -121,8 +130,8 @@ class PartSender:
                     sending.cancel()
                 await asyncio.wait({sending})
                 send_error = None if sending.cancelled() else sending.exception()
-            if send_error is not None:
-                raise send_error
+            if send_error is not None and not self.result.late:
+                raise send_error  # a late sender's chunks are not read: its stream may end first
 
     async def _send(self, stream) -> None:
         if self._header.weight > 0:
@@ -164,8 +173,10 @@ class PartSender:
     async def _receive(self, stream) -> None:
         loop = asyncio.get_running_loop()
         since = loop.time()
-        if await stream.reply_header() != REPLY_OK:
+        reply = await stream.reply_header()
+        if reply not in (REPLY_OK, REPLY_LATE):
             raise ProtocolViolation("unexpected reply header from the reducer")
+        self.result.late = reply == REPLY_LATE
         codec, part = self._codec, self._part
         header = memoryview(bytearray(CHUNK_HEADER.size))
         buffer = np.empty(codec.encoded_nbytes(part.chunk_numel), dtype=np.uint8)
