@@ -239,70 +239,41 @@ async def test_a_bounded_latest_read_keeps_what_the_replicas_that_answered_hold(
     assert missed.value is None and missed.reason == "no node answered in time"
 
 
-async def test_a_bounded_store_counts_the_replicas_that_took_it_while_one_hangs(dht_swarm):
-    # a matchmaking announcement must be stored within its wait; on a busy host one replica
-    # that does not answer held the store up to its RPC timeout, and a bound around the whole
-    # store then cancelled it: the announcement was on the other replicas, and reported lost
+@pytest.mark.parametrize("hung", [STORE, FIND], ids=["a replica's store", "the lookup"])
+async def test_a_bounded_store_counts_the_replicas_that_took_it_by_its_bound(dht_swarm, hung):
+    # a matchmaking announcement must be stored within its wait. On a busy host a bound around
+    # the whole store ran out either in the lookup before it (a matchmaking key is new every
+    # epoch), before any replica was asked: nothing was stored and nobody found the peer; or
+    # while one replica held the store up to its RPC timeout: the announcement was on the
+    # others, and reported lost
     rpc_timeout_s, bound_s = 30.0, 2.0
     swarm = await dht_swarm(24, config=DHTConfig(rpc_timeout_s=rpc_timeout_s))
-    key, expiration = "run/mm.5", get_dht_time() + 60
+    key, expiration = f"run/mm.{hung}", get_dht_time() + 60
     target = DHTID.from_key(key)
     by_distance = sorted(swarm.nodes, key=lambda node: node.node_id ^ target)
     writer, hanging = by_distance[-1], by_distance[0]
-    answer = hanging.transport._rpc_handlers[STORE]
+    answer = hanging.transport._rpc_handlers[hung]
     released = asyncio.Event()
 
     async def never(context, payload):
         await released.wait()  # past the writer's RPC timeout: the test releases it
         return await answer(context, payload)
 
-    hanging.transport.add_rpc_handler(STORE, never)
-    with pytest.raises(TimeoutError):
-        async with asyncio.timeout(bound_s):
-            await writer.store(key, {"w": 1}, expiration, subkey=owner_subkey(writer.peer_id))
-    # bounded: it ends long before the hanging replica's RPC times out
-    async with asyncio.timeout(rpc_timeout_s / 2):
-        outcome = await writer.store_outcome(
-            key, {"w": 2}, expiration, subkey=owner_subkey(writer.peer_id), timeout_s=bound_s
-        )
-    assert outcome.ok, outcome
-    # every replica but the hanging one took it, or the next closest node in its place
-    assert outcome.num_accepted >= writer.config.num_replicas - 1, outcome
-    reader = by_distance[-2]
-    found = await reader.get(key, latest=True)
-    assert found is not None
-    assert found.value[owner_subkey(writer.peer_id)].value == {"w": 2}
-    released.set()
-
-
-async def test_a_bounded_store_whose_lookup_hangs_still_stores_on_the_nodes_it_knows(dht_swarm):
-    # the lookup before a store of a new key (a matchmaking key is new every epoch) waits for
-    # the closest nodes to answer; a bound around the whole store ran out in that lookup, before
-    # any replica was asked: nothing was stored, and nobody found the peer
-    rpc_timeout_s, bound_s = 30.0, 2.0
-    swarm = await dht_swarm(24, config=DHTConfig(rpc_timeout_s=rpc_timeout_s))
-    key, expiration = "run/mm.6", get_dht_time() + 60
-    target = DHTID.from_key(key)
-    by_distance = sorted(swarm.nodes, key=lambda node: node.node_id ^ target)
-    writer, hanging = by_distance[-1], by_distance[0]
-    answer = hanging.transport._rpc_handlers[FIND]
-    released = asyncio.Event()
-
-    async def never(context, payload):
-        await released.wait()  # past the writer's RPC timeout: the test releases it
-        return await answer(context, payload)
-
-    hanging.transport.add_rpc_handler(FIND, never)
+    hanging.transport.add_rpc_handler(hung, never)
     subkey = owner_subkey(writer.peer_id)
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(bound_s):
             await writer.store(key, {"w": 1}, expiration, subkey=subkey)
-    assert not [node for node in by_distance[1:-1] if node.storage.get(target) is not None]
+    if hung == FIND:  # it ran out in the lookup: no node holds anything
+        assert not [node for node in by_distance[1:-1] if node.storage.get(target) is not None]
+    # bounded: it ends long before the hanging node's RPC times out
     async with asyncio.timeout(rpc_timeout_s / 2):
         outcome = await writer.store_outcome(
             key, {"w": 2}, expiration, subkey=subkey, timeout_s=bound_s
         )
     assert outcome.ok, outcome
+    if hung == STORE:  # every replica but the hanging one took it, or the next closest did
+        assert outcome.num_accepted >= writer.config.num_replicas - 1, outcome
     released.set()  # the read asks the closest node too
     found = await by_distance[-2].get(key, latest=True)
     assert found is not None and found.value[subkey].value == {"w": 2}
