@@ -34,7 +34,7 @@ class InboundSender:
     row: int  # its row in a robust window (this peer's is 0)
     last_progress: float
     connected: bool = False
-    late: bool = False  # connected after it was dropped for not connecting: averages only
+    late: bool = False  # dropped for not connecting in time: a stream of its gets averages only
     delivered: int = 0
     dropped_reason: str | None = None
     drop_event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -98,7 +98,7 @@ class InboundStreams:
         Raises:
             ProtocolViolation: ``sender`` was dropped meanwhile (with its reason).
         """
-        tasks = {asyncio.create_task(self._write(sender, stream))}
+        tasks = {asyncio.create_task(self.write_averages(stream))}
         if sender.num_chunks:
             tasks.add(asyncio.create_task(self._read(sender, stream)))
         dropped = asyncio.create_task(sender.drop_event.wait())
@@ -116,11 +116,6 @@ class InboundStreams:
             for task in (*tasks, dropped):
                 task.cancel()
             await asyncio.wait({*tasks, dropped})
-
-    async def serve_late(self, sender: InboundSender, stream) -> None:
-        """Write every average back to a ``late`` sender; its chunks are not read (it stops
-        sending once it has every average: the stream then ends)."""
-        await self._write(sender, stream)
 
     async def _recv_into(self, stream, buffer: memoryview) -> int:
         async with asyncio.timeout(self._timeout_s):
@@ -172,7 +167,9 @@ class InboundStreams:
                 values = target
         return checked(values, self._limit)
 
-    async def _write(self, sender: InboundSender, stream) -> None:
+    async def write_averages(self, stream) -> None:
+        """Write every averaged chunk to ``stream`` as it becomes ready (to a ``late`` sender
+        too, whose chunks are not read: it stops sending once it has every average)."""
         for chunk in range(self.part.num_chunks):
             payload, num_contributors = await asyncio.shield(self._averaged[chunk])
             nbytes = 0 if payload is None else len(memoryview(payload).cast("B"))

@@ -31,7 +31,6 @@ from averaging.rules.robust import Aggregation
 from averaging.work import Worker
 
 logger = logging.getLogger(__name__)
-_NO_CONNECTION = "no connection"  # the drop reason of a sender that did not connect in time
 
 
 class PartReducer:
@@ -162,7 +161,8 @@ class PartReducer:
             self.drop(sender.peer_id, f"no chunk within sender_timeout_s={self._timeout_s}")
         else:
             self._deadlines.ran_out(CONNECT)
-            self.drop(sender.peer_id, f"{_NO_CONNECTION} within connect_s={self._connect_s:.3g}")
+            sender.late = True  # should its stream still come, it gets the averages only
+            self.drop(sender.peer_id, f"no connection within connect_s={self._connect_s:.3g}")
 
     async def _wait_for_chunk(self, chunk: int) -> None:
         loop = asyncio.get_running_loop()
@@ -294,10 +294,8 @@ class PartReducer:
             raise ProtocolViolation(f"weight {header.weight} differs from the group's record")
         if sender.connected:
             raise ProtocolViolation("a second stream for the same part")
-        late = sender.dropped and sender.dropped_reason.startswith(_NO_CONNECTION)
-        if self._closed or (sender.dropped and not late):
+        if self._closed or (sender.dropped and not sender.late):
             raise ProtocolViolation(f"sender was dropped: {sender.dropped_reason or 'round over'}")
-        sender.late = late  # too late to count: it gets the averages, as everyone does
         return sender
 
     async def serve(self, stream, header: PartHeader) -> None:
@@ -341,7 +339,7 @@ class PartReducer:
         tasks = {asyncio.create_task(self._over.wait())}
         try:
             await stream.reply(REPLY_LATE)
-            writing = asyncio.create_task(self._streams.serve_late(sender, stream))
+            writing = asyncio.create_task(self._streams.write_averages(stream))
             tasks.add(writing)
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if not writing.done():  # an average that will never come: the round ran out

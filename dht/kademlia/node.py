@@ -286,7 +286,9 @@ class DHTNode:
                 k=num_remote,
                 alpha=num_remote,
                 stop_on_value=False,
-                timeout_s=self._left_s(deadline, self.config.lookup_timeout_s),
+                timeout_s=self.config.lookup_timeout_s
+                if deadline is None
+                else max(0.0, min(self.config.lookup_timeout_s, deadline - loop.time())),
             )
             closest = stored.nearest
             if len(closest) == num_remote and not stored.timed_out:
@@ -316,13 +318,6 @@ class DHTNode:
             key_id, want_value=False, converge_on=self.config.alpha, timeout_s=timeout_s
         )
         return found.candidates, found.hops
-
-    @staticmethod
-    def _left_s(deadline: float | None, bound_s: float) -> float:
-        """Seconds until ``deadline`` (None: no deadline), at most ``bound_s``."""
-        if deadline is None:
-            return bound_s
-        return max(0.0, min(bound_s, deadline - asyncio.get_running_loop().time()))
 
     # ---- store -------------------------------------------------------------------------------
 
